@@ -1,0 +1,72 @@
+"""The rollout interface that every generation engine (HF generate, vLLM) implements.
+
+Shapes are ragged lists, not tensors: prompts and responses have different lengths and the samples go
+straight into Arrow list columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Protocol, Sequence, runtime_checkable
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample. `temperature` is also the temperature at which the returned log-probs are taken."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+
+    @classmethod
+    def from_config(cls, rollout_cfg) -> "SamplingSettings":
+        return cls(n=rollout_cfg.n_samples, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                   top_k=rollout_cfg.top_k, max_new_tokens=rollout_cfg.max_new_tokens,
+                   stop_token_ids=tuple(rollout_cfg.stop_token_ids))
+
+
+@dataclass
+class RolloutSample:
+    """One sampled response.
+
+    prompt_ids:       (prompt_len,) token ids of the prompt as sent to the engine.
+    response_ids:     (response_len,) generated ids, including the EOS/stop token when finish_reason == "stop".
+    rollout_logprobs: (response_len,) the sampler's log-prob of each generated token, at `temperature`,
+                      before top-p/top-k truncation (what the trainer recomputes).
+    """
+
+    prompt_index: int          # index into the prompts passed to generate()
+    sample_index: int          # 0..n-1 within the prompt's group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int = 0
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation engine. Long-lived: built once per worker process, weights refreshed per iteration."""
+
+    name: str                  # "hf" or "vllm"
+    policy_version: int        # version of the weights it serves now
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 seeds: Optional[Sequence[int]] = None) -> list[RolloutSample]:
+        """Sample `sampling.n` responses for each prompt. `seeds[i]` (optional) fixes prompt i's samples.
+
+        Returns len(prompts) * n samples ordered by (prompt_index, sample_index).
+        Raises ValueError naming the prompt when a prompt is empty or longer than the engine allows.
+        """
+        ...
+
+    def load_weights(self, policy_dir: str, version: int) -> None:
+        """Serve the Hugging Face policy folder `policy_dir` from now on, tagging samples with `version`."""
+        ...
+
+    def shutdown(self) -> None:
+        ...

@@ -1,0 +1,1 @@
+"""Tiny models and toy tasks built locally, so everything runs on CPU with no hub download."""

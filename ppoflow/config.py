@@ -1,0 +1,263 @@
+"""The one typed configuration of a ppoflow run.
+
+A run is described by `PPOFlowConfig`: loaded from YAML (`load_config`), overridden from the command
+line with dotted keys (`--set algo.kl_coef=0.02`), validated before any work starts, and saved with the
+run (`<root>/<run>/config.yaml`) and inside every checkpoint.
+
+Defaults follow OpenRLHF where it is sound: gamma = lambda = 1, value clip 0.5, reward clip +-10,
+k1 KL estimator folded into the reward.
+
+Every field carries a description; `ppoflow config-reference` prints them as the README's table.
+A validation error names the dotted field, the value given and what is allowed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo in a YAML file must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", description="Run name; the run's folder is <root>/<name>.", pattern=r"^[A-Za-z0-9._-]+$")
+    root: str = Field("./runs", description="Storage root as a path or fsspec URL (./runs, file:///x, s3://bucket/prefix).")
+    iterations: int = Field(10, ge=1, description="Total PPO iterations; a resumed run continues from LATEST + 1.")
+    seed: int = Field(0, description="Seed for sampling, initialisation and data order.")
+    keep_checkpoints: int = Field(2, ge=1, description="Committed checkpoints kept; the latest is never removed.")
+
+
+class StorageConfig(_Section):
+    endpoint_url: Optional[str] = Field(None, description="S3 endpoint URL (MinIO, moto, Ceph); None = AWS.")
+    region: Optional[str] = Field(None, description="S3 region.")
+    profile: Optional[str] = Field(None, description="AWS profile; credentials otherwise from the usual AWS_* variables.")
+    shard_max_rows: int = Field(4096, ge=1, description="Rows per Arrow part before a new part starts.")
+    shard_max_bytes: int = Field(256 * 2**20, ge=1024, description="Bytes per Arrow part (approximate) before a new part starts.")
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """Keyword arguments for `fsspec.filesystem("s3", ...)`; empty for AWS defaults."""
+        opts: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        if self.endpoint_url:
+            client["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client["region_name"] = self.region
+        if client:
+            opts["client_kwargs"] = client
+        if self.profile:
+            opts["profile"] = self.profile
+        return opts
+
+
+class ModelConfig(_Section):
+    policy_path: str = Field("./runs/_models/tiny-llama", description="Local Hugging Face folder of the initial policy (loaded with from_pretrained).")
+    critic_path: Optional[str] = Field(None, description="Backbone for the critic: a reward-model or causal-LM folder; None = the policy.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute precision: float32 on CPU, bfloat16 on GPU.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="Attention kernel passed to from_pretrained.")
+    apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template when it has one.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in actor and critic.")
+
+
+class DataConfig(_Section):
+    path: str = Field("./runs/_data/digits", description="A datasets folder (save_to_disk), or a .jsonl/.parquet file.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    label_key: Optional[str] = Field("label", description="Column passed to reward functions as the label / ground truth.")
+    data_source_key: Optional[str] = Field(None, description="Column passed to veRL-style compute_score as data_source.")
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are an error naming the row.")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["auto", "vllm", "hf"] = Field("auto", description="Generation engine; auto = vLLM when installed, else HF generate.")
+    prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn from the dataset per iteration.")
+    n_samples: int = Field(4, ge=1, description="Responses sampled per prompt (GRPO/RLOO groups).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are taken at the same temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    max_new_tokens: int = Field(16, ge=1, description="Response length cap.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
+    # vLLM engine settings
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPU).")
+    gpu_memory_utilization: float = Field(0.1, gt=0, le=1, description="vLLM memory fraction; on CPU the share of host RAM reserved for KV cache.")
+    max_model_len: Optional[int] = Field(None, description="vLLM context length; None = the model's.")
+    enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in vLLM (always on CPU).")
+    sleep_between_iterations: bool = Field(False, description="GPU only: vLLM sleep/wake around the update when it shares a GPU with training.")
+
+
+class RewardSourceConfig(_Section):
+    kind: Literal["function", "model", "remote"] = Field(description="function: path/to/file.py:fn or pkg.module:fn; model: a sequence-classification folder; remote: an HTTP reward server.")
+    target: str = Field(description="The function spec, model folder or server URL.")
+    weight: float = Field(1.0, description="Weight of this source in the summed reward.")
+    name: Optional[str] = Field(None, description="Component name in metrics and shards; defaults to kind.")
+    timeout_s: float = Field(60.0, gt=0, description="Per-call timeout (function and remote sources).")
+    batch_size: int = Field(64, ge=1, description="Samples per call to this source.")
+    token_env: str = Field("PPOFLOW_REWARD_TOKEN", description="remote: environment variable holding the bearer token.")
+    quantize: Literal["none", "int8-dynamic", "bnb-8bit", "bnb-4bit"] = Field("none", description="model: int8 dynamic quantization on CPU, bitsandbytes on GPU.")
+
+
+class RewardConfig(_Section):
+    sources: list[RewardSourceConfig] = Field(
+        default_factory=lambda: [RewardSourceConfig(kind="function", target="engines.toy.task:reward_func")],
+        description="Reward sources, summed with their weights.",
+    )
+    clip: float = Field(10.0, gt=0, description="Scalar reward clipped to [-clip, clip].")
+
+
+class ScoreConfig(_Section):
+    token_budget: int = Field(16384, ge=1, description="Padded tokens per scoring micro-batch (rows sorted by length).")
+    cache: bool = Field(True, description="Use the prompt-hash score cache under <root>/cache/score.")
+    cache_max_bytes: int = Field(2 * 2**30, ge=0, description="Cache size cap per scorer; oldest entries are evicted first.")
+
+
+AlgoName = Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+
+
+class AlgoConfig(_Section):
+    name: AlgoName = Field("ppo", description="Advantage estimator: ppo = GAE with a critic; the others need no critic.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator against the reference.")
+    kl_in_reward: bool = Field(True, description="Fold the KL penalty into token rewards (PPO); else add it to the loss (GRPO style).")
+    kl_coef: float = Field(0.01, ge=0, description="Initial KL coefficient.")
+    kl_target: Optional[float] = Field(None, description="Adaptive KL controller target; None = fixed coefficient.")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon (samples).")
+    clip_low: float = Field(0.2, ge=0, description="Policy ratio clip below 1.")
+    clip_high: float = Field(0.2, ge=0, description="Policy ratio clip above 1 (DAPO's clip-higher when larger).")
+    dual_clip: Optional[float] = Field(None, description="Dual-clip constant c > 1 for negative advantages; None = off.")
+    value_clip: Optional[float] = Field(0.5, description="Value clip around old values; None = off.")
+    vf_coef: float = Field(0.5, ge=0, description="Value loss coefficient (used when actor and critic share a step).")
+    entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
+    whiten_advantages: bool = Field(True, description="Masked whitening of advantages over the batch.")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.name == "ppo"
+
+
+class TrainConfig(_Section):
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
+    train_batch_size: Optional[int] = Field(None, description="Samples per optimizer step over all ranks; None = the whole rollout batch.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    actor_lr: float = Field(1e-5, gt=0, description="Actor learning rate.")
+    critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
+    max_grad_norm: Optional[float] = Field(1.0, description="Gradient max-norm clip; None = off.")
+    logprob_chunk: int = Field(256, ge=1, description="Sequence chunk for the selective log-softmax.")
+
+
+class PipelineConfig(_Section):
+    stage_pools: Optional[dict[str, str]] = Field(None, description="Stage -> deployment name ('ppo-rollout/rollout'); None = all stages in-process.")
+    retries: int = Field(2, ge=0, description="Task retries for each stage.")
+    retry_delay_s: float = Field(5.0, ge=0, description="First retry delay; doubles each retry.")
+
+
+class PPOFlowConfig(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "PPOFlowConfig":
+        group_algos = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+        if self.algo.name in group_algos and self.rollout.n_samples < 2:
+            raise ValueError(f"algo.name={self.algo.name!r} needs rollout.n_samples >= 2 (got {self.rollout.n_samples})")
+        batch = self.rollout_batch_size
+        tbs = self.train.train_batch_size
+        if tbs is not None and (tbs > batch or batch % tbs):
+            raise ValueError(f"train.train_batch_size={tbs} must divide the rollout batch "
+                             f"(rollout.prompts_per_iteration * rollout.n_samples = {batch})")
+        return self
+
+    # Derived values, computed from the fields and never stored.
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.rollout.prompts_per_iteration * self.rollout.n_samples
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of some sections (for cache keys): changes when any of their fields change."""
+        payload = {s: getattr(self, s).model_dump(mode="json") for s in sections}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field, the value and what is allowed."""
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        given = e.get("input")
+        given_s = json.dumps(given, default=str) if not isinstance(given, dict) else "{...}"
+        lines.append(f"  {field} = {given_s[:80]}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    """`--set` values are YAML scalars: 3, 0.1, true, null, [1, 2], or plain strings."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides to a nested dict (in place) and return it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def build_config(data: dict[str, Any], origin: str = "<dict>") -> PPOFlowConfig:
+    try:
+        return PPOFlowConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, origin)) from None
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> PPOFlowConfig:
+    """Load a YAML config (or defaults when path is None), apply `--set` overrides, validate."""
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    if overrides:
+        apply_overrides(data, overrides)
+        origin += " + --set"
+    return build_config(data, origin)
