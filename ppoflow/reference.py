@@ -1,0 +1,25 @@
+"""The config reference, generated from the config model (README's table comes from here)."""
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from ppoflow.config import PPOFlowConfig
+
+
+def _default_text(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        if isinstance(value, BaseModel):
+            return "(section)"
+        return f"`{value!r}`" if not isinstance(value, list) or len(repr(value)) < 60 else "(see code)"
+    return f"`{field.default!r}`"
+
+
+def config_reference_markdown() -> str:
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    for section, sfield in PPOFlowConfig.model_fields.items():
+        model = sfield.annotation
+        for name, field in model.model_fields.items():
+            desc = (field.description or "").replace("|", "\\|")
+            lines.append(f"| `{section}.{name}` | {_default_text(field)} | {desc} |")
+    return "\n".join(lines)

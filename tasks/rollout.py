@@ -1,0 +1,77 @@
+"""The rollout stage: sample responses with the current policy and write them as rollout shards."""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import pyarrow as pa
+from prefect import task
+
+from engines.data import PromptSource
+from engines.models import load_tokenizer
+from engines.rollout.base import RolloutSample, SamplingSettings
+from engines.rollout.registry import get_rollout_engine
+from ppoflow.config import PPOFlowConfig
+from storage.shards import write_shards
+from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for
+from tasks.policy import local_policy_dir
+
+
+def prompt_hash(prompt_ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()
+
+
+def sample_seed(seed: int, iteration: int, prompt_index: int) -> int:
+    """Per-prompt sampling seed: a function of (run seed, iteration, dataset row), so a retried or resumed
+    rollout draws exactly the samples the first attempt drew, whatever the process's RNG state."""
+    digest = hashlib.sha256(f"{seed}/{iteration}/{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def rollout_table(samples: list[RolloutSample], prompts: list, tokenizer, iteration: int) -> pa.Table:
+    """One row per sample, columns as in storage/schema.py's rollout schema."""
+    rows: dict[str, list] = {k: [] for k in (
+        "iteration", "prompt_index", "sample_index", "prompt_hash", "prompt", "response", "prompt_ids",
+        "response_ids", "rollout_logprobs", "finish_reason", "policy_version", "label", "data_source")}
+    for s in samples:
+        record = prompts[s.prompt_index]
+        rows["iteration"].append(iteration)
+        rows["prompt_index"].append(record.index)
+        rows["sample_index"].append(s.sample_index)
+        rows["prompt_hash"].append(prompt_hash(s.prompt_ids))
+        rows["prompt"].append(record.text)
+        rows["response"].append(tokenizer.decode(s.response_ids, skip_special_tokens=True))
+        rows["prompt_ids"].append(list(s.prompt_ids))
+        rows["response_ids"].append(list(s.response_ids))
+        rows["rollout_logprobs"].append([float(x) for x in s.rollout_logprobs])
+        rows["finish_reason"].append(s.finish_reason)
+        rows["policy_version"].append(s.policy_version)
+        rows["label"].append(None if record.label is None else str(record.label))
+        rows["data_source"].append(record.data_source)
+    return pa.table(rows)
+
+
+def run_rollout(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, Any]) -> dict[str, Any]:
+    """Generate iteration `iteration`'s samples with the policy `policy` (tasks/policy.py) -> rollout manifest."""
+    cfg = as_config(config)
+    STAGE_BODY_CALLS["rollout"] += 1
+    started = time.perf_counter()
+    policy_dir = local_policy_dir(cfg, policy)
+    tokenizer = load_tokenizer(policy_dir)
+    source = PromptSource(cfg.data, tokenizer, cfg.model.apply_chat_template)
+    prompts = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
+    engine = get_rollout_engine(cfg.rollout, cfg.model, policy_dir, policy["version"], cfg.run.seed)
+    seeds = [sample_seed(cfg.run.seed, iteration, p.index) for p in prompts]
+    samples = engine.generate([p.prompt_ids for p in prompts], SamplingSettings.from_config(cfg.rollout), seeds)
+    layout = layout_for(cfg)
+    stage_dir = layout.stage_dir(iteration, "rollout")
+    manifest = write_shards(layout.fs, stage_dir, rollout_table(samples, prompts, tokenizer, iteration), "rollout",
+                            max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
+    return {"stage": "rollout", "iteration": iteration, "uri": layout.url(stage_dir), "rows": manifest.rows,
+            "content_hash": manifest.content_hash, "policy_version": policy["version"], "engine": engine.name,
+            "seconds": time.perf_counter() - started}
+
+
+rollout_task = task(run_rollout, name="rollout", task_run_name="rollout-iter-{iteration}",
+                    cache_key_fn=cache_key_fn("rollout"), persist_result=True, result_serializer="json")

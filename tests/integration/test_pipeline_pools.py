@@ -1,0 +1,70 @@
+"""Deploy with prefect.yaml to process work pools on the loopback server, start a worker per pool, run
+the training deployment with stage pools configured, and find each stage's flow run on its own pool."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.pipeline_helpers import small_config
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+POOLS = ["ppoflow-pool", "rollout-pool", "score-pool", "train-pool"]
+STAGE_POOLS = {"rollout": "ppo-rollout/ppo-rollout", "score": "ppo-score/ppo-score",
+               "update": "ppo-update/ppo-update", "checkpoint": "ppo-checkpoint/ppo-checkpoint"}
+EXPECTED_POOL = {"ppo-rollout": "rollout-pool", "ppo-score": "score-pool", "ppo-update": "train-pool",
+                 "ppo-checkpoint": "train-pool", "ppo-training": "ppoflow-pool"}
+
+
+def _prefect(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    for pool in POOLS:
+        out = _prefect("work-pool", "create", pool, "--type", "process", env=env)
+        assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
+    out = _prefect("--no-prompt", "deploy", "--all", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    workers = [subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
+                                 "--type", "process", "--limit", "1"], cwd=REPO, env=env,
+                                stdout=open(tmp_path / f"{pool}.log", "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True) for pool in POOLS]
+    try:
+        cfg = small_config(str(tmp_path / "runs"), "pools", tiny_model_dir, digits_dataset_dir, iterations=1,
+                           pipeline={"stage_pools": STAGE_POOLS})
+        run = run_deployment("ppo-training/ppo-training", parameters={"config": cfg.model_dump(mode="json")},
+                             timeout=900, poll_interval=3)
+        logs = "\n".join((tmp_path / f"{p}.log").read_text()[-2000:] for p in POOLS)
+        assert run.state is not None and run.state.is_completed(), f"{run.state}\n{logs}"
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(limit=200)
+            flows = {f.id: f.name for f in client.read_flows(limit=200)}
+        by_flow: dict[str, list] = {}
+        for fr in runs:
+            by_flow.setdefault(flows[fr.flow_id], []).append(fr)
+        for flow_name, pool in EXPECTED_POOL.items():
+            found = [fr for fr in by_flow.get(flow_name, []) if fr.deployment_id is not None]
+            assert found, f"no deployment run of {flow_name}; flows seen: {sorted(by_flow)}"
+            assert all(fr.work_pool_name == pool for fr in found), [(fr.name, fr.work_pool_name) for fr in found]
+            assert all(fr.state.is_completed() for fr in found), [(fr.name, fr.state) for fr in found]
+        assert (tmp_path / "runs" / "pools" / "checkpoints" / "iter-000001" / "_COMMITTED").exists()
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            try:
+                w.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.kill()
