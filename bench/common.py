@@ -19,11 +19,29 @@ def _commit() -> str:
         return "unknown"
 
 
+def machine() -> dict:
+    """Cores, memory and CPU model of this machine (for BENCHMARKS.md)."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        mem_gib = None
+    return {"cores": os.cpu_count(), "mem_gib": mem_gib, "cpu_model": model}
+
+
 def emit(name: str, figures: dict) -> dict:
-    """Add bench, date (UTC ISO), commit and cpu_count to `figures`; append as one JSON line; print it."""
+    """Add bench, date (UTC ISO), commit and machine to `figures`; append as one JSON line; print it."""
     line = {"bench": name, **figures,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "cpu_count": os.cpu_count()}
+            "commit": _commit(), "cpu_count": os.cpu_count(), "machine": machine()}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     text = json.dumps(line, sort_keys=False)
     with open(RESULTS_DIR / f"{name}.jsonl", "a") as f:

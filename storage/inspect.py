@@ -1,0 +1,181 @@
+"""What `ppoflow shards ls|show|stats URI` prints: rich tables over the shards under a URI.
+
+URI may be a stage folder (…/iter-000003/rollout), an iteration folder, a run folder or any folder
+above them; local paths and s3:// alike. A folder counts as a stage folder when it holds a
+`_manifest.json` (committed) or `part-*.arrow` files without one (not committed). Only committed
+folders are read by `show` and `stats`, through the same verified reader the pipeline uses.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.table import Table
+
+from ppoflow.config import StorageConfig
+from storage import fs as fsutil
+from storage.shards import MANIFEST_NAME, Manifest, read_manifest, read_part, require_manifest
+from storage.schema import check_columns
+
+_WIDE_COLUMNS = 6  # more columns than this are shown one row per block
+
+
+def find_stage_dirs(fs, path: str) -> dict[str, Optional[Manifest]]:
+    """{stage folder: its manifest, or None when not committed} for every stage folder at or under `path`."""
+    files = fsutil.list_files(fs, path)
+    folders: set[str] = set()
+    for rel in files:
+        folder, _, name = ("/" + rel).rpartition("/")
+        if name == MANIFEST_NAME or (name.startswith("part-") and name.endswith(".arrow")):
+            folders.add(folder.lstrip("/"))
+    return {fsutil.join(path, rel) if rel else path: read_manifest(fs, fsutil.join(path, rel) if rel else path)
+            for rel in sorted(folders)}
+
+
+def _stage_dirs_or_error(uri: str, storage_cfg: Optional[StorageConfig]):
+    fs, path = fsutil.resolve(uri, storage_cfg)
+    found = find_stage_dirs(fs, path)
+    if not found:
+        raise FileNotFoundError(f"no shards under {uri} (no _manifest.json and no part-*.arrow files)")
+    return fs, path, found
+
+
+def _relative(path: str, root: str) -> str:
+    return path[len(root):].lstrip("/") or "."
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Table:
+    """One row per stage folder under `uri`: folder, kind, parts, rows, bytes, committed."""
+    fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
+    table = Table(title=f"shards under {uri}")
+    for name, justify in (("folder", "left"), ("kind", "left"), ("parts", "right"), ("rows", "right"),
+                          ("bytes", "right"), ("committed", "center")):
+        table.add_column(name, justify=justify)
+    for folder, manifest in found.items():
+        if manifest is None:
+            parts = [n for n in fsutil.list_files(fs, folder) if n.startswith("part-")]
+            table.add_row(_relative(folder, root), "?", str(len(parts)), "?", "?", "[red]no[/red]")
+        else:
+            table.add_row(_relative(folder, root), manifest.kind, str(len(manifest.parts)), f"{manifest.rows:,}",
+                          _human_bytes(manifest.bytes), "[green]yes[/green]")
+    return table
+
+
+def _cell(value: Any, width: int = 48) -> str:
+    if isinstance(value, list):
+        head = ", ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in value[:8])
+        text = f"[{len(value)}] {head}{', …' if len(value) > 8 else ''}"
+    elif isinstance(value, float):
+        text = f"{value:.4g}"
+    else:
+        text = str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = None,
+                storage_cfg: Optional[StorageConfig] = None) -> Table:
+    """The first `rows` rows of one committed stage folder (only `columns` when given).
+
+    Lists show their length then the first elements ("[12] 5, 9, …"). Raises ValueError listing the
+    stage folders when `uri` holds several, NotCommittedError when it is not committed.
+    """
+    fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
+    if len(found) > 1:
+        raise ValueError(f"{uri} holds {len(found)} stage folders; show one of: "
+                         + ", ".join(_relative(f, root) for f in found))
+    folder = next(iter(found))
+    manifest = require_manifest(fs, folder)
+    selected = check_columns(manifest.kind, columns)
+    pieces, taken = [], 0
+    for part in manifest.parts:
+        if taken >= rows:
+            break
+        piece = read_part(fs, folder, part, manifest.kind).slice(0, rows - taken)
+        pieces.append(piece.select(selected) if selected else piece)
+        taken += piece.num_rows
+    data = pa.concat_tables(pieces) if pieces else None
+    title = f"{fsutil.url_of(fs, folder)} ({manifest.kind}, first {taken} of {manifest.rows:,} rows)"
+    names = selected or (data.column_names if data is not None else [])
+    records = data.to_pylist() if data is not None else []
+    if len(names) <= _WIDE_COLUMNS:
+        table = Table(title=title)
+        for name in names:
+            table.add_column(name, no_wrap=True, overflow="ellipsis")
+        for row in records:
+            table.add_row(*(_cell(row[name]) for name in names))
+        return table
+    # Many columns do not fit side by side: one block per row, a line per column (like psql's \x).
+    table = Table(title=title)
+    table.add_column("row", justify="right")
+    table.add_column("column")
+    table.add_column("value", overflow="ellipsis", no_wrap=True)
+    for index, row in enumerate(records):
+        for position, name in enumerate(names):
+            table.add_row(str(index) if position == 0 else "", name, _cell(row[name], width=100))
+        table.add_section()
+    return table
+
+
+def stage_stats(fs, folder: str) -> dict[str, Any]:
+    """Figures of one committed stage folder (plain numbers; `shards_stats` formats them).
+
+    Keys: kind, rows, prompt_len / response_len {mean, max}, reward {mean, std, q10, q50, q90} (scored
+    and experience only; std is the population std), policy_versions (sorted), finish_reasons {name: count}.
+    """
+    manifest = require_manifest(fs, folder)
+    wanted = ["prompt_ids", "response_ids", "policy_version", "finish_reason"]
+    if manifest.kind != "rollout":
+        wanted.append("reward")
+    tables = [read_part(fs, folder, p, manifest.kind).select(wanted) for p in manifest.parts]
+    data = pa.concat_tables(tables)
+    out: dict[str, Any] = {"kind": manifest.kind, "rows": data.num_rows}
+    for name, column in (("prompt_len", "prompt_ids"), ("response_len", "response_ids")):
+        lengths = pc.list_value_length(data.column(column))
+        out[name] = {"mean": pc.mean(lengths).as_py(), "max": pc.max(lengths).as_py()}
+    if "reward" in wanted:
+        reward = data.column("reward")
+        q = pc.quantile(reward, q=[0.1, 0.5, 0.9]).to_pylist() if data.num_rows else [None] * 3
+        out["reward"] = {"mean": pc.mean(reward).as_py(), "std": pc.stddev(reward, ddof=0).as_py(),
+                         "q10": q[0], "q50": q[1], "q90": q[2]}
+    out["policy_versions"] = sorted(pc.unique(data.column("policy_version")).to_pylist())
+    counts = pc.value_counts(data.column("finish_reason")).to_pylist()
+    out["finish_reasons"] = {c["values"]: c["counts"] for c in counts}
+    return out
+
+
+def _fmt(value: Optional[float], digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def shards_stats(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Table:
+    """One row per committed stage folder under `uri`: rows, lengths, reward, policy versions, finish reasons."""
+    fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
+    table = Table(title=f"shard statistics under {uri}")
+    table.caption = "lengths in tokens as mean/max; reward std over samples; finish reasons as counts"
+    for name in ("folder", "kind", "rows", "prompt len", "response len", "reward mean±std", "reward q10/50/90",
+                 "versions", "finish"):
+        table.add_column(name, justify="left" if name in ("folder", "kind") else "right", no_wrap=True)
+    for folder, manifest in found.items():
+        if manifest is None:
+            continue
+        s = stage_stats(fs, folder)
+        r = s.get("reward")
+        table.add_row(
+            _relative(folder, root), s["kind"], f"{s['rows']:,}",
+            f"{_fmt(s['prompt_len']['mean'])}/{s['prompt_len']['max']}",
+            f"{_fmt(s['response_len']['mean'])}/{s['response_len']['max']}",
+            f"{_fmt(r['mean'])}±{_fmt(r['std'])}" if r else "-",
+            "/".join(_fmt(r[k]) for k in ("q10", "q50", "q90")) if r else "-",
+            ",".join(map(str, s["policy_versions"])) or "-",
+            " ".join(f"{k}:{v}" for k, v in sorted(s["finish_reasons"].items())),
+        )
+    return table

@@ -1,0 +1,109 @@
+"""The shard schemas (rollout, scored, experience) and their version: the one place they are defined.
+
+Column names follow OpenRLHF's Experience and veRL's DataProto. One row per sample; per-token arrays
+are list columns of the response's length (no padding, so no mask is needed: every element is a
+response token).
+
+rollout:    iteration, prompt_index, sample_index (int32), prompt_hash (sha256 hex of the prompt ids),
+            prompt, response (text), prompt_ids, response_ids (list<int32>),
+            rollout_logprobs (list<float32>, len = response), finish_reason ("stop" | "length"),
+            policy_version (int32), label, data_source (string, nullable)
+scored:     rollout + reward (float32, weighted and clipped), reward_components (JSON object
+            name -> float), ref_logprobs (list<float32>, len = response), score_cache_hit (bool)
+experience: scored + old_logprobs, values, advantages, returns (list<float32>, len = response)
+
+Bump SCHEMA_VERSION whenever a column is added, removed or changes type; readers refuse a shard of
+another version with SchemaMismatchError instead of guessing.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+KINDS = ("rollout", "scored", "experience")
+
+_I32, _F32 = pa.int32(), pa.float32()
+_IDS, _FLOATS = pa.list_(pa.int32()), pa.list_(pa.float32())
+
+_ROLLOUT = [
+    pa.field("iteration", _I32, nullable=False),
+    pa.field("prompt_index", _I32, nullable=False),
+    pa.field("sample_index", _I32, nullable=False),
+    pa.field("prompt_hash", pa.string(), nullable=False),
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("response", pa.string(), nullable=False),
+    pa.field("prompt_ids", _IDS, nullable=False),
+    pa.field("response_ids", _IDS, nullable=False),
+    pa.field("rollout_logprobs", _FLOATS, nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("policy_version", _I32, nullable=False),
+    pa.field("label", pa.string(), nullable=True),
+    pa.field("data_source", pa.string(), nullable=True),
+]
+_SCORED_EXTRA = [
+    pa.field("reward", _F32, nullable=False),
+    pa.field("reward_components", pa.string(), nullable=False),
+    pa.field("ref_logprobs", _FLOATS, nullable=False),
+    pa.field("score_cache_hit", pa.bool_(), nullable=False),
+]
+_EXPERIENCE_EXTRA = [pa.field(name, _FLOATS, nullable=False)
+                     for name in ("old_logprobs", "values", "advantages", "returns")]
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "rollout": pa.schema(_ROLLOUT),
+    "scored": pa.schema(_ROLLOUT + _SCORED_EXTRA),
+    "experience": pa.schema(_ROLLOUT + _SCORED_EXTRA + _EXPERIENCE_EXTRA),
+}
+
+
+class SchemaMismatchError(ValueError):
+    """A table or shard does not match its kind's schema; the message names the column and both types."""
+
+
+def schema_for(kind: str) -> pa.Schema:
+    """The Arrow schema of shard kind `kind`. Raises ValueError listing the kinds when unknown."""
+    try:
+        return SCHEMAS[kind]
+    except KeyError:
+        raise ValueError(f"unknown shard kind {kind!r}; expected one of {', '.join(KINDS)}") from None
+
+
+def validate(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
+    """Check `table` against `kind`'s schema; return it with the schema's column order and nullability.
+
+    Every schema column must be present with exactly the schema's type (no silent int64 -> int32
+    narrowing: build tables with `pa.table(data, schema=schema_for(kind))`), non-nullable columns must
+    hold no nulls, and no other column may be present. Raises SchemaMismatchError naming `where`, the
+    column, the expected and the found type.
+    """
+    schema = schema_for(kind)
+    found = {f.name: f for f in table.schema}
+    for field in schema:
+        got = found.get(field.name)
+        if got is None:
+            raise SchemaMismatchError(f"{where}: {kind} column {field.name!r} is missing "
+                                      f"(expected {field.type}); found columns: {', '.join(found) or 'none'}")
+        if got.type != field.type:
+            raise SchemaMismatchError(f"{where}: {kind} column {field.name!r} has type {got.type}, "
+                                      f"expected {field.type}")
+        if not field.nullable and table.column(field.name).null_count:
+            raise SchemaMismatchError(f"{where}: {kind} column {field.name!r} holds "
+                                      f"{table.column(field.name).null_count} null(s) but is not nullable")
+    extra = [name for name in found if name not in schema.names]
+    if extra:
+        raise SchemaMismatchError(f"{where}: columns {extra} are not in the {kind} schema "
+                                  f"(schema version {SCHEMA_VERSION}); add them to storage/schema.py first")
+    return table.select(schema.names).cast(schema)
+
+
+def check_columns(kind: str, columns: Optional[Sequence[str]]) -> Optional[list[str]]:
+    """Validate a column selection for `kind`; raises SchemaMismatchError naming unknown columns."""
+    if columns is None:
+        return None
+    names = schema_for(kind).names
+    unknown = [c for c in columns if c not in names]
+    if unknown:
+        raise SchemaMismatchError(f"columns {unknown} are not in the {kind} schema; available: {', '.join(names)}")
+    return list(columns)

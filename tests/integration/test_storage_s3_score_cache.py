@@ -1,0 +1,143 @@
+"""The score cache on a local folder and on the moto S3 server: round trip, eviction, concurrent writers."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+
+from storage.fs import list_files, resolve, write_bytes_atomic
+from storage.layout import RunLayout
+from storage.score_cache import ScoreCache, key_for
+
+
+def value_for(key: str) -> dict:
+    """An entry derived from its key alone, so any reader can tell a torn or mixed-up entry.
+
+    The log-probs are multiples of 1/8, exact in float32, so they survive the float32 column unchanged.
+    """
+    seed = int(key[:8], 16)
+    return {"reward_components": {"function": (seed % 1000) / 7, "length": float(seed % 3)},
+            "ref_logprobs": [-(i + 1) / 8 for i in range(1 + seed % 17)]}
+
+
+def keys_of(writer: int, batch: int, size: int = 20) -> list[str]:
+    return [key_for(f"scorer-w{writer}", [batch, i], [writer]) for i in range(size)]
+
+
+@pytest.fixture
+def cache_dir(storage_root):
+    root, cfg = storage_root
+    layout = RunLayout(root, "run-s", cfg)
+    return layout, layout.score_cache_dir("scorer-abc")
+
+
+def test_put_then_get_from_another_reader(cache_dir):
+    layout, folder = cache_dir
+    writer = ScoreCache(layout.fs, folder)
+    entries = {k: value_for(k) for k in keys_of(0, 0)}
+    writer.put_many(entries)
+    reader = ScoreCache(layout.fs, folder)
+    wanted = list(entries)[:5] + ["absent-key"]
+    got = reader.get_many(wanted)
+    assert got == {k: entries[k] for k in wanted[:5]}
+    assert (reader.hits, reader.misses) == (5, 1)
+    assert writer.put_many({}) is None
+
+
+def test_malformed_value_names_the_key(cache_dir):
+    layout, folder = cache_dir
+    with pytest.raises(ValueError, match="'k1'"):
+        ScoreCache(layout.fs, folder).put_many({"k0": value_for("00000000"), "k1": {"reward_components": 1.0}})
+    assert list_files(layout.fs, folder) == {}  # nothing written
+
+
+def test_eviction_removes_oldest_segments_first(cache_dir):
+    layout, folder = cache_dir
+    cache = ScoreCache(layout.fs, folder, max_bytes=0)  # no eviction while filling
+    names = [cache.put_many({k: value_for(k) for k in keys_of(0, b)}) for b in range(5)]
+    sizes = list_files(layout.fs, folder)
+    # A cap that fits the two newest segments but not three: the three oldest must go.
+    cap = sizes[names[3]] + sizes[names[4]] + min(sizes.values()) // 2
+    capped = ScoreCache(layout.fs, folder, max_bytes=cap)
+    assert capped.evict() == names[:3]
+    assert set(list_files(layout.fs, folder)) == set(names[3:])
+    fresh = ScoreCache(layout.fs, folder)
+    assert len(fresh.get_many(keys_of(0, 0))) == 0 and len(fresh.get_many(keys_of(0, 4))) == 20
+
+
+def test_unreadable_segment_is_a_miss_not_a_failure(cache_dir):
+    layout, folder = cache_dir
+    cache = ScoreCache(layout.fs, folder)
+    cache.put_many({k: value_for(k) for k in keys_of(0, 0)})
+    write_bytes_atomic(layout.fs, f"{folder}/seg-00000000000000000001-deadbeef0000.arrow", b"not arrow")
+    reader = ScoreCache(layout.fs, folder)
+    assert len(reader.get_many(keys_of(0, 0))) == 20
+
+
+def _writer_job(root_url, cfg_json, folder_rel, writer, batches, errors):
+    """One writer: puts `batches` segments and, between puts, reads everything written so far."""
+    from ppoflow.config import StorageConfig
+
+    try:
+        fs, root = resolve(root_url, StorageConfig.model_validate_json(cfg_json))
+        cache = ScoreCache(fs, f"{root}/{folder_rel}", max_bytes=0)
+        for batch in range(batches):
+            cache.put_many({k: value_for(k) for k in keys_of(writer, batch)})
+            cache.refresh()
+            for key, value in list(cache._entries.items()):
+                if value != value_for(key):
+                    errors.append(f"writer {writer}: torn entry {key}")
+    except Exception as e:  # reported to the test, which fails on any
+        errors.append(f"writer {writer}: {type(e).__name__}: {e}")
+
+
+def _check_all_present(layout, folder, writers, batches):
+    reader = ScoreCache(layout.fs, folder)
+    for w in range(writers):
+        for b in range(batches):
+            keys = keys_of(w, b)
+            got = reader.get_many(keys)
+            assert got == {k: value_for(k) for k in keys}, (w, b)
+    assert len(list_files(layout.fs, folder)) == writers * batches  # one segment per put, none overwritten
+
+
+def _folder_rel(layout, folder):
+    return folder[len(layout.root):].lstrip("/")
+
+
+def test_concurrent_writer_threads(cache_dir):
+    layout, folder = cache_dir
+    errors: list[str] = []
+    cfg_json = layout.storage_cfg.model_dump_json()
+    threads = [threading.Thread(target=_writer_job, args=(layout.root_url, cfg_json, _folder_rel(layout, folder),
+                                                          w, 4, errors)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    _check_all_present(layout, folder, writers=4, batches=4)
+
+
+def _process_entry(root_url, cfg_json, folder_rel, writer, batches, queue):
+    errors: list[str] = []
+    _writer_job(root_url, cfg_json, folder_rel, writer, batches, errors)
+    queue.put(errors)
+
+
+@pytest.mark.slow
+def test_concurrent_writer_processes(cache_dir):
+    layout, folder = cache_dir
+    ctx = multiprocessing.get_context("spawn")  # no s3fs event loop or lock inherited through fork
+    queue = ctx.Queue()
+    args = (layout.root_url, layout.storage_cfg.model_dump_json(), _folder_rel(layout, folder))
+    procs = [ctx.Process(target=_process_entry, args=(*args, w, 3, queue)) for w in range(2)]
+    for p in procs:
+        p.start()
+    reports = [queue.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert reports == [[], []]
+    _check_all_present(layout, folder, writers=2, batches=3)
