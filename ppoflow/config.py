@@ -155,7 +155,7 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
     max_grad_norm: Optional[float] = Field(1.0, description="Gradient max-norm clip; None = off.")
-    logprob_chunk: int = Field(256, ge=1, description="Sequence chunk for the selective log-softmax.")
+    logprob_chunk: int = Field(128, ge=1, description="Token rows (over all sequences) per chunk of the selective log-softmax.")
 
 
 class PipelineConfig(_Section):

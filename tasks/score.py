@@ -1,8 +1,18 @@
-"""The score stage: reward and reference log-probs for every rollout row, through the prompt-hash cache."""
+"""The score stage: reward and reference log-probs for every rollout row, through the prompt-hash cache.
+
+Failure and retry (the decision for a stage that fails half-way):
+- The scored folder of the iteration is UNCOMMITTED (emptied, manifest first) before anything is scored,
+  and committed again only by the final `write_shards`. A failed attempt (a reward function raising or
+  timing out, a storage error) therefore leaves that folder uncommitted: never a previous attempt's
+  output (perhaps of other scoring settings) that could pass for this attempt's, never a mix of both.
+- Scores already computed by a previous attempt are not lost with it: they live in the score cache, so a
+  retry computes only what it has not computed before (a retry of a completed stage computes nothing).
+"""
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -13,7 +23,7 @@ from engines.scoring.cached import score_with_cache
 from engines.scoring.scorer import Scorer, ScoringInput
 from ppoflow.config import PPOFlowConfig
 from storage.score_cache import ScoreCache
-from storage.shards import read_shards, write_shards
+from storage.shards import clear_stage_dir, read_shards, write_shards
 from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for
 
 
@@ -27,9 +37,23 @@ def scoring_inputs(table: pa.Table) -> list[ScoringInput]:
             for i in range(table.num_rows)]
 
 
+def _folder_state(folder: str) -> list[tuple[str, int, int]]:
+    """(name, size, mtime_ns) of the files in a local model folder; [] when it is not a folder."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        return []
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
+
+
 def scorer_for(cfg: PPOFlowConfig) -> Scorer:
-    """The warm scorer of this process; rebuilt when the scoring settings change."""
-    return warm.get_or_build("scorer", cfg.section_hash("model", "reward", "score", "rollout"), lambda: Scorer(cfg))
+    """The warm scorer of this process; rebuilt when the scoring settings change, and also when the files
+    of the reference or of a reward-model folder change in place (new weights under the same path): the
+    config alone would keep the old model loaded. A rebuilt scorer has a new identity, so a new cache key
+    space: the new weights miss, they never read the old weights' scores.
+    """
+    folders = [cfg.model.policy_path] + [s.target for s in cfg.reward.sources if s.kind == "model"]
+    key = json.dumps([cfg.section_hash("model", "reward", "score", "rollout"), [_folder_state(f) for f in folders]])
+    return warm.get_or_build("scorer", key, lambda: Scorer(cfg))
 
 
 def run_score(config: PPOFlowConfig | dict, iteration: int, rollout: dict[str, Any]) -> dict[str, Any]:
@@ -41,16 +65,17 @@ def run_score(config: PPOFlowConfig | dict, iteration: int, rollout: dict[str, A
     STAGE_BODY_CALLS["score"] += 1
     started = time.perf_counter()
     layout = layout_for(cfg)
+    stage_dir = layout.stage_dir(iteration, "scored")
+    clear_stage_dir(layout.fs, stage_dir)  # uncommitted until this attempt succeeds: see the module docstring
     table = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
     scorer = scorer_for(cfg)
     cache = ScoreCache(layout.fs, layout.score_cache_dir(scorer.identity), max_bytes=cfg.score.cache_max_bytes) \
         if cfg.score.cache else None
     results, stats = score_with_cache(scorer, scoring_inputs(table), cache)
     scored = (table.append_column("reward", pa.array([r.reward for r in results], pa.float32()))
-              .append_column("reward_components", pa.array([json.dumps(r.components) for r in results]))
+              .append_column("reward_components", pa.array([json.dumps(r.components, sort_keys=True) for r in results]))
               .append_column("ref_logprobs", pa.array([r.ref_logprobs for r in results], pa.list_(pa.float32())))
               .append_column("score_cache_hit", pa.array(stats.hit_mask, pa.bool_())))
-    stage_dir = layout.stage_dir(iteration, "scored")
     manifest = write_shards(layout.fs, stage_dir, scored, "scored",
                             max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
     rewards = [r.reward for r in results]

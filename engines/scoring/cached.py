@@ -9,7 +9,11 @@ Per call:
 answers, repeated prompts) and scored once each; 4. the new entries are written back in one batch.
 
 The cache is any object with `get_many(keys) -> {key: entry}` and `put_many({key: entry})` (storage's
-ScoreCache implements it); None scores everything.
+ScoreCache implements it); None scores everything. An entry holds what cannot be recomputed cheaply:
+`reward_components` (source name -> raw score) and `ref_logprobs`. The scalar reward is NOT trusted from
+the cache: it is recombined from the components with the scorer's weights and clip (`combined_reward`),
+so a hit returns exactly what a fresh computation returns (ScoreCache stores log-probs as float32, which
+is what the reference returns too, so they round-trip exactly).
 """
 from __future__ import annotations
 
@@ -40,15 +44,32 @@ def score_key(scorer_identity: str, prompt_ids: Sequence[int], response_ids: Seq
 
 
 def _entry(result) -> dict[str, Any]:
-    return {"reward": float(result.reward), "reward_components": dict(result.components),
-            "ref_logprobs": [float(x) for x in result.ref_logprobs]}
+    return {"reward_components": dict(result.components), "ref_logprobs": [float(x) for x in result.ref_logprobs]}
+
+
+def combined_reward(scorer, components: dict[str, float]) -> float:
+    """clip(sum_k weight_k * components[name_k], -clip, clip): the scorer's own formula, term by term in
+    source order, so the float is bit-identical to Scorer.score's. Uses `scorer.combine` when it has one.
+
+    Raises KeyError naming the source when `components` lacks one (an entry of another scorer).
+    """
+    combine = getattr(scorer, "combine", None)
+    if combine is not None:
+        return combine(components)
+    missing = [s.name for s in scorer.sources if s.name not in components]
+    if missing:
+        raise KeyError(f"score cache entry has no component for reward sources {missing}")
+    total = sum(w * components[s.name] for w, s in zip(scorer.weights, scorer.sources))
+    return max(-scorer.clip, min(scorer.clip, total))
 
 
 def score_with_cache(scorer, inputs: list, cache: Optional[ScoreCacheLike]) -> tuple[list, CacheStats]:
     """Score `inputs` (list of ScoringInput) with `scorer`, consulting `cache`. Returns (results, stats).
 
-    results[i] is a ScoreResult equal to what scorer.score([inputs[i]]) returns. Errors of the scorer
-    propagate unchanged (they name the sample); nothing is written to the cache for a failed batch.
+    results[i] is the ScoreResult of inputs[i]: from the cache (stats.hit_mask[i]) or from ONE call
+    `scorer.score(distinct missing pairs, in first-seen order)`, so a warm call returns bit for bit what
+    the cold call returned. Errors of the scorer propagate unchanged (they name the sample); nothing is
+    written to the cache for a failed batch.
     """
     from engines.scoring.scorer import ScoreResult
 
@@ -58,20 +79,25 @@ def score_with_cache(scorer, inputs: list, cache: Optional[ScoreCacheLike]) -> t
     for i, k in enumerate(keys):
         if k not in found and k not in todo:
             todo[k] = i
-    fresh: dict[str, dict[str, Any]] = {}
+    fresh: dict[str, Any] = {}  # key -> ScoreResult computed now
     if todo:
         results = scorer.score([inputs[i] for i in todo.values()])
-        fresh = {k: _entry(r) for k, r in zip(todo.keys(), results)}
+        fresh = dict(zip(todo.keys(), results))
         if cache is not None:
-            cache.put_many(fresh)
+            cache.put_many({k: _entry(r) for k, r in fresh.items()})
     stats = CacheStats(computed=len(todo))
     out = []
     for k in keys:
         hit = k in found
-        entry = found[k] if hit else fresh[k]
         stats.hit_mask.append(hit)
-        out.append(ScoreResult(reward=entry["reward"], components=entry["reward_components"],
-                               ref_logprobs=entry["ref_logprobs"]))
+        if hit:
+            entry = found[k]
+            components = dict(entry["reward_components"])
+            out.append(ScoreResult(reward=combined_reward(scorer, components), components=components,
+                                   ref_logprobs=list(entry["ref_logprobs"])))
+        else:
+            r = fresh[k]  # copies: rows sharing a pair must not share mutable lists
+            out.append(ScoreResult(reward=r.reward, components=dict(r.components), ref_logprobs=list(r.ref_logprobs)))
     stats.hits = sum(stats.hit_mask)
     stats.misses = len(keys) - stats.hits
     return out, stats
