@@ -29,6 +29,7 @@ def iteration_metrics(iteration: int, manifests: dict[str, dict], timings: dict[
     row.update({k: v for k, v in update.items() if k not in row})
     row.update({f"timing/{stage}": seconds for stage, seconds in timings.items()})
     row["timing/iteration"] = sum(timings.values())
+    row["time/finished_unix"] = time.time()  # per-iteration wall time incl. orchestration = diff of these
     return row
 
 

@@ -67,12 +67,26 @@ def _manifest_identity(value: Any) -> Any:
     return value
 
 
+_saved_storage: dict[str, Any] = {}
+
+
 def result_storage_for(cfg: PPOFlowConfig):
-    """A Prefect filesystem block rooted at the run's results folder (local path or remote URL)."""
+    """A Prefect filesystem block rooted at the run's results folder (local path or remote URL).
+
+    Prefect requires result storage to be saved server-side (so any worker can read the results): the
+    block is saved once per process under a name derived from its location, overwriting an equal one.
+    """
     from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
     layout = layout_for(cfg)
     url = layout.url(layout.results_dir)
-    if "://" in url and not url.startswith("file://"):
-        return RemoteFileSystem(basepath=url, settings=cfg.storage.fsspec_options())
-    return LocalFileSystem(basepath=url.removeprefix("file://"))
+    options = cfg.storage.fsspec_options()
+    name = "ppoflow-results-" + stable_hash({"url": url, "options": options})[:16]
+    if name not in _saved_storage:
+        if "://" in url and not url.startswith("file://"):
+            block = RemoteFileSystem(basepath=url, settings=options)
+        else:
+            block = LocalFileSystem(basepath=url.removeprefix("file://"))
+        block.save(name, overwrite=True)
+        _saved_storage[name] = block
+    return _saved_storage[name]

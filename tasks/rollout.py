@@ -13,6 +13,7 @@ from engines.models import load_tokenizer
 from engines.rollout.base import RolloutSample, SamplingSettings
 from engines.rollout.registry import get_rollout_engine
 from ppoflow.config import PPOFlowConfig
+from storage.schema import schema_for
 from storage.shards import write_shards
 from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for
 from tasks.policy import local_policy_dir
@@ -49,7 +50,7 @@ def rollout_table(samples: list[RolloutSample], prompts: list, tokenizer, iterat
         rows["policy_version"].append(s.policy_version)
         rows["label"].append(None if record.label is None else str(record.label))
         rows["data_source"].append(record.data_source)
-    return pa.table(rows)
+    return pa.table(rows, schema=schema_for("rollout"))
 
 
 def run_rollout(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, Any]) -> dict[str, Any]:

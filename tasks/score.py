@@ -23,6 +23,7 @@ from engines.scoring.cached import score_with_cache
 from engines.scoring.scorer import Scorer, ScoringInput
 from ppoflow.config import PPOFlowConfig
 from storage.score_cache import ScoreCache
+from storage.schema import schema_for
 from storage.shards import clear_stage_dir, read_shards, write_shards
 from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for
 
@@ -75,7 +76,7 @@ def run_score(config: PPOFlowConfig | dict, iteration: int, rollout: dict[str, A
     scored = (table.append_column("reward", pa.array([r.reward for r in results], pa.float32()))
               .append_column("reward_components", pa.array([json.dumps(r.components, sort_keys=True) for r in results]))
               .append_column("ref_logprobs", pa.array([r.ref_logprobs for r in results], pa.list_(pa.float32())))
-              .append_column("score_cache_hit", pa.array(stats.hit_mask, pa.bool_())))
+              .append_column("score_cache_hit", pa.array(stats.hit_mask, pa.bool_()))).cast(schema_for("scored"))
     manifest = write_shards(layout.fs, stage_dir, scored, "scored",
                             max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
     rewards = [r.reward for r in results]

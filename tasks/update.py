@@ -16,9 +16,11 @@ import pyarrow as pa
 from prefect import task
 
 from engines import warm
-from engines.trainer import ExperienceBatch, PPOTrainer
+from engines.trainer.experience import ExperienceBatch
+from engines.trainer.ppo_trainer import PPOTrainer
 from ppoflow.config import PPOFlowConfig
 from storage.checkpoints import save_checkpoint_files
+from storage.schema import schema_for
 from storage.shards import read_shards, write_shards
 from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for, stable_hash
 from tasks.policy import local_checkpoint_dir
@@ -48,12 +50,20 @@ def take_trainer(cfg: PPOFlowConfig, policy: dict[str, Any]) -> PPOTrainer:
     return _build_trainer(cfg, policy)
 
 
+def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
+    """Scored rows -> padded tensors; rows of one prompt (contiguous in the shards) form one group."""
+    cols = scored.to_pydict()
+    return ExperienceBatch.from_lists(cols["prompt_ids"], cols["response_ids"], cols["reward"], cols["ref_logprobs"],
+                                      rollout_logprobs=cols["rollout_logprobs"], group_ids=cols["prompt_index"],
+                                      pad_token_id=pad_token_id)
+
+
 def experience_table(scored: pa.Table, result) -> pa.Table:
     f32 = pa.list_(pa.float32())
     return (scored.append_column("old_logprobs", pa.array(result.old_logprobs, f32))
             .append_column("values", pa.array(result.values, f32))
             .append_column("advantages", pa.array(result.advantages, f32))
-            .append_column("returns", pa.array(result.returns, f32)))
+            .append_column("returns", pa.array(result.returns, f32))).cast(schema_for("experience"))
 
 
 def run_update(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, Any],
@@ -65,7 +75,7 @@ def run_update(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, A
     layout = layout_for(cfg)
     table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
     trainer = take_trainer(cfg, policy)
-    result = trainer.update(ExperienceBatch.from_columns(table.to_pydict(), group_size=cfg.rollout.n_samples))
+    result = trainer.update(experience_batch(table, trainer.tokenizer.pad_token_id or 0))
     if os.environ.get(FAULT_ENV) == str(iteration):
         raise RuntimeError(f"injected fault in the update stage of iteration {iteration} ({FAULT_ENV})")
     exp_dir = layout.stage_dir(iteration, "experience")
