@@ -1,0 +1,118 @@
+"""The bare engine loop: one PPO iteration in memory, no Prefect, no storage.
+
+    prompts_for_iteration -> rollout (generate) -> score (rewards + reference) -> update (DeepSpeed)
+                          -> sync (save the policy, load it into the rollout engine)
+
+Each stage is a separately callable function (`rollout_step`, `scoring_inputs`, `build_experience`,
+`sync_policy`), so the Prefect pipeline calls the same pieces stage by stage, with shards in between.
+`EngineLoop` strings them together and times each under `timing/<stage>`.
+
+Seeds: prompt k of iteration i is sampled with seed `prompt_seed(run.seed, i, k)`, so an iteration's
+samples depend only on (seed, iteration, policy weights), not on what ran before in the process.
+"""
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from engines.data import PromptRecord, PromptSource
+from engines.models import load_tokenizer
+from engines.rollout.base import RolloutEngine, RolloutSample, SamplingSettings
+from engines.scoring.scorer import ScoreResult, Scorer, ScoringInput
+from engines.trainer.experience import ExperienceBatch
+from engines.trainer.ppo_trainer import PPOTrainer
+
+
+def prompt_seed(run_seed: int, iteration: int, position: int) -> int:
+    """Sampling seed of the prompt at `position` of `iteration` (63-bit, stable across processes)."""
+    digest = hashlib.sha256(f"rollout:{run_seed}:{iteration}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def rollout_step(engine: RolloutEngine, prompt_source: PromptSource, cfg, iteration: int
+                 ) -> tuple[list[PromptRecord], list[RolloutSample]]:
+    """The iteration's prompts and n samples each, ordered by (prompt, sample)."""
+    records = prompt_source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
+    seeds = [prompt_seed(cfg.run.seed, iteration, k) for k in range(len(records))]
+    samples = engine.generate([r.prompt_ids for r in records], SamplingSettings.from_config(cfg.rollout), seeds)
+    return records, samples
+
+
+def scoring_inputs(tokenizer, records: list[PromptRecord], samples: list[RolloutSample],
+                   iteration: int) -> list[ScoringInput]:
+    """One ScoringInput per sample; the response text is decoded without special tokens (EOS, pad)."""
+    inputs = []
+    for s in samples:
+        record = records[s.prompt_index]
+        inputs.append(ScoringInput(
+            prompt=record.text, response=tokenizer.decode(s.response_ids, skip_special_tokens=True),
+            prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids), label=record.label,
+            data_source=record.data_source,
+            sample_id=f"iter {iteration} prompt {record.index} sample {s.sample_index}"))
+    return inputs
+
+
+def build_experience(samples: list[RolloutSample], results: list[ScoreResult], pad_token_id: int) -> ExperienceBatch:
+    """Padded tensors for the update; samples of one prompt form one group (rows stay in prompt order)."""
+    if len(samples) != len(results):
+        raise ValueError(f"{len(samples)} samples but {len(results)} score results")
+    return ExperienceBatch.from_lists(
+        prompt_ids=[s.prompt_ids for s in samples], response_ids=[s.response_ids for s in samples],
+        scores=[r.reward for r in results], ref_logprobs=[r.ref_logprobs for r in results],
+        rollout_logprobs=[s.rollout_logprobs for s in samples], group_ids=[s.prompt_index for s in samples],
+        pad_token_id=pad_token_id)
+
+
+def sync_policy(trainer: PPOTrainer, engine: RolloutEngine, policy_dir: str | Path, version: int) -> None:
+    """Save the actor as an HF folder and make the rollout engine serve it as `version`."""
+    trainer.save_policy(str(policy_dir))
+    engine.load_weights(str(policy_dir), version)
+
+
+def make_rollout_engine(cfg, policy_dir: str, version: int = 0) -> RolloutEngine:
+    """The process's rollout engine from the registry (vLLM or HF generate by rollout.engine)."""
+    from engines.rollout.registry import get_rollout_engine
+
+    return get_rollout_engine(cfg.rollout, cfg.model, policy_dir, version, cfg.run.seed)
+
+
+class EngineLoop:
+    """Runs PPO iterations in memory. `work_dir` holds the policy folder used for weight sync."""
+
+    def __init__(self, cfg, work_dir: Optional[str] = None):
+        self.cfg = cfg
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="ppoflow-loop-"))
+        self.tokenizer = load_tokenizer(cfg.model.policy_path)
+        self.prompt_source = PromptSource(cfg.data, self.tokenizer, cfg.model.apply_chat_template)
+        self.engine = make_rollout_engine(cfg, cfg.model.policy_path)
+        self.scorer = Scorer(cfg)
+        self.trainer = PPOTrainer(cfg, cfg.model.policy_path)
+        self.policy_version = 0
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        """One iteration; returns the update's metrics plus timing/* and rollout/* figures."""
+        t0 = time.perf_counter()
+        records, samples = rollout_step(self.engine, self.prompt_source, self.cfg, iteration)
+        t1 = time.perf_counter()
+        results = self.scorer.score(scoring_inputs(self.tokenizer, records, samples, iteration))
+        t2 = time.perf_counter()
+        batch = build_experience(samples, results, self.tokenizer.pad_token_id)
+        update = self.trainer.update(batch)
+        t3 = time.perf_counter()
+        self.policy_version += 1
+        sync_policy(self.trainer, self.engine, self.work_dir / "policy", self.policy_version)
+        t4 = time.perf_counter()
+        metrics = dict(update.metrics)
+        metrics.update({"iteration": iteration, "timing/rollout": t1 - t0, "timing/score": t2 - t1,
+                        "timing/update": t3 - t2, "timing/sync": t4 - t3,
+                        "rollout/stop_fraction": sum(s.finish_reason == "stop" for s in samples) / len(samples)})
+        return metrics
+
+    def shutdown(self) -> None:
+        """Shut the rollout engine down through the registry (which would otherwise hand it out again)."""
+        from engines.rollout.registry import shutdown_all
+
+        shutdown_all()

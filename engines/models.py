@@ -1,0 +1,164 @@
+"""Loading the models of a PPO run: tokenizer, policy (actor), critic (value head) and frozen reference.
+
+Every model comes from a local Hugging Face folder through the real `from_pretrained` path, so a tiny toy
+model and a real checkpoint take the same code. Precision (`dtype`: float32 on CPU, bfloat16 on GPU) and
+the attention kernel (`attn_implementation`, SDPA by default) are settings from `ModelConfig`.
+
+The critic is `ValueHeadModel`: the causal-LM backbone without its LM head (`AutoModel`) plus a linear
+value head (hidden -> 1). It is initialised either from the policy folder (new head) or from a reward-model
+folder (`*ForSequenceClassification` with one label: its `score` head initialises the value head when the
+shapes fit). A saved critic is a folder with the backbone (`save_pretrained`: config.json + safetensors),
+`value_head.safetensors` and `critic.json`; no pickle anywhere.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_META_FILE = "critic.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a config dtype name ("float32", "bfloat16", "float16") to torch; ValueError names the value."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _check_model_dir(path: str | Path, what: str) -> Path:
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{what} folder {str(folder)!r} has no config.json (expected a Hugging Face "
+                                f"folder written by save_pretrained)")
+    return folder
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model folder. Left padding: prompts are left-padded everywhere in ppoflow."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(_check_model_dir(path, "tokenizer")))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        # Some causal LMs ship no pad token; EOS is the usual stand-in (masks keep it out of the loss).
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"):
+    """The causal-LM policy (`AutoModelForCausalLM`) in train mode, on CPU; the caller moves it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(_check_model_dir(path, "policy")), dtype=torch_dtype(dtype),
+                                                 attn_implementation=attn_implementation)
+    model.train()
+    return model
+
+
+def load_reference(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"):
+    """A frozen copy of the initial policy: eval mode, every parameter with requires_grad=False."""
+    model = load_policy(path, dtype, attn_implementation)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class ValueHeadModel(nn.Module):
+    """Critic: causal-LM backbone (no LM head) + a linear value head.
+
+    forward(input_ids (B, T), attention_mask (B, T), position_ids (B, T)) -> values (B, T), float32.
+    `values[:, t]` is the value of the state after reading tokens 0..t.
+    """
+
+    def __init__(self, backbone: nn.Module, value_head: Optional[nn.Linear] = None):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        if value_head is None:
+            value_head = nn.Linear(hidden, 1, bias=True)
+            # Small init (OpenRLHF uses std 1/(hidden+1)): initial values near 0, so early value losses are sane.
+            nn.init.normal_(value_head.weight, std=1.0 / (hidden + 1))
+            nn.init.zeros_(value_head.bias)
+        self.value_head = value_head.to(next(backbone.parameters()).dtype)
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.backbone.gradient_checkpointing_enable()
+
+    def save(self, out_dir: str | Path, tokenizer=None) -> None:
+        """Write backbone (save_pretrained), value_head.safetensors and critic.json to `out_dir`."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(out, safe_serialization=True)
+        head = {k: v.detach().contiguous().cpu() for k, v in self.value_head.state_dict().items()}
+        save_file(head, str(out / VALUE_HEAD_FILE))
+        (out / CRITIC_META_FILE).write_text(json.dumps({"kind": "value_head", "hidden_size": self.config.hidden_size}))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+
+
+def _reward_model_score_head(folder: Path, hidden: int) -> Optional[nn.Linear]:
+    """The `score` head of a one-label sequence-classification folder as a Linear(hidden, 1), else None."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text())
+    if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return None
+    for weights in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as f:
+            if "score.weight" in f.keys():
+                weight = f.get_tensor("score.weight")
+                if tuple(weight.shape) != (1, hidden):
+                    return None  # several labels: shapes do not fit, start a new head
+                head = nn.Linear(hidden, 1, bias="score.bias" in f.keys())
+                with torch.no_grad():
+                    head.weight.copy_(weight.float())
+                    if head.bias is not None:
+                        head.bias.copy_(f.get_tensor("score.bias").float())
+                if head.bias is None:
+                    head.bias = nn.Parameter(torch.zeros(1))
+                return head
+    return None
+
+
+def load_critic(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa") -> ValueHeadModel:
+    """The critic from a saved critic folder, a reward-model folder or a policy folder.
+
+    - saved critic (has value_head.safetensors): backbone + that head, exactly as saved;
+    - reward model (`*ForSequenceClassification`, one label): backbone + its score head as the init;
+    - causal LM (the policy): backbone + a new small-init head.
+    Raises FileNotFoundError when `path` is not a Hugging Face folder.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    folder = _check_model_dir(path, "critic")
+    backbone = AutoModel.from_pretrained(str(folder), dtype=torch_dtype(dtype), attn_implementation=attn_implementation)
+    hidden = backbone.config.hidden_size
+    head: Optional[nn.Linear] = None
+    if (folder / VALUE_HEAD_FILE).is_file():
+        state = load_file(str(folder / VALUE_HEAD_FILE))
+        head = nn.Linear(hidden, 1, bias=True)
+        head.load_state_dict(state)
+    else:
+        head = _reward_model_score_head(folder, hidden)
+    critic = ValueHeadModel(backbone, head)
+    critic.train()
+    return critic

@@ -1,0 +1,179 @@
+"""Rewards from a user's Python function, in the two contracts people already have.
+
+A function is named by a spec: `path/to/file.py:fn` (a file, imported under a private module name) or
+`pkg.module:fn` (importable). Its contract is told from its signature:
+
+- OpenRLHF: `reward_func(queries, prompts, labels, **kwargs)` -> {"rewards": [...]} or a list / tensor;
+  called once per batch of `batch_size` samples (queries = prompt + response text).
+- veRL: `compute_score(data_source, solution_str, ground_truth, extra_info)` -> float or {"score": float};
+  called once per sample (solution_str = response text).
+
+`async def` functions are awaited. Every call has a timeout (a sync function runs in a worker thread; a
+thread cannot be killed, so a timed-out call is abandoned and a fresh thread serves the next call).
+A wrong number of rewards, a non-finite reward, an exception or a timeout is a RewardError naming the
+source and the sample, never a silent zero.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Sequence
+
+from engines.rewards.base import RewardBatch, RewardError
+
+Contract = Literal["openrlhf", "verl"]
+
+
+def load_reward_function(spec: str) -> Callable:
+    """The callable named by `spec` ("path/to/file.py:fn" or "pkg.module:fn").
+
+    Raises ValueError (malformed spec), FileNotFoundError (file missing), ImportError (module missing or
+    failing to import), AttributeError (no such function) or TypeError (not callable), each naming spec.
+    """
+    if ":" not in spec:
+        raise ValueError(f"reward function spec {spec!r} must be 'path/to/file.py:fn' or 'pkg.module:fn'")
+    where, attr = spec.rsplit(":", 1)
+    if not where or not attr:
+        raise ValueError(f"reward function spec {spec!r} must be 'path/to/file.py:fn' or 'pkg.module:fn'")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        module = _import_file(where, spec)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ImportError(f"reward function {spec!r}: cannot import module {where!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise AttributeError(f"reward function {spec!r}: {where!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise TypeError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import_file(file: str, spec: str):
+    path = Path(file).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"reward function {spec!r}: file {file!r} not found")
+    name = "ppoflow_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's module failed at import time: say which file
+        raise ImportError(f"reward function {spec!r}: importing {file!r} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def detect_contract(fn: Callable, spec: str) -> Contract:
+    """"openrlhf" when the first parameter is `queries`, "verl" when `solution_str` is a parameter."""
+    params = list(inspect.signature(fn).parameters)
+    if params and params[0] == "queries":
+        return "openrlhf"
+    if "solution_str" in params:
+        return "verl"
+    raise TypeError(f"reward function {spec!r} has parameters {params}: expected OpenRLHF's "
+                    f"(queries, prompts, labels, **kwargs) or veRL's (data_source, solution_str, ground_truth, extra_info)")
+
+
+def function_identity(spec: str, fn: Callable) -> str:
+    """sha256 of the spec and the function's source (its module file when the source is unavailable)."""
+    try:
+        code = inspect.getsource(fn)
+    except (OSError, TypeError):
+        module_file = getattr(inspect.getmodule(fn), "__file__", None)
+        code = Path(module_file).read_text() if module_file else repr(fn)
+    return hashlib.sha256(f"{spec}\n{code}".encode()).hexdigest()[:16]
+
+
+class FunctionRewardSource:
+    """RewardSource over a Python function. See the module docstring for the contracts and errors."""
+
+    def __init__(self, spec: str, timeout_s: float = 60.0, batch_size: int = 64, name: Optional[str] = None):
+        if batch_size < 1 or not timeout_s > 0:
+            raise ValueError(f"reward function {spec!r}: batch_size must be >= 1 and timeout_s > 0 "
+                             f"(got {batch_size}, {timeout_s})")
+        self.spec = spec
+        self.fn = load_reward_function(spec)
+        self.contract = detect_contract(self.fn, spec)
+        self.timeout_s = timeout_s
+        self.batch_size = batch_size
+        self.name = name or "function"
+        self.identity = function_identity(spec, self.fn)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-fn")
+
+    def score(self, batch: RewardBatch) -> list[float]:
+        rewards: list[float] = []
+        for start in range(0, len(batch), self.batch_size):
+            stop = min(start + self.batch_size, len(batch))
+            if self.contract == "openrlhf":
+                rewards.extend(self._score_openrlhf(batch, start, stop))
+            else:
+                rewards.extend(self._score_verl(batch, i) for i in range(start, stop))
+        return rewards
+
+    def _sample_name(self, batch: RewardBatch, i: int) -> str:
+        return batch.sample_ids[i] if i < len(batch.sample_ids) else f"sample {i} of the batch"
+
+    def _call(self, what: str, *args, **kwargs) -> Any:
+        """Run the function with the timeout; RewardError naming `what` on exception or timeout."""
+        try:
+            if inspect.iscoroutinefunction(self.fn):
+                return asyncio.run(asyncio.wait_for(self.fn(*args, **kwargs), self.timeout_s))
+            future = self._executor.submit(self.fn, *args, **kwargs)
+            try:
+                return future.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                # The stuck thread cannot be stopped: abandon it, serve later calls from a new one.
+                self._executor.shutdown(wait=False)
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-fn")
+                raise
+        except (concurrent.futures.TimeoutError, asyncio.TimeoutError):
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s "
+                              f"on {what}") from None
+        except Exception as e:
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) raised {type(e).__name__}: {e} "
+                              f"on {what}") from e
+
+    def _score_openrlhf(self, batch: RewardBatch, start: int, stop: int) -> list[float]:
+        what = f"{self._sample_name(batch, start)} .. {self._sample_name(batch, stop - 1)}"
+        labels = list(batch.labels[start:stop]) if batch.labels else [None] * (stop - start)
+        result = self._call(what, batch.queries[start:stop], batch.prompts[start:stop], labels,
+                            data_sources=batch.data_sources[start:stop] if batch.data_sources else None)
+        values = result.get("rewards") if isinstance(result, dict) else result
+        if values is None:
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) returned a dict without 'rewards' on {what}")
+        if hasattr(values, "tolist"):
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)) or len(values) != stop - start:
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) returned {got} rewards for "
+                              f"{stop - start} samples on {what}")
+        return [self._finite(v, batch, start + k) for k, v in enumerate(values)]
+
+    def _score_verl(self, batch: RewardBatch, i: int) -> float:
+        what = self._sample_name(batch, i)
+        data_source = batch.data_sources[i] if batch.data_sources else None
+        label = batch.labels[i] if batch.labels else None
+        result = self._call(what, data_source, batch.responses[i], label, {"prompt": batch.prompts[i]})
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardError(f"reward source {self.name!r} ({self.spec}) returned a dict without 'score' on {what}")
+            result = result["score"]
+        return self._finite(result, batch, i)
+
+    def _finite(self, value: Any, batch: RewardBatch, i: int) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) returned {value!r} (not a number) "
+                              f"for {self._sample_name(batch, i)}") from None
+        if not math.isfinite(number):
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) returned {number} for "
+                              f"{self._sample_name(batch, i)}")
+        return number

@@ -1,0 +1,155 @@
+"""Rollout with Hugging Face `generate`: batched, `n` samples per prompt, per-prompt seeds.
+
+How sampling is done: `generate` runs the KV-cache decoding loop, stopping (EOS + extra stop ids) and
+padding, in greedy mode; the last logits processor, `_SeededSampler`, draws each row's token itself
+(temperature, then top-k, then top-p, then a multinomial draw with that row's own `torch.Generator`) and
+returns scores that are -inf everywhere except the drawn token, so greedy picks exactly that token. That is
+what makes `seeds[i]` fix prompt i's samples whatever else is in the batch, which a single global RNG
+cannot do.
+
+Log-probs: from `output_logits` (the model's raw logits, before any processor) divided by the temperature,
+log-softmaxed over the full vocabulary, at the drawn token. They are NOT taken after top-k/top-p
+truncation: the trainer recomputes log pi(token) / T over the full vocabulary, and the two must agree.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from engines.models import load_policy, load_tokenizer
+from engines.rollout.base import RolloutSample, SamplingSettings
+
+
+def row_seed(prompt_seed: int, sample_index: int) -> int:
+    """The generator seed of sample `sample_index` of a prompt seeded `prompt_seed` (63-bit)."""
+    digest = hashlib.sha256(f"{prompt_seed}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def warp_scores(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, top-k (-1 = off), top-p (1.0 = off) on (B, V) logits; removed tokens get -inf."""
+    scores = logits.float() / temperature
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p (the first token is always kept).
+        drop_sorted = (cum - sorted_scores.softmax(-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+class _SeededSampler:
+    """Logits processor: draws row r's token with generators[r] and one-hot-masks the scores to it."""
+
+    def __init__(self, generators: list[torch.Generator], sampling: SamplingSettings):
+        self.generators = generators
+        self.sampling = sampling
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        probs = warp_scores(scores, s.temperature, s.top_k, s.top_p).softmax(-1)
+        chosen = torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(self.generators)])
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, chosen[:, None], 0.0)
+        return out
+
+
+class HFRolloutEngine:
+    """RolloutEngine on `transformers` generate. Long-lived; `load_weights` swaps in a new policy folder."""
+
+    name = "hf"
+
+    def __init__(self, policy_dir: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
+                 seed: int = 0, device: str = "cpu", max_batch_size: int = 256):
+        self.dtype = dtype
+        self.attn_implementation = attn_implementation
+        self.seed = seed
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.policy_version = 0
+        self._calls = 0  # seeds the unseeded calls, so two calls never repeat each other
+        self._load(policy_dir)
+
+    def _load(self, policy_dir: str) -> None:
+        self.tokenizer = load_tokenizer(policy_dir)
+        model = load_policy(policy_dir, self.dtype, self.attn_implementation)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.policy_dir = str(Path(policy_dir))
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+
+    def load_weights(self, policy_dir: str, version: int) -> None:
+        self._load(policy_dir)
+        self.policy_version = int(version)
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> None:
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if self.max_positions and len(p) + sampling.max_new_tokens > self.max_positions:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                                 f"it exceeds the model's {self.max_positions} positions")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 seeds: Optional[Sequence[int]] = None) -> list[RolloutSample]:
+        """`sampling.n` samples per prompt, ordered by (prompt_index, sample_index). See the module docstring."""
+        self._check_prompts(prompts, sampling)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        self._calls += 1
+        if seeds is None:
+            seeds = [row_seed(self.seed * 1_000_003 + self._calls, i) for i in range(len(prompts))]
+        rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
+        samples: list[RolloutSample] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start:start + self.max_batch_size]
+            samples.extend(self._generate_rows(chunk, prompts, seeds, sampling))
+        return samples
+
+    def _generate_rows(self, rows, prompts, seeds, sampling: SamplingSettings) -> list[RolloutSample]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        pad_id = self.tokenizer.pad_token_id
+        stop_ids = {self.tokenizer.eos_token_id, *sampling.stop_token_ids} - {None}
+        width = max(len(prompts[i]) for i, _ in rows)
+        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (i, _) in enumerate(rows):  # left padding: every response starts at column `width`
+            input_ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
+            attention_mask[r, width - len(prompts[i]):] = 1
+        generators = [torch.Generator().manual_seed(row_seed(int(seeds[i]), j)) for i, j in rows]
+        config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
+                                  eos_token_id=sorted(stop_ids), pad_token_id=pad_id, num_beams=1,
+                                  output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                      generation_config=config,
+                                      logits_processor=LogitsProcessorList([_SeededSampler(generators, sampling)]))
+        generated = out.sequences[:, width:].cpu()
+        # (B, new_tokens, V) raw logits -> log-probs at the temperature over the full vocabulary.
+        logits = torch.stack(out.logits, dim=1).float().cpu()
+        logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        token_logprobs = logprobs.gather(-1, generated[..., None]).squeeze(-1)
+        return [self._to_sample(r, i, j, prompts[i], generated[r], token_logprobs[r], stop_ids)
+                for r, (i, j) in enumerate(rows)]
+
+    def _to_sample(self, r, prompt_index, sample_index, prompt, tokens, token_logprobs, stop_ids) -> RolloutSample:
+        ids = tokens.tolist()
+        length, finish = len(ids), "length"
+        for t, tok in enumerate(ids):  # after the first stop token generate only pads
+            if tok in stop_ids:
+                length, finish = t + 1, "stop"
+                break
+        return RolloutSample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=list(prompt),
+                             response_ids=ids[:length], rollout_logprobs=token_logprobs[:length].tolist(),
+                             finish_reason=finish, policy_version=self.policy_version)

@@ -1,0 +1,78 @@
+"""Reference log-probs: the frozen initial policy scores each response token for the KL penalty.
+
+The reference is scored at the sampling temperature, like the actor, so that log pi / T and log pi_ref / T
+are comparable (OpenRLHF and veRL do the same).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from engines.models import load_reference
+from engines.trainer.experience import left_pad, right_pad
+from engines.trainer.forward import policy_forward
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over the folder's *.safetensors contents (sorted by name): changes whenever the weights do.
+
+    Reads every weight byte once (about 20 s for 14 GB); call it once per scorer, not per batch.
+    """
+    digest = hashlib.sha256()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
+    for path in files:
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+class ReferenceModel:
+    """Frozen reference policy. `logprobs` returns one list of floats per response (ragged)."""
+
+    def __init__(self, path: str, dtype: str = "float32", temperature: float = 1.0, micro_batch_size: int = 16,
+                 attn_implementation: str = "sdpa", device: str = "cpu", chunk_size: int = 256):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.path = str(path)
+        self.model = load_reference(path, dtype, attn_implementation).to(device)
+        self.device = torch.device(device)
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+        self.chunk_size = chunk_size
+        self.pad_token_id = self.model.config.pad_token_id or 0
+        self.fingerprint = weights_fingerprint(path)
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """log pi_ref(token) / T for every response token. Shape: ragged (B, response_len_b).
+
+        Raises ValueError when the two lists differ in length or a prompt is empty.
+        """
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        result: list[list[float]] = []
+        for start in range(0, len(prompt_ids), self.micro_batch_size):
+            prompts = prompt_ids[start:start + self.micro_batch_size]
+            responses = response_ids[start:start + self.micro_batch_size]
+            for offset, p in enumerate(prompts):
+                if not p:
+                    raise ValueError(f"sample {start + offset}: empty prompt")
+            result.extend(self._micro_batch(prompts, responses))
+        return result
+
+    def _micro_batch(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        width_r = max(1, max(len(r) for r in responses))
+        prompt, prompt_mask = left_pad(prompts, max(len(p) for p in prompts), self.pad_token_id)
+        response = right_pad(responses, width_r, self.pad_token_id, torch.long)
+        response_mask = right_pad([[1] * len(r) for r in responses], width_r, 0, torch.long)
+        out = policy_forward(self.model, prompt.to(self.device), prompt_mask.to(self.device),
+                             response.to(self.device), response_mask.to(self.device), self.temperature,
+                             self.chunk_size)
+        logprobs = out.logprobs.float().cpu()
+        return [logprobs[b, :len(r)].tolist() for b, r in enumerate(responses)]

@@ -1,0 +1,123 @@
+"""The scorer: the configured reward sources plus reference log-probs, for a list of samples.
+
+reward = clip(sum_k weight_k * score_k, -reward.clip, +reward.clip); `components` keeps each source's raw
+(unweighted) score under its name. Reference log-probs are taken at the sampling temperature.
+
+This is the plain, un-cached scorer (each source batches by its own `batch_size`; the reference by its
+micro-batch). The prompt-hash cache wraps it (engines/scoring/cached.py), keyed by `Scorer.identity`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from engines.rewards.base import RewardBatch, RewardError, RewardSource
+
+
+@dataclass
+class ScoringInput:
+    """One sample to score; `sample_id` is how errors name it (e.g. "iter 3 prompt 12 sample 1")."""
+
+    prompt: str
+    response: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    label: Any = None
+    data_source: Optional[str] = None
+    sample_id: str = ""
+
+
+@dataclass
+class ScoreResult:
+    """reward: weighted, clipped; components: source name -> raw score; ref_logprobs: (response_len,)."""
+
+    reward: float
+    components: dict[str, float]
+    ref_logprobs: list[float]
+
+
+def build_reward_sources(cfg) -> list[RewardSource]:
+    """One RewardSource per `cfg.reward.sources` entry; model/remote sources are imported only when used.
+
+    Raises ValueError when two sources share a name (their components would overwrite each other).
+    """
+    sources: list[RewardSource] = []
+    for spec in cfg.reward.sources:
+        name = spec.name or spec.kind
+        if spec.kind == "function":
+            from engines.rewards.function import FunctionRewardSource
+            sources.append(FunctionRewardSource(spec.target, timeout_s=spec.timeout_s, batch_size=spec.batch_size,
+                                                name=name))
+        elif spec.kind == "model":
+            from engines.rewards.model import RewardModelSource
+            sources.append(RewardModelSource(spec.target, name=name, batch_size=spec.batch_size,
+                                             dtype=cfg.model.dtype, quantize=spec.quantize))
+        else:
+            from engines.rewards.remote import RemoteRewardSource
+            sources.append(RemoteRewardSource(spec.target, name=name, token=os.environ.get(spec.token_env),
+                                              timeout_s=spec.timeout_s, batch_size=spec.batch_size))
+    names = [s.name for s in sources]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"reward.sources: names {duplicates} are used twice; give each source a distinct `name`")
+    return sources
+
+
+def build_reference(cfg):
+    """The frozen reference (the initial policy, cfg.model.policy_path) at the sampling temperature."""
+    from engines.scoring.reference import ReferenceModel
+
+    return ReferenceModel(cfg.model.policy_path, cfg.model.dtype, cfg.rollout.temperature,
+                          cfg.train.micro_batch_size, cfg.model.attn_implementation,
+                          chunk_size=cfg.train.logprob_chunk)
+
+
+class Scorer:
+    """Reward sources + reference. `identity` changes whenever a score could change."""
+
+    def __init__(self, cfg, sources: Optional[list[RewardSource]] = None, reference=None):
+        self.sources = list(sources) if sources is not None else build_reward_sources(cfg)
+        weights = [s.weight for s in cfg.reward.sources]
+        if sources is not None and len(weights) != len(self.sources):
+            weights = [1.0] * len(self.sources)  # sources given directly: the config's weights do not apply
+        self.weights = weights
+        self.clip = cfg.reward.clip
+        self.reference = reference if reference is not None else build_reference(cfg)
+        self.temperature = cfg.rollout.temperature
+
+    @property
+    def identity(self) -> str:
+        payload = {"sources": [[s.name, s.identity] for s in self.sources], "weights": self.weights,
+                   "clip": self.clip, "reference": getattr(self.reference, "fingerprint", None),
+                   "temperature": self.temperature}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def score(self, inputs: list[ScoringInput]) -> list[ScoreResult]:
+        """Score every input. RewardError (naming the source and sample) propagates; nothing is defaulted."""
+        if not inputs:
+            return []
+        batch = RewardBatch(prompts=[x.prompt for x in inputs], responses=[x.response for x in inputs],
+                            prompt_ids=[list(x.prompt_ids) for x in inputs],
+                            response_ids=[list(x.response_ids) for x in inputs],
+                            labels=[x.label for x in inputs], data_sources=[x.data_source for x in inputs],
+                            sample_ids=[x.sample_id or f"sample {i}" for i, x in enumerate(inputs)])
+        components: list[dict[str, float]] = [{} for _ in inputs]
+        for source in self.sources:
+            scores = source.score(batch)
+            if len(scores) != len(inputs):
+                raise RewardError(f"reward source {source.name!r} returned {len(scores)} scores for {len(inputs)} samples")
+            for i, s in enumerate(scores):
+                if not math.isfinite(s):
+                    raise RewardError(f"reward source {source.name!r} returned {s} for {batch.sample_ids[i]}")
+                components[i][source.name] = float(s)
+        ref_logprobs = self.reference.logprobs(batch.prompt_ids, batch.response_ids)
+        results = []
+        for i in range(len(inputs)):
+            total = sum(w * components[i][s.name] for w, s in zip(self.weights, self.sources))
+            results.append(ScoreResult(reward=max(-self.clip, min(self.clip, total)), components=components[i],
+                                       ref_logprobs=ref_logprobs[i]))
+        return results

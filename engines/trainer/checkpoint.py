@@ -1,0 +1,132 @@
+"""Saving and resuming the trainer: open formats only (safetensors + JSON, no pickle).
+
+    out_dir/policy/   HF folder (save_pretrained, safetensors) + tokenizer: from_pretrained and vLLM load it
+    out_dir/critic/   ValueHeadModel.save: backbone + value_head.safetensors + critic.json (algo "ppo" only)
+    out_dir/trainer/  actor_optimizer.{safetensors,json}, critic_optimizer.{...}, rng.{...},
+                      trainer.json (update count, KL controller, LR schedulers, engine step counters,
+                      extra_state such as the data cursor), config.json (the resolved run config)
+
+Optimizer state: DeepSpeed's ZeRO optimizer `state_dict()` holds tensors (the torch AdamW state of the flat
+fp32 partitions, and the fp32 master partitions) plus bookkeeping. Tensors and JSON values are saved; the
+few Python objects it also holds (the loss-scaler object, the parameter-slice mapping, the ZeRO stage enum)
+are derived from the model's structure and are taken from the freshly built engine at load time (with the
+saved loss scale copied in). Loading restores the fp32 master weights too (`load_from_fp32_weights`), so a
+resumed bf16 run continues from full-precision weights, not from the bf16 policy folder.
+ZeRO-3 partitions the parameters themselves; saving under stage 3 is not supported yet (error).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
+
+_TRAINER_FILE = "trainer.json"
+
+
+def _is_zero_optimizer(optimizer) -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return isinstance(optimizer, DeepSpeedZeroOptimizer)
+
+
+def _open_format_part(state: dict[str, Any]) -> dict[str, Any]:
+    """The entries of an optimizer state dict that are tensors / JSON values (others come from the engine)."""
+    kept = {key: value for key, value in state.items() if is_open_format(value)}
+    scaler = state.get("loss_scaler")
+    if scaler is not None and hasattr(scaler, "cur_scale"):
+        kept["loss_scale"] = float(scaler.cur_scale)
+    return kept
+
+
+def save_optimizer(engine, folder: Path, stem: str) -> None:
+    save_nested(_open_format_part(engine.optimizer.state_dict()), folder, stem)
+
+
+def load_optimizer(engine, folder: Path, stem: str) -> None:
+    """Load saved optimizer state into a freshly built engine of the same model and config."""
+    saved = load_nested(folder, stem)
+    optimizer = engine.optimizer
+    template = optimizer.state_dict()
+    loss_scale = saved.pop("loss_scale", None)
+    template.update(saved)
+    if loss_scale is not None and hasattr(template.get("loss_scaler"), "cur_scale"):
+        template["loss_scaler"].cur_scale = loss_scale
+    if _is_zero_optimizer(optimizer):
+        optimizer.load_state_dict([template], load_optimizer_states=True, load_from_fp32_weights=True)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.load_state_dict(template)
+    else:
+        raise NotImplementedError(f"resuming a {type(optimizer).__name__} optimizer is not supported "
+                                  f"(use train.zero_stage 1 or 2)")
+
+
+def _engine_counters(engine) -> dict[str, Any]:
+    return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+            "lr_scheduler": engine.lr_scheduler.state_dict()}
+
+
+def _set_engine_counters(engine, state: dict[str, Any]) -> None:
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state["global_samples"]
+    engine.micro_steps = state["micro_steps"]
+    engine.skipped_steps = state["skipped_steps"]
+    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def save_policy(trainer, policy_dir: str | Path) -> None:
+    """Only the actor's HF folder (+ tokenizer): what a rollout engine needs to refresh its weights."""
+    if trainer.cfg.train.zero_stage == 3:
+        raise NotImplementedError("saving under train.zero_stage=3 is not supported; use stage 0, 1 or 2")
+    trainer.actor.module.save_pretrained(Path(policy_dir), safe_serialization=True)
+    trainer.tokenizer.save_pretrained(Path(policy_dir))
+
+
+def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> None:
+    """Write policy/, critic/ (when there is one) and trainer/ under `out_dir` (see the module docstring)."""
+    out = Path(out_dir)
+    save_policy(trainer, out / "policy")
+    if trainer.critic is not None:
+        trainer.critic.module.save(out / "critic", trainer.tokenizer)
+    state_dir = out / "trainer"
+    save_optimizer(trainer.actor, state_dir, "actor_optimizer")
+    engines = {"actor": _engine_counters(trainer.actor)}
+    if trainer.critic is not None:
+        save_optimizer(trainer.critic, state_dir, "critic_optimizer")
+        engines["critic"] = _engine_counters(trainer.critic)
+    save_nested(rng_state(), state_dir, "rng")
+    extra = dict(trainer.extra_state, **(extra_state or {}))
+    meta = {"update_count": trainer.update_count, "kl_controller": trainer.kl_controller.state_dict(),
+            "engines": engines, "extra_state": extra}
+    (state_dir / _TRAINER_FILE).write_text(json.dumps(meta, indent=1))
+    (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
+
+
+def load_trainer_state(trainer, state_dir: str) -> None:
+    """Restore optimizer, scheduler, engine counters, KL controller, RNG and extra_state from `state_dir`.
+
+    The weights come from the policy/critic folders the trainer was built from. Raises FileNotFoundError
+    naming a missing file, ValueError when the checkpoint has a critic state but the trainer none (or back).
+    """
+    folder = Path(state_dir)
+    meta_path = folder / _TRAINER_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"trainer state {meta_path} is missing")
+    meta = json.loads(meta_path.read_text())
+    has_critic_state = "critic" in meta["engines"]
+    if has_critic_state != (trainer.critic is not None):
+        raise ValueError(f"trainer state {folder} {'has' if has_critic_state else 'lacks'} a critic state but "
+                         f"algo.name={trainer.cfg.algo.name!r} {'does not use' if has_critic_state else 'uses'} a critic")
+    load_optimizer(trainer.actor, folder, "actor_optimizer")
+    _set_engine_counters(trainer.actor, meta["engines"]["actor"])
+    if trainer.critic is not None:
+        load_optimizer(trainer.critic, folder, "critic_optimizer")
+        _set_engine_counters(trainer.critic, meta["engines"]["critic"])
+    trainer.kl_controller.load_state_dict(meta["kl_controller"])
+    trainer.update_count = int(meta["update_count"])
+    trainer.extra_state = dict(meta.get("extra_state") or {})
+    set_rng_state(load_nested(folder, "rng"))

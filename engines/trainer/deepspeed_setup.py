@@ -1,0 +1,96 @@
+"""DeepSpeed in this process: distributed setup, the config dict built from TrainConfig, engine creation.
+
+One process is rank 0 of world 1 unless a launcher set RANK/WORLD_SIZE; on CPU the CPU accelerator with the
+gloo backend is used (DS_ACCELERATOR=cpu). The first `deepspeed.initialize` on a machine JIT-builds
+DeepSpeed's shared-memory comm op (about 150 s on 2 cores, cached in ~/.cache/torch_extensions after).
+
+Optimizer: AdamW with `torch_adam: true`, i.e. `torch.optim.AdamW` inside DeepSpeed's ZeRO wrapper. Why:
+DeepSpeed's own fused CPU Adam needs a second JIT build (minutes on 2 cores) and gives no speed-up for the
+small models run on CPU; on GPU the torch AdamW is fused by torch itself. Its state is plain tensors.
+
+LR schedule: linear warm-up over `warmup_steps` optimizer steps, then constant, linear decay to 0 or
+cosine decay to 0 over the run's remaining steps (`total_steps`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> None:
+    """Make this process a DeepSpeed rank (rank 0 of 1 when no launcher set the variables). Idempotent."""
+    import torch.distributed as dist
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
+    """step -> LR factor: (step + 1) / warmup during warm-up, then constant / linear / cosine to 0 at total."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"train.lr_schedule={schedule!r} is not one of constant, linear, cosine")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def deepspeed_config(train_cfg, dtype: str, train_batch_size: int, lr: float) -> dict[str, Any]:
+    """The DeepSpeed config dict for one engine (actor or critic).
+
+    gradient accumulation = train_batch_size / (micro_batch_size * world size). Raises ValueError naming
+    train.micro_batch_size when it does not divide the per-rank train batch.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    micro = min(train_cfg.micro_batch_size, train_batch_size // world)
+    if micro < 1 or train_batch_size % (micro * world):
+        raise ValueError(f"train.micro_batch_size={train_cfg.micro_batch_size} x world size {world} must divide "
+                         f"the train batch of {train_batch_size} samples")
+    return {
+        "train_batch_size": train_batch_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": train_batch_size // (micro * world),
+        "gradient_clipping": float(train_cfg.max_grad_norm or 0.0),
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": train_cfg.weight_decay, "torch_adam": True}},
+        "zero_optimization": {"stage": train_cfg.zero_stage},
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Callable[[int], float]):
+    """deepspeed.initialize(model, AdamW, LambdaLR(lr_factor)) -> the DeepSpeedEngine."""
+    import deepspeed
+
+    setup_distributed()
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=params, config=config,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor))
+    return engine

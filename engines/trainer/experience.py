@@ -1,0 +1,113 @@
+"""ExperienceBatch: one rollout batch as padded tensors, built from the ragged lists of the shards.
+
+Layout (the forward helper relies on it): prompts LEFT-padded to P columns, responses RIGHT-padded to R
+columns, so every response starts at column P of the concatenated (B, P + R) sequence.
+
+    prompt_ids      (B, P) long   pad where prompt_mask == 0
+    prompt_mask     (B, P) long   1 = prompt token, 0 = left padding
+    response_ids    (B, R) long   pad where response_mask == 0
+    response_mask   (B, R) float  1 = response token, 0 = right padding
+    scores          (B,)   float  scalar reward per response (weighted sum of sources, clipped)
+    ref_logprobs    (B, R) float  reference log-probs of the response tokens (0 at padding)
+    rollout_logprobs(B, R) float  the sampler's log-probs (0 at padding); metrics only
+    group_ids       (B,)   long   rows with the same id are samples of the same prompt; rows come group by
+                                  group (contiguous), as the group estimators need
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+
+
+def right_pad(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """(B, width) tensor of `rows` right-padded with `value`."""
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for b, row in enumerate(rows):
+        if len(row):
+            out[b, :len(row)] = torch.tensor(list(row), dtype=dtype)
+    return out
+
+
+def left_pad(rows: Sequence[Sequence[int]], width: int, value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, width) long tensor of `rows` left-padded with `value`, and its mask (1 = real token)."""
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        if len(row):
+            ids[b, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
+            mask[b, width - len(row):] = 1
+    return ids, mask
+
+
+@dataclass
+class ExperienceBatch:
+    """See the module docstring for every field's shape and mask polarity."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    scores: torch.Tensor
+    ref_logprobs: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    group_ids: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                   scores: Sequence[float], ref_logprobs: Sequence[Sequence[float]],
+                   rollout_logprobs: Optional[Sequence[Sequence[float]]] = None,
+                   group_ids: Optional[Sequence[int]] = None, pad_token_id: int = 0) -> "ExperienceBatch":
+        """Pad ragged lists. Raises ValueError naming the row when lengths disagree or groups are not contiguous."""
+        n = len(prompt_ids)
+        for name, seq in (("response_ids", response_ids), ("scores", scores), ("ref_logprobs", ref_logprobs)):
+            if len(seq) != n:
+                raise ValueError(f"{name} has {len(seq)} rows, prompt_ids has {n}")
+        if n == 0:
+            raise ValueError("an experience batch needs at least one sample")
+        rollout_logprobs = rollout_logprobs if rollout_logprobs is not None else [[0.0] * len(r) for r in response_ids]
+        group_ids = list(group_ids) if group_ids is not None else list(range(n))
+        for b in range(n):
+            if len(prompt_ids[b]) == 0:
+                raise ValueError(f"row {b}: empty prompt")
+            for name, seq in (("ref_logprobs", ref_logprobs[b]), ("rollout_logprobs", rollout_logprobs[b])):
+                if len(seq) != len(response_ids[b]):
+                    raise ValueError(f"row {b}: {name} has {len(seq)} values for {len(response_ids[b])} response tokens")
+        _check_contiguous_groups(group_ids)
+        width_p = max(len(p) for p in prompt_ids)
+        width_r = max(1, max(len(r) for r in response_ids))  # >= 1 column even if every response is empty
+        prompt, prompt_mask = left_pad(prompt_ids, width_p, pad_token_id)
+        return cls(prompt_ids=prompt, prompt_mask=prompt_mask,
+                   response_ids=right_pad(response_ids, width_r, pad_token_id, torch.long),
+                   response_mask=right_pad([[1.0] * len(r) for r in response_ids], width_r, 0.0, torch.float32),
+                   scores=torch.tensor(list(scores), dtype=torch.float32),
+                   ref_logprobs=right_pad(ref_logprobs, width_r, 0.0, torch.float32),
+                   rollout_logprobs=right_pad(rollout_logprobs, width_r, 0.0, torch.float32),
+                   group_ids=torch.tensor(group_ids, dtype=torch.long))
+
+    def __len__(self) -> int:
+        return self.scores.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        """Samples per group; ValueError when groups have different sizes."""
+        _, counts = torch.unique_consecutive(self.group_ids, return_counts=True)
+        if not bool((counts == counts[0]).all()):
+            raise ValueError(f"groups have different sizes {sorted(set(counts.tolist()))}; group estimators need equal groups")
+        return int(counts[0])
+
+    def select(self, rows: torch.Tensor) -> "ExperienceBatch":
+        """The sub-batch of `rows` (B',) indices, every field sliced the same way."""
+        return ExperienceBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> "ExperienceBatch":
+        return ExperienceBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def _check_contiguous_groups(group_ids: Sequence[int]) -> None:
+    seen: set[int] = set()
+    for b, g in enumerate(group_ids):
+        if g in seen and (b == 0 or group_ids[b - 1] != g):
+            raise ValueError(f"row {b}: group {g} is not contiguous; rows must come group by group")
+        seen.add(g)

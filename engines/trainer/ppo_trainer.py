@@ -1,0 +1,244 @@
+"""PPOTrainer: one PPO update of the actor (and the critic for algo "ppo") with DeepSpeed.
+
+An update reads as its stages in order:
+  1. old log-probs (actor) and old values (critic), no grad, in micro-batches;
+  2. per-token KL to the reference (algo.kl_estimator); token rewards (KL folded in when algo.kl_in_reward);
+  3. advantages and returns (engines.ppo.compute_advantages);
+  4. algo.ppo_epochs passes; each shuffles the rows (seeded by run.seed and the update count, so a resumed
+     run shuffles exactly like an uninterrupted one) and cuts them into optimizer steps of
+     train.train_batch_size rows, each accumulated over micro-batches of train.micro_batch_size;
+  5. the KL controller sees the batch's mean KL.
+
+Loss scale: every micro-batch loss is divided by the response tokens of its whole optimizer step
+(`num_tokens`) and DeepSpeed's own 1/accumulation scaling is switched off (`scale_wrt_gas=False`), so the
+accumulated gradient is the gradient of the step's token-mean loss however the step is split.
+(With several data-parallel ranks DeepSpeed averages ranks; `num_tokens` is then the local step's tokens.)
+
+Checkpoints: see engines/trainer/checkpoint.py.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from engines.models import load_critic, load_policy, load_tokenizer
+from engines.ppo import advantages as ppo_advantages
+from engines.ppo.kl import kl_penalty
+from engines.ppo.kl_controller import make_kl_controller
+from engines.ppo.losses import entropy_loss, kl_loss, policy_loss, value_loss
+from engines.ppo.masked import masked_mean
+from engines.ppo.rewards import token_level_rewards
+from engines.trainer import checkpoint
+from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
+from engines.trainer.experience import ExperienceBatch
+from engines.trainer.forward import critic_forward, policy_forward
+
+GROUP_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+KL_CLAMP = 10.0  # log-ratio clamp for every KL estimate (see engines.ppo.kl)
+
+
+@dataclass
+class UpdateResult:
+    """metrics: namespaced floats. The lists are per sample, each of its response length (no padding)."""
+
+    metrics: dict[str, float]
+    old_logprobs: list[list[float]]
+    values: list[list[float]]
+    advantages: list[list[float]]
+    returns: list[list[float]]
+
+
+@dataclass
+class _Sums:
+    """Token-weighted sums of micro-batch metrics over an update."""
+
+    totals: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, value, weight: float = 1.0) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + float(value) * weight
+        self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def means(self) -> dict[str, float]:
+        return {k: self.totals[k] / self.weights[k] for k in self.totals if self.weights[k] > 0}
+
+
+def _ragged(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    lengths = mask.sum(dim=1).long().tolist()
+    return [tensor[b, :n].tolist() for b, n in enumerate(lengths)]
+
+
+class PPOTrainer:
+    """Actor (and critic) as DeepSpeed engines. `trainer_state_dir` resumes optimizer/scheduler/KL/RNG."""
+
+    def __init__(self, cfg, policy_dir: str, critic_dir: Optional[str] = None,
+                 trainer_state_dir: Optional[str] = None):
+        setup_distributed()
+        if trainer_state_dir is None:
+            # A fresh trainer draws new parameters (the critic's value head): seed them from the run, not
+            # from whatever the process did before, so a rebuilt run equals an uninterrupted one. A resumed
+            # trainer restores its RNG states from the checkpoint instead.
+            torch.manual_seed(cfg.run.seed)
+        self.cfg = cfg
+        self.policy_dir = str(policy_dir)
+        self.tokenizer = load_tokenizer(policy_dir)
+        self.train_batch_size = cfg.train.train_batch_size or cfg.rollout_batch_size
+        steps_per_update = cfg.train.ppo_epochs * (cfg.rollout_batch_size // self.train_batch_size)
+        factor = lr_multiplier(cfg.train.warmup_steps, cfg.run.iterations * steps_per_update, cfg.train.lr_schedule)
+        policy = load_policy(policy_dir, cfg.model.dtype, cfg.model.attn_implementation)
+        if cfg.model.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+        self.actor = make_engine(policy, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size,
+                                                          cfg.train.actor_lr), factor)
+        self.critic = None
+        if cfg.algo.uses_critic:
+            critic = load_critic(critic_dir or cfg.model.critic_path or policy_dir, cfg.model.dtype,
+                                 cfg.model.attn_implementation)
+            if cfg.model.gradient_checkpointing:
+                critic.gradient_checkpointing_enable()
+            self.critic = make_engine(critic, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size,
+                                                               cfg.train.critic_lr), factor)
+        self.kl_controller = make_kl_controller(cfg.algo)
+        self.update_count = 0
+        self.extra_state: dict = {}
+        if trainer_state_dir is not None:
+            checkpoint.load_trainer_state(self, trainer_state_dir)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.actor.module.parameters()).device
+
+    def save(self, out_dir: str, extra_state: Optional[dict] = None) -> None:
+        """out_dir/policy (HF folder + tokenizer), out_dir/critic, out_dir/trainer. See checkpoint.py."""
+        checkpoint.save_trainer(self, out_dir, extra_state)
+
+    def save_policy(self, policy_dir: str) -> None:
+        """Only the policy HF folder (for a rollout engine's weight refresh)."""
+        checkpoint.save_policy(self, policy_dir)
+
+    # -- stage 1: old log-probs and values -------------------------------------------------------------
+    @torch.no_grad()
+    def _old_logprobs_and_values(self, batch: ExperienceBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(B, R) log-probs of the current actor and (B, R) critic values (None without a critic)."""
+        micro = self.cfg.train.micro_batch_size
+        logprobs, values = [], []
+        for start in range(0, len(batch), micro):
+            mb = batch.select(torch.arange(start, min(start + micro, len(batch))))
+            out = policy_forward(self.actor, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                 self.cfg.rollout.temperature, self.cfg.train.logprob_chunk)
+            logprobs.append(out.logprobs.float())
+            if self.critic is not None:
+                values.append(critic_forward(self.critic, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                             mb.response_mask).float())
+        return torch.cat(logprobs), (torch.cat(values) if values else None)
+
+    # -- stages 2-3: KL, token rewards, advantages -----------------------------------------------------
+    def _advantages(self, batch: ExperienceBatch, old_logprobs, values, kl: torch.Tensor):
+        algo = self.cfg.algo
+        mask = batch.response_mask
+        reward_kl_coef = self.kl_controller.value if algo.kl_in_reward else 0.0
+        token_rewards = token_level_rewards(batch.scores, kl, mask, reward_kl_coef, self.cfg.reward.clip)
+        group_size = batch.group_size if algo.name in GROUP_ALGOS else 1
+        return ppo_advantages.compute_advantages(
+            algo.name, scores=batch.scores, token_rewards=token_rewards, response_mask=mask, values=values,
+            group_size=group_size, gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
+            reward_clip=self.cfg.reward.clip)
+
+    def _check_batch(self, batch: ExperienceBatch) -> None:
+        if len(batch) % self.train_batch_size:
+            raise ValueError(f"update batch has {len(batch)} samples, not a multiple of the train batch "
+                             f"{self.train_batch_size} (train.train_batch_size)")
+
+    def update(self, batch: ExperienceBatch) -> UpdateResult:
+        """One PPO update on `batch` (see the module docstring for the stages). Returns metrics and per-sample lists."""
+        self._check_batch(batch)
+        batch = batch.to(self.device)
+        mask = batch.response_mask
+        old_logprobs, values = self._old_logprobs_and_values(batch)
+        kl = kl_penalty(old_logprobs, batch.ref_logprobs, self.cfg.algo.kl_estimator, KL_CLAMP)
+        adv = self._advantages(batch, old_logprobs, values, kl)
+        sums = _Sums()
+        for epoch in range(self.cfg.train.ppo_epochs):
+            order = torch.randperm(len(batch), generator=self._shuffle_generator(epoch))
+            for start in range(0, len(batch), self.train_batch_size):
+                rows = order[start:start + self.train_batch_size].to(self.device)
+                self._optimizer_step(batch, rows, old_logprobs, values, adv, sums)
+        kl_mean = float(masked_mean(kl, mask))
+        metrics = self._batch_metrics(batch, old_logprobs, values, adv, kl_mean)
+        metrics.update(sums.means())
+        self.kl_controller.update(kl_mean, len(batch))
+        self.update_count += 1
+        return UpdateResult(metrics, _ragged(old_logprobs, mask),
+                            _ragged(values, mask) if values is not None else [[] for _ in range(len(batch))],
+                            _ragged(adv.advantages, mask), _ragged(adv.returns, mask))
+
+    def _shuffle_generator(self, epoch: int) -> torch.Generator:
+        digest = hashlib.sha256(f"{self.cfg.run.seed}:{self.update_count}:{epoch}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+    # -- stage 4: one optimizer step, accumulated over micro-batches -----------------------------------
+    def _optimizer_step(self, batch, rows, old_logprobs, values, adv, sums: _Sums) -> None:
+        micro = self.actor.train_micro_batch_size_per_gpu()
+        num_tokens = float(batch.response_mask[rows].sum().clamp(min=1))
+        for start in range(0, len(rows), micro):
+            r = rows[start:start + micro]
+            mb = batch.select(r)
+            weight = float(mb.response_mask.sum())
+            self._actor_micro_step(mb, old_logprobs[r], adv.advantages[r], num_tokens, weight, sums)
+            if self.critic is not None:
+                self._critic_micro_step(mb, values[r], adv.returns[r], num_tokens, weight, sums)
+        sums.add("optim/actor_grad_norm", float(self.actor.get_global_grad_norm() or 0.0))
+        sums.add("optim/actor_lr", self.actor.get_lr()[0])
+        if self.critic is not None:
+            sums.add("optim/critic_grad_norm", float(self.critic.get_global_grad_norm() or 0.0))
+            sums.add("optim/critic_lr", self.critic.get_lr()[0])
+
+    def _actor_micro_step(self, mb: ExperienceBatch, old_logprobs, advantages, num_tokens, weight, sums) -> None:
+        algo = self.cfg.algo
+        out = policy_forward(self.actor, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                             self.cfg.rollout.temperature, self.cfg.train.logprob_chunk, with_entropy=True,
+                             entropy_grad=algo.entropy_coef != 0)
+        pl = policy_loss(out.logprobs, old_logprobs, advantages, mb.response_mask, algo.clip_low, algo.clip_high,
+                         algo.dual_clip, num_tokens=num_tokens)
+        loss = pl.loss
+        if algo.entropy_coef != 0:
+            loss = loss + algo.entropy_coef * entropy_loss(out.entropy, mb.response_mask, num_tokens=num_tokens)
+        if not algo.kl_in_reward and self.kl_controller.value > 0:
+            loss = loss + self.kl_controller.value * kl_loss(out.logprobs, mb.ref_logprobs, mb.response_mask,
+                                                             algo.kl_estimator, KL_CLAMP, num_tokens=num_tokens)
+        self.actor.backward(loss, scale_wrt_gas=False)
+        self.actor.step()
+        # loss is this micro-batch's share of the step's token mean: summing shares gives the step's loss.
+        sums.add("loss/policy", float(loss.detach()) * num_tokens / max(weight, 1.0), weight)
+        sums.add("policy/clipfrac", pl.clipfrac, weight)
+        sums.add("policy/approx_kl", pl.approx_kl, weight)
+        sums.add("policy/ratio_mean", pl.ratio_mean, weight)
+        sums.add("policy/entropy", masked_mean(out.entropy.detach(), mb.response_mask), weight)
+
+    def _critic_micro_step(self, mb: ExperienceBatch, old_values, returns, num_tokens, weight, sums) -> None:
+        values = critic_forward(self.critic, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+        vl = value_loss(values, old_values, returns, mb.response_mask, self.cfg.algo.value_clip, num_tokens=num_tokens)
+        self.critic.backward(vl.loss, scale_wrt_gas=False)
+        self.critic.step()
+        sums.add("loss/value", float(vl.loss.detach()) * num_tokens / max(weight, 1.0), weight)
+        sums.add("value/clipfrac", vl.clipfrac, weight)
+
+    def _batch_metrics(self, batch, old_logprobs, values, adv, kl_mean: float) -> dict[str, float]:
+        mask = batch.response_mask
+        metrics = {
+            "reward/mean": float(batch.scores.mean()),
+            "reward/std": float(batch.scores.std()) if len(batch) > 1 else 0.0,
+            "kl/mean": kl_mean,
+            "kl/coef": float(self.kl_controller.value),
+            "response/length_mean": float(mask.sum(dim=1).mean()),
+            "advantages/mean": float(masked_mean(adv.advantages, mask)),
+            "returns/mean": float(masked_mean(adv.returns, mask)),
+            # How far the sampler's log-probs are from the trainer's for the same weights (should be ~0).
+            "rollout/logprob_abs_diff": float(masked_mean((batch.rollout_logprobs - old_logprobs).abs(), mask)),
+        }
+        if values is not None:
+            metrics["values/mean"] = float(masked_mean(values, mask))
+        return metrics

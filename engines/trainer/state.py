@@ -1,0 +1,119 @@
+"""Trainer state in open formats: nested state dicts split into safetensors (tensors) + JSON (the rest).
+
+`save_nested(obj, folder, stem)` walks a nested dict/list and writes every tensor leaf to
+`<stem>.safetensors` under a path key ("base_optimizer_state/state/0/exp_avg") and the structure with
+every other leaf to `<stem>.json` (a tensor leaf is recorded as {"__tensor__": key}). `load_nested` inverts
+it exactly. Leaves that are neither JSON values nor tensors (e.g. a torch.dtype) are written as tagged
+strings that load back to the same object; anything else is an error naming its path, never pickled.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_TENSOR = "__tensor__"
+_TUPLE = "__tuple__"
+_DTYPE = "__torch_dtype__"
+_INT_KEYS = "__int_keys__"
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = path.lstrip("/") or "root"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {_TENSOR: key}
+    if isinstance(obj, dict):
+        keys = list(obj)
+        if all(isinstance(k, int) for k in keys) and keys:  # torch optimizer state is keyed by param index
+            return {_INT_KEYS: [[k, _encode(obj[k], f"{path}/{k}", tensors)] for k in keys]}
+        if not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"state at {path or '/'}: keys must be all str or all int, got {keys[:5]}")
+        return {k: _encode(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return {_TUPLE: [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, torch.dtype):
+        return {_DTYPE: str(obj).removeprefix("torch.")}
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"state at {path or '/'} is a {type(obj).__name__}: not a tensor or JSON value (no pickle)")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if _TENSOR in obj:
+        return tensors[obj[_TENSOR]]
+    if _TUPLE in obj:
+        return tuple(_decode(v, tensors) for v in obj[_TUPLE])
+    if _DTYPE in obj:
+        return getattr(torch, obj[_DTYPE])
+    if _INT_KEYS in obj:
+        return {int(k): _decode(v, tensors) for k, v in obj[_INT_KEYS]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def is_open_format(value: Any) -> bool:
+    """True when save_nested can store `value` (tensors, JSON values, dtypes, nested dicts/lists/tuples)."""
+    try:
+        _encode(value, "", {})
+    except TypeError:
+        return False
+    return True
+
+
+def save_nested(obj: Any, folder: str | Path, stem: str) -> None:
+    """Write `obj` as folder/stem.safetensors + folder/stem.json. TypeError names a non-serialisable leaf."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _encode(obj, "", tensors)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses tensors sharing memory; clone() gives each its own storage.
+    save_file({k: v.clone() for k, v in tensors.items()}, str(out / f"{stem}.safetensors"))
+    (out / f"{stem}.json").write_text(json.dumps(structure))
+
+
+def load_nested(folder: str | Path, stem: str) -> Any:
+    """Inverse of save_nested. FileNotFoundError names the missing file."""
+    from safetensors.torch import load_file
+
+    base = Path(folder)
+    for suffix in (".json", ".safetensors"):
+        if not (base / f"{stem}{suffix}").is_file():
+            raise FileNotFoundError(f"trainer state file {base / (stem + suffix)} is missing")
+    tensors = load_file(str(base / f"{stem}.safetensors"))
+    return _decode(json.loads((base / f"{stem}.json").read_text()), tensors)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states (torch's as a uint8 tensor)."""
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what rng_state() returned (after a save_nested / load_nested round trip)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
