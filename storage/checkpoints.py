@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import json
 import os
+import tempfile
 from typing import Any, Optional
 
 from storage import fs as fsutil
@@ -210,7 +212,14 @@ def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional
     source = layout.checkpoint_dir(iteration)
     if marker is None:
         raise CheckpointError(f"checkpoint {layout.url(source)} is not committed (no valid {MARKER_NAME})")
-    local = fsutil.materialize(layout.fs, source, local_cache_dir or layout.storage_cfg.local_cache_dir)
+    cache_root = (local_cache_dir or layout.storage_cfg.local_cache_dir
+                  or os.path.join(tempfile.gettempdir(), "ppoflow-cache"))
+    if not fsutil.is_local(layout.fs):
+        # Keyed by the marker's content too: a path reused by a newer commit (a bucket recreated, a run
+        # restarted from scratch) must not be served from an older cached copy.
+        marker_digest = hashlib.sha256(json.dumps(marker, sort_keys=True).encode()).hexdigest()[:16]
+        cache_root = os.path.join(cache_root, marker_digest)
+    local = fsutil.materialize(layout.fs, source, cache_root)
     if verify:
         try:
             _verify_files(local, marker["files"], layout.url(source))

@@ -82,12 +82,16 @@ def detect_contract(fn: Callable, spec: str) -> Contract:
 
 
 def function_identity(spec: str, fn: Callable) -> str:
-    """sha256 of the spec and the function's source (its module file when the source is unavailable)."""
-    try:
-        code = inspect.getsource(fn)
-    except (OSError, TypeError):
-        module_file = getattr(inspect.getmodule(fn), "__file__", None)
-        code = Path(module_file).read_text() if module_file else repr(fn)
+    """sha256 of the spec and the whole module file the function lives in (so an edit to a helper it
+    calls changes the identity too); the function's own source when there is no module file."""
+    module_file = getattr(inspect.getmodule(fn), "__file__", None)
+    if module_file and Path(module_file).is_file():
+        code = Path(module_file).read_text()
+    else:
+        try:
+            code = inspect.getsource(fn)
+        except (OSError, TypeError):
+            code = repr(fn)
     return hashlib.sha256(f"{spec}\n{code}".encode()).hexdigest()[:16]
 
 

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from engines.scoring.batching import token_budget_batches
 from engines.rewards.base import RewardBatch, RewardError, RewardSource
 
 
@@ -55,11 +56,13 @@ def build_reward_sources(cfg) -> list[RewardSource]:
         elif spec.kind == "model":
             from engines.rewards.model import RewardModelSource
             sources.append(RewardModelSource(spec.target, name=name, batch_size=spec.batch_size,
-                                             dtype=cfg.model.dtype, quantize=spec.quantize))
+                                             dtype=cfg.model.dtype, quantize=spec.quantize,
+                                             token_budget=cfg.score.token_budget))
         else:
             from engines.rewards.remote import RemoteRewardSource
             sources.append(RemoteRewardSource(spec.target, name=name, token=os.environ.get(spec.token_env),
-                                              timeout_s=spec.timeout_s, batch_size=spec.batch_size))
+                                              timeout_s=spec.timeout_s, batch_size=spec.batch_size,
+                                              max_retries=spec.max_retries))
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -88,6 +91,7 @@ class Scorer:
         self.clip = cfg.reward.clip
         self.reference = reference if reference is not None else build_reference(cfg)
         self.temperature = cfg.rollout.temperature
+        self.token_budget = cfg.score.token_budget
 
     @property
     def identity(self) -> str:
@@ -114,10 +118,23 @@ class Scorer:
                 if not math.isfinite(s):
                     raise RewardError(f"reward source {source.name!r} returned {s} for {batch.sample_ids[i]}")
                 components[i][source.name] = float(s)
-        ref_logprobs = self.reference.logprobs(batch.prompt_ids, batch.response_ids)
-        results = []
-        for i in range(len(inputs)):
-            total = sum(w * components[i][s.name] for w, s in zip(self.weights, self.sources))
-            results.append(ScoreResult(reward=max(-self.clip, min(self.clip, total)), components=components[i],
-                                       ref_logprobs=ref_logprobs[i]))
-        return results
+        ref_logprobs = self.reference_logprobs(batch.prompt_ids, batch.response_ids)
+        return [ScoreResult(reward=self.combine(components[i]), components=components[i],
+                            ref_logprobs=ref_logprobs[i]) for i in range(len(inputs))]
+
+    def combine(self, components: dict[str, float]) -> float:
+        """The scalar reward: weighted sum of the sources' raw scores, clipped to [-clip, clip]."""
+        total = sum(w * components[s.name] for w, s in zip(self.weights, self.sources))
+        return max(-self.clip, min(self.clip, total))
+
+    def reference_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """Reference log-probs in micro-batches grouped by length under `score.token_budget` padded tokens
+        (sorted by length, so little compute goes to padding); returned in the input order."""
+        out: list = [None] * len(prompt_ids)
+        lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+        cap = getattr(self.reference, "micro_batch_size", None)
+        for group in token_budget_batches(lengths, self.token_budget, max_batch_rows=cap):
+            scored = self.reference.logprobs([prompt_ids[i] for i in group], [response_ids[i] for i in group])
+            for i, logprobs in zip(group, scored):
+                out[i] = logprobs
+        return out

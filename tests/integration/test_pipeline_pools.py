@@ -30,7 +30,11 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    # Workers are separate processes: they must not inherit this test process's torch.distributed
+    # rendezvous (MASTER_PORT is still bound by the trainer that earlier tests set up here).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PREFECT_API_URL"] = prefect_api
     for pool in POOLS:
         out = _prefect("work-pool", "create", pool, "--type", "process", env=env)
         assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
