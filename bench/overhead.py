@@ -65,7 +65,8 @@ def worker(variant: str, workdir: str, iterations: int) -> None:
 
 def run_variant(variant: str, workdir: str, iterations: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "DS_ACCELERATOR": "cpu",
-           "PREFECT_HOME": os.path.join(workdir, "prefect-home"), "PYTHONUNBUFFERED": "1"}
+           "PREFECT_HOME": os.path.join(workdir, "prefect-home"), "PYTHONUNBUFFERED": "1",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
     env.pop("PREFECT_API_URL", None)  # the embedded default: Prefect's local ephemeral server
     out = subprocess.run([sys.executable, "-m", "bench.overhead", "--worker", variant, "--workdir", workdir,
                           "--iterations", str(iterations)], cwd=REPO, env=env, capture_output=True, text=True)

@@ -23,12 +23,20 @@ def bench_names() -> list[str]:
     return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in NOT_BENCHES)
 
 
-def latest(name: str) -> dict | None:
+VARIANT_KEYS = ("algo", "engine", "size")  # a bench run per variant keeps one latest line per variant
+
+
+def latest(name: str) -> list[dict]:
+    """The latest line of each variant (algo/engine/size) of a bench, oldest variant first."""
     path = RESULTS / f"{name}.jsonl"
     if not path.exists():
-        return None
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    return json.loads(lines[-1]) if lines else None
+        return []
+    by_variant: dict[tuple, dict] = {}
+    for ln in path.read_text().splitlines():
+        if ln.strip():
+            line = json.loads(ln)
+            by_variant[tuple(line.get(k) for k in VARIANT_KEYS)] = line
+    return list(by_variant.values())
 
 
 def summary(name: str) -> str:
@@ -52,15 +60,19 @@ def _value(v) -> str:
 
 def section(name: str) -> str:
     lines = [f"## {name}", "", summary(name), "", f"Run: `python -m bench.{name}`", ""]
-    line = latest(name)
-    if line is None:
+    found = latest(name)
+    if not found:
         lines += ["Not run yet on this branch.", ""]
         return "\n".join(lines)
-    m = line.get("machine") or {}
-    lines += [f"Latest: {line.get('date')} on {m.get('cores', line.get('cpu_count'))} cores, "
-              f"{m.get('mem_gib', '?')} GiB, {m.get('cpu_model', '?')}; commit `{line.get('commit')}`.", "",
-              "| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {_value(v)} |" for k, v in line.items() if k not in META]
+    for line in found:
+        m = line.get("machine") or {}
+        variant = ", ".join(f"{k}={line[k]}" for k in VARIANT_KEYS if k in line)
+        lines += [f"Latest{' (' + variant + ')' if variant else ''}: {line.get('date')} on "
+                  f"{m.get('cores', line.get('cpu_count'))} cores, {m.get('mem_gib', '?')} GiB, "
+                  f"{m.get('cpu_model', '?')}; commit `{line.get('commit')}`.", "",
+                  "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {_value(v)} |" for k, v in line.items() if k not in META]
+        lines.append("")
     for png in sorted(RESULTS.glob(f"{name}*.png")):
         lines += ["", f"![{png.stem}](bench/results/{png.name})"]
     lines.append("")

@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import os
+
+    # Without PREFECT_API_URL, Prefect starts a local server for the run; its 20 s default start-up
+    # timeout is too short on a busy 2-core machine (first start runs the database migrations).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     args = build_parser().parse_args(argv)
     if args.command == "runs" and args.action == "show" and not args.run:
         print("ppoflow runs show: name the run (ppoflow runs show RUN)", file=sys.stderr)
