@@ -32,8 +32,12 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
     with get_client(sync_client=True) as client:
         parent = client.read_flow_run(parent_id)
         assert parent.state.is_completed() and parent.name == "ppo-training-s3run"
+        # Subflows are linked to the parent through a task run of the parent's (the server is shared with
+        # other tests, whose runs have the same names).
+        parent_tasks = {t.id for t in client.read_task_runs(task_run_filter=TaskRunFilter(
+            flow_run_id=TaskRunFilterFlowRunId(any_=[parent_id])))}
         runs = client.read_flow_runs(limit=200)
-        children = [r for r in runs if r.parent_task_run_id is not None and r.name.startswith("ppo-iter-")]
+        children = [r for r in runs if r.parent_task_run_id in parent_tasks]
         by_name = {r.name: r for r in children}
         assert {"ppo-iter-0001", "ppo-iter-0002"} <= set(by_name), sorted(by_name)
         for i in (1, 2):
