@@ -73,21 +73,30 @@ def _chunk_bytes(fs: fsspec.AbstractFileSystem) -> int:
     return int(getattr(fs, "default_block_size", None) or 50 * 2**20)
 
 
+def _replace_locally(path: str, fill) -> None:
+    """Write a sibling temp file with `fill(tmp_path)`, then os.replace it over `path` (atomic on POSIX)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        fill(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def _write_synced(tmp: str, data: Any) -> None:
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> None:
     """Write `data` (bytes or any buffer) to `path`: readers see the old object, or none, or all of the new one."""
     if is_local(fs):
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
+        _replace_locally(path, lambda tmp: _write_synced(tmp, data))
         return
     # s3fs: put_object below 2 x chunk, else a multipart upload that is aborted when any part fails.
     payload = data if isinstance(data, bytes) else bytes(memoryview(data))  # e.g. a pyarrow Buffer
@@ -97,15 +106,7 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> N
 def upload_file_atomic(fs: fsspec.AbstractFileSystem, local_path: str, path: str) -> None:
     """Copy a local file to `path` with the same guarantee as `write_bytes_atomic`, streaming it."""
     if is_local(fs):
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
-        try:
-            shutil.copyfile(local_path, tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
+        _replace_locally(path, lambda tmp: shutil.copyfile(local_path, tmp))
         return
     fs.put_file(local_path, path, chunksize=_chunk_bytes(fs))
 

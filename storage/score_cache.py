@@ -16,10 +16,8 @@ safe. Values read are kept in this process's memory (bounded by the folder's siz
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 import time
 import uuid
 from typing import Any, Optional, Sequence
@@ -36,18 +34,6 @@ SEGMENT_SCHEMA = pa.schema([
     pa.field("reward_components", pa.string(), nullable=False),  # JSON object name -> float
     pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=False),
 ])
-
-
-def key_for(scorer_identity: str, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> str:
-    """sha256 hex of (scorer identity, prompt token ids, response token ids).
-
-    Lengths are hashed before each id list, so ([1, 2], [3]) and ([1], [2, 3]) get different keys.
-    """
-    h = hashlib.sha256(scorer_identity.encode())
-    for ids in (prompt_ids, response_ids):
-        h.update(struct.pack("<q", len(ids)))
-        h.update(struct.pack(f"<{len(ids)}q", *ids))
-    return h.hexdigest()
 
 
 def _check_value(key: str, value: Any) -> tuple[str, list[float]]:

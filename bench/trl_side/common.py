@@ -105,3 +105,22 @@ def greedy_eval(model, tokenizer, max_new_tokens: int = TARGET_LENGTH) -> tuple[
     responses = out[:, batch["input_ids"].shape[1]:].tolist()
     rewards = [response_reward(r, label, tokenizer, end_ids) for r, label in zip(responses, rows["label"])]
     return sum(rewards) / len(rewards), sum(1 for r in rewards if r == 1.0) / len(rewards)
+
+
+def progress_callback(stopwatch: "Stopwatch", records: list, reward_key: str, extra_keys: dict | None = None):
+    """A transformers TrainerCallback that records one "iteration" line whenever TRL logs `reward_key`
+    (its mean reward of the iteration), with wall/iteration/CPU seconds and `extra_keys` (name -> log key)."""
+    from transformers import TrainerCallback
+
+    class ProgressLines(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            stopwatch.restart()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and reward_key in logs:
+                wall_s, iter_s = stopwatch.lap()
+                extras = {name: logs.get(key) for name, key in (extra_keys or {}).items()}
+                records.append(emit_record("iteration", iteration=state.global_step, reward_mean=logs[reward_key],
+                                           wall_s=wall_s, iter_s=iter_s, cpu_s=stopwatch.cpu_s(), **extras))
+
+    return ProgressLines()

@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, emit_record, greedy_eval,  # noqa: E402
+from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, emit_record, greedy_eval,
+                                    progress_callback,  # noqa: E402
                                    make_rows, one_thread, response_reward)
 
 PROMPTS_PER_ITERATION, SAMPLES_PER_PROMPT, RESPONSE_LENGTH = 8, 8, 8
@@ -36,23 +37,6 @@ def digits_reward_func(tokenizer):
         return [response_reward(ids, l, tokenizer, end_ids) for ids, l in zip(completion_ids, label)]
 
     return digits
-
-
-def _progress_callback(stopwatch: Stopwatch, records: list):
-    from transformers import TrainerCallback
-
-    class ProgressLines(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            stopwatch.restart()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                wall_s, iter_s = stopwatch.lap()
-                records.append(emit_record("iteration", iteration=state.global_step, reward_mean=logs["reward"],
-                                           wall_s=wall_s, iter_s=iter_s,
-                                           cpu_s=stopwatch.cpu_s()))
-
-    return ProgressLines()
 
 
 def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, stopwatch: Stopwatch, records: list):
@@ -76,7 +60,7 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
     )
     trainer = GRPOTrainer(model=policy, reward_funcs=digits_reward_func(tokenizer), args=config,
                           train_dataset=train, processing_class=tokenizer,
-                          callbacks=[_progress_callback(stopwatch, records)])
+                          callbacks=[progress_callback(stopwatch, records, "reward", None)])
     for noisy in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(noisy)
     return trainer, tokenizer, policy

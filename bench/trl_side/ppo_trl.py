@@ -36,7 +36,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, emit_record, greedy_eval,  # noqa: E402
+from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, emit_record, greedy_eval,
+                                    progress_callback,  # noqa: E402
                                    make_rows, one_thread, response_reward)
 
 PROMPTS_PER_ITERATION = 64
@@ -95,26 +96,6 @@ def _rule_backbone_class():
     return DigitsRuleReward
 
 
-def _progress_callback(stopwatch: Stopwatch, records: list):
-    from transformers import TrainerCallback
-
-    class ProgressLines(TrainerCallback):
-        """Prints one record per PPO iteration from the metrics TRL logs at its end."""
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            stopwatch.restart()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "objective/scores" in logs:
-                wall_s, iter_s = stopwatch.lap()
-                diagnostics = {name: logs.get(key) for name, key in DIAGNOSTICS.items()}
-                records.append(emit_record("iteration", iteration=state.global_step,
-                                           reward_mean=logs["objective/scores"], wall_s=wall_s, iter_s=iter_s,
-                                           cpu_s=stopwatch.cpu_s(), **diagnostics))
-
-    return ProgressLines()
-
-
 def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, stopwatch: Stopwatch, records: list):
     import torch
     from datasets import Dataset
@@ -144,7 +125,7 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=reference,
                          reward_model=reward, train_dataset=train, value_model=value,
                          eval_dataset=train.select(range(PROMPTS_PER_ITERATION)),
-                         callbacks=[_progress_callback(stopwatch, records)])
+                         callbacks=[progress_callback(stopwatch, records, "objective/scores", DIAGNOSTICS)])
     for noisy in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(noisy)
     return trainer, tokenizer, policy

@@ -68,12 +68,18 @@ def build_tiny_llama(out_dir: str | Path, vocab_size: int = 64, hidden_size: int
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    out = save_model_folder(LlamaForCausalLM(config), tokenizer, out_dir)
+    return out
+
+
+def save_model_folder(model, tokenizer, out_dir: str | Path) -> Path:
+    """save_pretrained (safetensors) of model and tokenizer into `out_dir`, created if missing."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out)
     return out
 
 

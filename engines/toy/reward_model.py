@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engines.toy.model import build_tokenizer
+from engines.toy.model import build_tokenizer, save_model_folder
 
 
 def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 64, hidden_size: int = 128,
@@ -32,12 +32,7 @@ def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, vocab_size: int 
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, num_labels=num_labels, torch_dtype="float32")
     torch.manual_seed(seed)
-    model = LlamaForSequenceClassification(config)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_model_folder(LlamaForSequenceClassification(config), tokenizer, out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

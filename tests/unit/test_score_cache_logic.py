@@ -244,3 +244,14 @@ class TestScoreWithCache:
         with pytest.raises(RewardError, match=f"{message} on iter 2 prompt 9 sample 3"):
             score_with_cache(failing, inputs, cache)
         assert cache.total_bytes() == 0  # the four rows scored before the failure were not cached either
+
+
+class TestKeyFor:
+    def test_deterministic_hex(self):
+        key = score_key("scorer", [1, 2], [3])
+        assert key == score_key("scorer", (1, 2), (3,)) and len(key) == 64 and int(key, 16) >= 0
+
+    def test_every_input_matters_including_the_boundary(self):
+        keys = {score_key("scorer", [1, 2], [3]), score_key("scorer", [1], [2, 3]), score_key("other", [1, 2], [3]),
+                score_key("scorer", [1, 2], [4]), score_key("scorer", [2, 1], [3]), score_key("scorer", [], [1, 2, 3])}
+        assert len(keys) == 6

@@ -14,7 +14,6 @@ from ppoflow.config import PPOFlowConfig
 from storage import fs as fsutil
 from storage.layout import ConfigConflictError, RunLayout, fingerprint_component, parse_iteration_name
 from storage.schema import SCHEMAS, SchemaMismatchError, validate
-from storage.score_cache import key_for
 from storage.shards import plan_parts
 from storage.synthetic import synthetic_table
 
@@ -64,17 +63,6 @@ class TestPlanParts:
         # 10 rows of 100 bytes, at most 4 rows or 350 bytes (3 rows) per part: ceil(10/3) = 4 parts 3,3,2,2.
         assert plan_parts(10, 1000, 4, 350) == [(0, 3), (3, 3), (6, 2), (8, 2)]
         assert plan_parts(0, 0, 4, 350) == [(0, 0)]
-
-
-class TestKeyFor:
-    def test_deterministic_hex(self):
-        key = key_for("scorer", [1, 2], [3])
-        assert key == key_for("scorer", (1, 2), (3,)) and len(key) == 64 and int(key, 16) >= 0
-
-    def test_every_input_matters_including_the_boundary(self):
-        keys = {key_for("scorer", [1, 2], [3]), key_for("scorer", [1], [2, 3]), key_for("other", [1, 2], [3]),
-                key_for("scorer", [1, 2], [4]), key_for("scorer", [2, 1], [3]), key_for("scorer", [], [1, 2, 3])}
-        assert len(keys) == 6
 
 
 class TestLayout:
