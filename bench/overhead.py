@@ -1,13 +1,23 @@
 """Pipeline overhead: the same PPO iterations through the full pipeline (Prefect flows and tasks, Arrow
 shards, checkpoints on local storage) and through the engines in a bare loop (no Prefect, no storage).
 
-    python -m bench.overhead [--iterations 5] [--rounds 1]
+    python -m bench.overhead [--iterations 6] [--rounds 1] [--workload batch|tiny|both]
 
 Each variant runs in its own fresh process (engines built from scratch in both), in alternating order
 (pipeline, bare, pipeline, bare, ...). Per-iteration time is the mean wall time between the ends of
 consecutive iterations, so the first iteration (engine start-up, DeepSpeed set-up) is excluded on both
-sides. Same config, same seed, same tiny model and digits task; HF generate on both sides.
-Baseline: the bare engine loop. Figure: ratio = pipeline / bare per-iteration time (goal <= 1.05).
+sides. Same config, same seed, same tiny model and digits task; HF generate on both sides. Both sides draw
+the same samples (one seed function), so their per-iteration rewards must be equal: `same_rewards`
+checks that the pipeline computes what the bare loop computes.
+
+Baseline: the bare engine loop. Figures:
+- ratio: pipeline / bare per-iteration time on the `batch` workload (goal <= 1.05): 256 prompts x 8
+  samples per iteration, about 5 s of compute per iteration on 2 cores. The pipeline's cost is mostly a
+  fixed amount per iteration (a subflow run, four task runs, three artifacts, shard and checkpoint
+  writes), so the ratio depends on how long an iteration computes; real runs compute for minutes.
+- tiny_ratio: the same on the demo's workload (32 prompts x 4 samples, ~0.5 s of compute per
+  iteration), where that fixed cost dominates.
+- overhead_s_per_iter: pipeline minus bare seconds per iteration, per workload.
 """
 from __future__ import annotations
 
@@ -26,7 +36,13 @@ from bench.common import emit
 REPO = Path(__file__).resolve().parent.parent
 
 
-def bench_config(workdir: str, run: str, iterations: int):
+WORKLOADS = {  # rollout settings per workload; everything else is shared
+    "tiny": {"prompts_per_iteration": 32, "n_samples": 4},
+    "batch": {"prompts_per_iteration": 256, "n_samples": 8},
+}
+
+
+def bench_config(workdir: str, run: str, iterations: int, workload: str = "tiny"):
     from engines.toy.model import ensure_tiny_llama
     from engines.toy.task import ensure_digits_dataset
     from ppoflow.config import build_config
@@ -36,7 +52,7 @@ def bench_config(workdir: str, run: str, iterations: int):
     return build_config({
         "run": {"name": run, "root": os.path.join(workdir, "runs"), "iterations": iterations, "seed": 0},
         "model": {"policy_path": str(model)}, "data": {"path": str(data)},
-        "rollout": {"engine": "hf", "prompts_per_iteration": 32, "n_samples": 4, "max_new_tokens": 8},
+        "rollout": {"engine": "hf", "max_new_tokens": 8, **WORKLOADS[workload]},
         "algo": {"name": "ppo"}, "train": {"micro_batch_size": 32, "ppo_epochs": 2, "actor_lr": 2e-3,
                                            "critic_lr": 2e-3},
         "score": {"cache": False},  # the bare loop has no cache; keep the work identical
@@ -44,9 +60,9 @@ def bench_config(workdir: str, run: str, iterations: int):
     }, "bench.overhead")
 
 
-def worker(variant: str, workdir: str, iterations: int) -> None:
+def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
     """Run one variant in this process; print {"ends": [...]} (unix time at the end of each iteration)."""
-    cfg = bench_config(workdir, f"overhead-{variant}-{os.getpid()}", iterations)
+    cfg = bench_config(workdir, f"overhead-{variant}-{os.getpid()}", iterations, workload)
     ends: list[float] = []
     if variant == "pipeline":
         from flows.training import ppo_training
@@ -63,13 +79,13 @@ def worker(variant: str, workdir: str, iterations: int) -> None:
     print(json.dumps({"variant": variant, "ends": ends, "rewards": rewards}), flush=True)
 
 
-def run_variant(variant: str, workdir: str, iterations: int) -> dict:
+def run_variant(variant: str, workdir: str, iterations: int, workload: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "DS_ACCELERATOR": "cpu",
            "PREFECT_HOME": os.path.join(workdir, "prefect-home"), "PYTHONUNBUFFERED": "1",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
     env.pop("PREFECT_API_URL", None)  # the embedded default: Prefect's local ephemeral server
     out = subprocess.run([sys.executable, "-m", "bench.overhead", "--worker", variant, "--workdir", workdir,
-                          "--iterations", str(iterations)], cwd=REPO, env=env, capture_output=True, text=True)
+                          "--iterations", str(iterations), "--workload", workload], cwd=REPO, env=env, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{\"variant\"")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{variant} worker failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
@@ -79,31 +95,45 @@ def run_variant(variant: str, workdir: str, iterations: int) -> dict:
     return data
 
 
+def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
+    """Median per-iteration seconds of both variants over `rounds` alternating rounds, and their rewards."""
+    times: dict[str, list[float]] = {"pipeline": [], "bare": []}
+    rewards: dict[str, list] = {}
+    for _ in range(rounds):
+        for variant in ("pipeline", "bare"):
+            data = run_variant(variant, workdir, iterations, workload)
+            times[variant].append(data["per_iteration_s"])
+            rewards[variant] = data["rewards"]
+    pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
+    return {"pipeline_s_per_iter": round(pipeline, 3), "bare_s_per_iter": round(bare, 3),
+            "ratio": round(pipeline / bare, 3), "overhead_s_per_iter": round(pipeline - bare, 3),
+            "same_rewards": rewards["pipeline"] == rewards["bare"], "rewards_pipeline": rewards["pipeline"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--workload", choices=["batch", "tiny", "both"], default="both")
     p.add_argument("--worker", choices=["pipeline", "bare"])
     p.add_argument("--workdir")
     a = p.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.workdir, a.iterations)
+        worker(a.worker, a.workdir, a.iterations, a.workload)
         return
     if a.iterations < 2:
         raise SystemExit("--iterations must be >= 2 (the first iteration is excluded)")
-    times: dict[str, list[float]] = {"pipeline": [], "bare": []}
-    rewards: dict[str, list] = {}
+    workloads = ["batch", "tiny"] if a.workload == "both" else [a.workload]
     with tempfile.TemporaryDirectory(prefix="ppoflow-overhead-") as workdir:
-        for _ in range(a.rounds):
-            for variant in ("pipeline", "bare"):
-                data = run_variant(variant, workdir, a.iterations)
-                times[variant].append(data["per_iteration_s"])
-                rewards[variant] = data["rewards"]
-    pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
-    emit("overhead", {"baseline": "bare engine loop (no Prefect, no storage)", "iterations": a.iterations,
-                      "rounds": a.rounds, "pipeline_s_per_iter": round(pipeline, 3),
-                      "bare_s_per_iter": round(bare, 3), "ratio": round(pipeline / bare, 3),
-                      "goal": "<= 1.05", "rewards_pipeline": rewards["pipeline"], "rewards_bare": rewards["bare"]})
+        results = {w: measure(w, a.iterations, a.rounds, workdir) for w in workloads}
+    figures = {"baseline": "bare engine loop (no Prefect, no storage)", "iterations": a.iterations,
+               "rounds": a.rounds, "goal": "<= 1.05",
+               "workloads": {w: {"rollout": WORKLOADS[w], **r} for w, r in results.items()}}
+    if "batch" in results:
+        figures["ratio"] = results["batch"]["ratio"]
+    if "tiny" in results:
+        figures["tiny_ratio"] = results["tiny"]["ratio"]
+    emit("overhead", figures)
 
 
 if __name__ == "__main__":

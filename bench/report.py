@@ -50,6 +50,17 @@ def summary(name: str) -> str:
     return ""
 
 
+def _flat(line: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """Nested figure dicts (e.g. one per workload) as dotted rows: workloads.batch.ratio."""
+    rows = []
+    for k, v in line.items():
+        if isinstance(v, dict) and v and len(json.dumps(v)) > 60:
+            rows += _flat(v, f"{prefix}{k}.")
+        else:
+            rows.append((f"{prefix}{k}", v))
+    return rows
+
+
 def _value(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -71,7 +82,7 @@ def section(name: str) -> str:
                   f"{m.get('cores', line.get('cpu_count'))} cores, {m.get('mem_gib', '?')} GiB, "
                   f"{m.get('cpu_model', '?')}; commit `{line.get('commit')}`.", "",
                   "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {_value(v)} |" for k, v in line.items() if k not in META]
+        lines += [f"| {k} | {_value(v)} |" for k, v in _flat({k: v for k, v in line.items() if k not in META})]
         lines.append("")
     for png in sorted(RESULTS.glob(f"{name}*.png")):
         lines += ["", f"![{png.stem}](bench/results/{png.name})"]

@@ -7,12 +7,12 @@ Each stage is a separately callable function (`rollout_step`, `scoring_inputs`, 
 `sync_policy`), so the Prefect pipeline calls the same pieces stage by stage, with shards in between.
 `EngineLoop` strings them together and times each under `timing/<stage>`.
 
-Seeds: prompt k of iteration i is sampled with seed `prompt_seed(run.seed, i, k)`, so an iteration's
-samples depend only on (seed, iteration, policy weights), not on what ran before in the process.
+Seeds: dataset row r in iteration i is sampled with `prompt_sampling_seed(run.seed, i, r)`, so an
+iteration's samples depend only on (seed, iteration, policy weights), not on what ran before in the
+process, and the pipeline (tasks/rollout.py) draws the same samples as this loop.
 """
 from __future__ import annotations
 
-import hashlib
 import tempfile
 import time
 from pathlib import Path
@@ -20,23 +20,17 @@ from typing import Optional
 
 from engines.data import PromptRecord, PromptSource
 from engines.models import load_tokenizer
-from engines.rollout.base import RolloutEngine, RolloutSample, SamplingSettings
+from engines.rollout.base import RolloutEngine, RolloutSample, SamplingSettings, prompt_sampling_seed
 from engines.scoring.scorer import ScoreResult, Scorer, ScoringInput
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.ppo_trainer import PPOTrainer
-
-
-def prompt_seed(run_seed: int, iteration: int, position: int) -> int:
-    """Sampling seed of the prompt at `position` of `iteration` (63-bit, stable across processes)."""
-    digest = hashlib.sha256(f"rollout:{run_seed}:{iteration}:{position}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def rollout_step(engine: RolloutEngine, prompt_source: PromptSource, cfg, iteration: int
                  ) -> tuple[list[PromptRecord], list[RolloutSample]]:
     """The iteration's prompts and n samples each, ordered by (prompt, sample)."""
     records = prompt_source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
-    seeds = [prompt_seed(cfg.run.seed, iteration, k) for k in range(len(records))]
+    seeds = [prompt_sampling_seed(cfg.run.seed, iteration, r.index) for r in records]
     samples = engine.generate([r.prompt_ids for r in records], SamplingSettings.from_config(cfg.rollout), seeds)
     return records, samples
 

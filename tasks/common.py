@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from collections import Counter
 from typing import Any
 
@@ -38,6 +39,21 @@ def as_config(config: PPOFlowConfig | dict) -> PPOFlowConfig:
 
 def layout_for(cfg: PPOFlowConfig) -> RunLayout:
     return RunLayout(cfg.run.root, cfg.run.name, cfg.storage)
+
+
+def local_path_state(path: str) -> list[tuple[str, int, int]]:
+    """(name, size, mtime_ns) of a local file, or of the files in a local folder; [] when neither.
+
+    Part of the identity of a process-wide engine built from local files (a reference model, a tokenised
+    dataset): rewriting the files in place under the same path then rebuilds the engine.
+    """
+    root = Path(path).expanduser()
+    if root.is_file():
+        st = root.stat()
+        return [(root.name, st.st_size, st.st_mtime_ns)]
+    if not root.is_dir():
+        return []
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
 
 
 def stable_hash(obj: Any) -> str:

@@ -2,32 +2,28 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import time
 from typing import Any
 
 import pyarrow as pa
 from prefect import task
 
+from engines import warm
 from engines.data import PromptSource
 from engines.models import load_tokenizer
-from engines.rollout.base import RolloutSample, SamplingSettings
+from engines.rollout.base import RolloutSample, SamplingSettings, prompt_sampling_seed
 from engines.rollout.registry import get_rollout_engine
 from ppoflow.config import PPOFlowConfig
 from storage.schema import schema_for
 from storage.shards import write_shards
-from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for
+from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for, local_path_state
 from tasks.policy import local_policy_dir
 
 
 def prompt_hash(prompt_ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()
-
-
-def sample_seed(seed: int, iteration: int, prompt_index: int) -> int:
-    """Per-prompt sampling seed: a function of (run seed, iteration, dataset row), so a retried or resumed
-    rollout draws exactly the samples the first attempt drew, whatever the process's RNG state."""
-    digest = hashlib.sha256(f"{seed}/{iteration}/{prompt_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def rollout_table(samples: list[RolloutSample], prompts: list, tokenizer, iteration: int) -> pa.Table:
@@ -53,17 +49,28 @@ def rollout_table(samples: list[RolloutSample], prompts: list, tokenizer, iterat
     return pa.table(rows, schema=schema_for("rollout"))
 
 
+def prompt_source_for(cfg: PPOFlowConfig) -> PromptSource:
+    """The worker's tokenised prompt set, built once per data settings and tokenizer folder (tokenising the
+    whole dataset every iteration would cost more than sampling on the tiny model); rebuilt when the data
+    settings or the files change. The tokenizer is the initial model's: checkpoints save the same tokenizer
+    files beside the policy weights."""
+    key = json.dumps([cfg.section_hash("data"), os.path.abspath(cfg.model.policy_path), cfg.model.apply_chat_template,
+                      local_path_state(cfg.data.path), local_path_state(cfg.model.policy_path)])
+    return warm.get_or_build("prompts", key, lambda: PromptSource(
+        cfg.data, load_tokenizer(cfg.model.policy_path), cfg.model.apply_chat_template))
+
+
 def run_rollout(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, Any]) -> dict[str, Any]:
     """Generate iteration `iteration`'s samples with the policy `policy` (tasks/policy.py) -> rollout manifest."""
     cfg = as_config(config)
     STAGE_BODY_CALLS["rollout"] += 1
     started = time.perf_counter()
     policy_dir = local_policy_dir(cfg, policy)
-    tokenizer = load_tokenizer(policy_dir)
-    source = PromptSource(cfg.data, tokenizer, cfg.model.apply_chat_template)
+    source = prompt_source_for(cfg)
+    tokenizer = source.tokenizer
     prompts = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
     engine = get_rollout_engine(cfg.rollout, cfg.model, policy_dir, policy["version"], cfg.run.seed)
-    seeds = [sample_seed(cfg.run.seed, iteration, p.index) for p in prompts]
+    seeds = [prompt_sampling_seed(cfg.run.seed, iteration, p.index) for p in prompts]
     samples = engine.generate([p.prompt_ids for p in prompts], SamplingSettings.from_config(cfg.rollout), seeds)
     layout = layout_for(cfg)
     stage_dir = layout.stage_dir(iteration, "rollout")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -25,7 +24,7 @@ from ppoflow.config import PPOFlowConfig
 from storage.score_cache import ScoreCache
 from storage.schema import schema_for
 from storage.shards import clear_stage_dir, read_shards, write_shards
-from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for
+from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for, local_path_state
 
 
 def scoring_inputs(table: pa.Table) -> list[ScoringInput]:
@@ -38,14 +37,6 @@ def scoring_inputs(table: pa.Table) -> list[ScoringInput]:
             for i in range(table.num_rows)]
 
 
-def _folder_state(folder: str) -> list[tuple[str, int, int]]:
-    """(name, size, mtime_ns) of the files in a local model folder; [] when it is not a folder."""
-    root = Path(folder).expanduser()
-    if not root.is_dir():
-        return []
-    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
-
-
 def scorer_for(cfg: PPOFlowConfig) -> Scorer:
     """The warm scorer of this process; rebuilt when the scoring settings change, and also when the files
     of the reference or of a reward-model folder change in place (new weights under the same path): the
@@ -53,7 +44,7 @@ def scorer_for(cfg: PPOFlowConfig) -> Scorer:
     space: the new weights miss, they never read the old weights' scores.
     """
     folders = [cfg.model.policy_path] + [s.target for s in cfg.reward.sources if s.kind == "model"]
-    key = json.dumps([cfg.section_hash("model", "reward", "score", "rollout"), [_folder_state(f) for f in folders]])
+    key = json.dumps([cfg.section_hash("model", "reward", "score", "rollout"), [local_path_state(f) for f in folders]])
     return warm.get_or_build("scorer", key, lambda: Scorer(cfg))
 
 

@@ -5,10 +5,22 @@ straight into Arrow list columns.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol, Sequence, runtime_checkable
 
 FinishReason = Literal["stop", "length"]
+
+
+def prompt_sampling_seed(run_seed: int, iteration: int, prompt_index: int) -> int:
+    """Sampling seed of dataset row `prompt_index` in `iteration` (63-bit, stable across processes).
+
+    A function of (run seed, iteration, dataset row) only, so a retried or resumed rollout draws exactly the
+    samples the first attempt drew whatever ran before in the process, and the bare engine loop and the
+    pipeline draw the same samples for the same iteration.
+    """
+    digest = hashlib.sha256(f"rollout:{run_seed}:{iteration}:{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 @dataclass(frozen=True)
