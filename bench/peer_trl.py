@@ -296,8 +296,19 @@ def main(argv: list[str] | None = None) -> dict:
     save_curves(size, runs)
     figures = {"size": size.name, "iterations": size.iterations, "seeds": a.seeds, "threads_per_process": 1,
                "model": {"path": str(model_dir.relative_to(REPO_ROOT)), **size.model_kwargs},
-               **headline(summaries, size.iterations, unavailable), "trainers": summaries}
+               **headline(summaries, size.iterations, unavailable), "trainers": summaries,
+               "plots": write_plots(size.name)}
     return emit("peer_trl", figures)
+
+
+def write_plots(size: str) -> list[str] | str:
+    """The PNG plots of this run's curves (bench/plots.py), or why there are none (matplotlib missing)."""
+    from bench.plots import plot
+
+    try:
+        return [str(path.relative_to(REPO_ROOT)) for path in plot(size)]
+    except ModuleNotFoundError as e:
+        return f"no plots: {e}"
 
 
 if __name__ == "__main__":

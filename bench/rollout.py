@@ -1,14 +1,20 @@
 """Rollout throughput: ppoflow's vLLM engine vs. Hugging Face `generate` (the named baseline), one run.
 
-    python -m bench.rollout [--prompts 256] [--new-tokens 64] [--repeats 2]
+    python -m bench.rollout [--model tiny|small|medium] [--prompts 256] [--new-tokens 64] [--repeats 2]
 
-Setup: the tiny Llama (engines/toy/model.py: vocab 64, hidden 128, 2 layers, head_dim 64, fp32), the
+Setup: a random-init Llama from engines/toy/model.py (vocab 64, head_dim 64, fp32) of the chosen size
+(tiny: hidden 128, 2 layers, the toy task's model; small: hidden 512, 3 layers, peer_trl's small model;
+medium: hidden 1024, 8 layers, ~100 M parameters), the
 same prompts (the first N digits-task prompts, tokenized) and the same lengths for both: every sample
 generates exactly --new-tokens tokens (vLLM: ignore_eos + min_tokens; HF: min_new_tokens), n = 1,
 temperature 1, no top-p/top-k. HF generate gets the whole batch at once (left padding, SDPA, KV cache);
 vLLM gets all prompts in one `generate` call. Each side is warmed up first (a small call, excluded);
 then the best of --repeats timed runs counts. Also reported: vLLM's start-up and a weight reload
 (`load_weights`, what an iteration pays instead of a restart).
+
+Cores: vLLM's CPU build binds its worker to all cores but one by default (the one is reserved for the
+calling process); here both sides get every core this process may use (VLLM_CPU_OMP_THREADS_BIND and
+VLLM_CPU_NUM_OF_RESERVED_CPU are set unless already set), as HF generate's torch threads do.
 
 Figures: generated tokens per second for each side and their ratio vllm/hf (goal >= 5).
 Ends with one JSON line (bench/common.py emit), appended to bench/results/rollout.jsonl.
@@ -82,16 +88,28 @@ def time_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, repeats:
     return {"tokens": tokens, "seconds": best}
 
 
+MODELS = {  # build_tiny_llama keyword arguments per --model
+    "tiny": {},
+    "small": {"hidden_size": 512, "num_heads": 8, "num_layers": 3, "intermediate_size": 1536},
+    "medium": {"hidden_size": 1024, "num_heads": 16, "num_layers": 8, "intermediate_size": 2816},
+}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args(argv)
     from engines.toy.model import build_tiny_llama
 
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_llama(Path(tmp) / "tiny-llama", seed=0)
+        model_dir = build_tiny_llama(Path(tmp) / "llama", seed=0, **MODELS[a.model])
         prompts = digits_prompt_ids(model_dir, a.prompts)
         vllm = time_vllm(model_dir, prompts, a.new_tokens, a.repeats)
         hf = time_hf(model_dir, prompts, a.new_tokens, a.repeats)
@@ -101,12 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
     vllm_tps, hf_tps = vllm["tokens"] / vllm["seconds"], hf["tokens"] / hf["seconds"]
     print(f"vLLM {vllm_tps:,.0f} tok/s  HF generate {hf_tps:,.0f} tok/s  ratio {vllm_tps / hf_tps:.2f}x (goal >= 5x)")
     return emit("rollout", {
-        "baseline": "transformers generate (batched, sdpa, fp32)", "model": "tiny-llama h128 l2 v64",
+        "baseline": "transformers generate (batched, sdpa, fp32)", "model": a.model, "model_config": MODELS[a.model] or "hidden 128, 2 layers",
         "prompts": a.prompts, "new_tokens": a.new_tokens, "generated_tokens": expected,
         "vllm_tokens_per_s": round(vllm_tps, 1), "hf_tokens_per_s": round(hf_tps, 1),
         "ratio_vllm_over_hf": round(vllm_tps / hf_tps, 2), "goal_ratio": 5.0,
         "vllm_startup_s": round(vllm["startup_s"], 1), "vllm_reload_weights_s": round(vllm["reload_s"], 3),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "vllm_cpu_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
     })
 
 
