@@ -31,11 +31,11 @@ def latest(name: str) -> list[dict]:
     path = RESULTS / f"{name}.jsonl"
     if not path.exists():
         return []
-    by_variant: dict[tuple, dict] = {}
+    by_variant: dict[str, dict] = {}
     for ln in path.read_text().splitlines():
         if ln.strip():
             line = json.loads(ln)
-            by_variant[tuple(line.get(k) for k in VARIANT_KEYS)] = line
+            by_variant[json.dumps([line.get(k) for k in VARIANT_KEYS], sort_keys=True)] = line
     return list(by_variant.values())
 
 
