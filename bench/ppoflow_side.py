@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, TARGET_LENGTH, Stopwatch, emit_record,
-                                   greedy_eval, one_thread)
+from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, TARGET_LENGTH, Stopwatch, emit_final,
+                                   emit_record, greedy_eval, one_thread)
 
 
 def variant_unavailable(variant: str) -> Optional[str]:
@@ -192,10 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         policy_dir = engine_policy_dir(loop) if loop is not None else final_policy_dir(cfg)
         greedy = greedy_eval(AutoModelForCausalLM.from_pretrained(policy_dir), AutoTokenizer.from_pretrained(policy_dir))
-    emit_record("final", trainer=f"ppoflow_{a.variant}", algo=a.algo, seed=a.seed, iterations=len(records),
-                setup_s=setup_s, train_s=train_s, iter_s_mean=train_s / max(len(records), 1),
-                reward_last=records[-1]["reward_mean"] if records else None,
-                greedy_reward=greedy[0], greedy_exact=greedy[1])
+    emit_final(f"ppoflow_{a.variant}", a.seed, records, setup_s, train_s, greedy, algo=a.algo)
     if not a.keep_run:  # a run of the small model leaves ~0.5 GB of shards and checkpoints
         shutil.rmtree(cfg.run.root, ignore_errors=True)
 

@@ -44,6 +44,23 @@ def emit_record(event: str, **fields: Any) -> dict:
     return record
 
 
+def emit_final(trainer: str, seed: int, records: list, setup_s: float, train_s: float,
+               greedy: tuple[Any, Any] = (None, None), **extra: Any) -> dict:
+    """The closing record every side prints: timings, the last iteration's reward, the greedy evaluation."""
+    return emit_record("final", trainer=trainer, **extra, seed=seed, iterations=len(records), setup_s=setup_s,
+                       train_s=train_s, iter_s_mean=train_s / max(len(records), 1),
+                       reward_last=records[-1]["reward_mean"] if records else None,
+                       greedy_reward=greedy[0], greedy_exact=greedy[1])
+
+
+def drop_console_callbacks(trainer) -> None:
+    """Remove the Trainer's printing and tqdm callbacks: stdout carries only this protocol's JSON records."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    for noisy in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(noisy)
+
+
 def response_reward(response_ids: Sequence[int], label: str, tokenizer, end_ids: Sequence[int]) -> float:
     """The digits reward of one response given as token ids, ended at the first id in `end_ids`.
 

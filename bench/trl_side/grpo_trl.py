@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, emit_record, greedy_eval,
-                                    progress_callback,  # noqa: E402
+from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, drop_console_callbacks, emit_final,
+                                   greedy_eval, progress_callback,  # noqa: E402
                                    make_rows, one_thread, response_reward)
 
 PROMPTS_PER_ITERATION, SAMPLES_PER_PROMPT, RESPONSE_LENGTH = 8, 8, 8
@@ -42,7 +42,7 @@ def digits_reward_func(tokenizer):
 def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, stopwatch: Stopwatch, records: list):
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, ProgressCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     torch.manual_seed(seed)
@@ -61,8 +61,7 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
     trainer = GRPOTrainer(model=policy, reward_funcs=digits_reward_func(tokenizer), args=config,
                           train_dataset=train, processing_class=tokenizer,
                           callbacks=[progress_callback(stopwatch, records, "reward", None)])
-    for noisy in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(noisy)
+    drop_console_callbacks(trainer)
     return trainer, tokenizer, policy
 
 
@@ -83,10 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
         train_s = time.perf_counter() - train_start
     greedy = greedy_eval(policy, tokenizer) if a.greedy_eval else (None, None)
-    emit_record("final", trainer="trl_grpo", seed=a.seed, iterations=len(records), setup_s=setup_s,
-                train_s=train_s, iter_s_mean=train_s / max(len(records), 1),
-                reward_last=records[-1]["reward_mean"] if records else None,
-                greedy_reward=greedy[0], greedy_exact=greedy[1])
+    emit_final("trl_grpo", a.seed, records, setup_s, train_s, greedy)
 
 
 if __name__ == "__main__":

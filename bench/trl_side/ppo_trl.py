@@ -36,8 +36,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, emit_record, greedy_eval,
-                                    progress_callback,  # noqa: E402
+from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, drop_console_callbacks, emit_final,
+                                   greedy_eval, progress_callback,  # noqa: E402
                                    make_rows, one_thread, response_reward)
 
 PROMPTS_PER_ITERATION = 64
@@ -99,8 +99,7 @@ def _rule_backbone_class():
 def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, stopwatch: Stopwatch, records: list):
     import torch
     from datasets import Dataset
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              PrinterCallback, ProgressCallback)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     torch.manual_seed(seed)
@@ -126,8 +125,7 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
                          reward_model=reward, train_dataset=train, value_model=value,
                          eval_dataset=train.select(range(PROMPTS_PER_ITERATION)),
                          callbacks=[progress_callback(stopwatch, records, "objective/scores", DIAGNOSTICS)])
-    for noisy in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(noisy)
+    drop_console_callbacks(trainer)
     return trainer, tokenizer, policy
 
 
@@ -152,10 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
         train_s = time.perf_counter() - train_start
     greedy = greedy_eval(policy, tokenizer) if a.greedy_eval else (None, None)
-    emit_record("final", trainer="trl_ppo", gc=a.gc, seed=a.seed, iterations=len(records), setup_s=setup_s,
-                train_s=train_s, iter_s_mean=train_s / max(len(records), 1),
-                reward_last=records[-1]["reward_mean"] if records else None,
-                greedy_reward=greedy[0], greedy_exact=greedy[1])
+    emit_final("trl_ppo", a.seed, records, setup_s, train_s, greedy, gc=a.gc)
 
 
 if __name__ == "__main__":
