@@ -6,6 +6,8 @@
 Trainers (each a fresh process with OMP_NUM_THREADS=1 and torch.set_num_threads(1)):
     trl_ppo_frozen    TRL 1.12.0 PPOTrainer after gc.freeze(): the PPO peer number
     trl_ppo_shipped   TRL 1.12.0 PPOTrainer as shipped (it calls gc.collect() twice per iteration)
+    trl_ppo_bf16      TRL 1.12.0 PPOTrainer, frozen gc, with ppoflow's precision: bf16=True (bfloat16
+                      autocast) and eager attention -- for the ratio at equal precision
     ppoflow_engine    ppoflow's engine loop (engines/loop.py), no Prefect, no storage
     ppoflow_pipeline  ppoflow's full pipeline: the Prefect flow flows/training.py:ppo_training, storage included
     trl_grpo, ppoflow_grpo_engine, ppoflow_grpo_pipeline: the same for GRPO (8 prompts x 8 samples)
@@ -16,9 +18,13 @@ reason and left out of the ratios, never silently.
 
 Same work on both sides: the model folder built here (engines/toy/model.py), the digits prompts
 (engines/toy/task.py make_rows), 8 new tokens, temperature 1, the digits reward ended at EOS or pad.
+ppoflow runs with its CPU settings (bench/ppoflow_side.py CPU_SETTINGS: bfloat16 autocast, eager
+attention, ZeRO stage 0, HF generate); TRL as it runs by default (float32, SDPA) for the peer number,
+and once more with bfloat16 autocast and eager attention (trl_ppo_bf16).
 Figures: `ratio` = ppoflow full pipeline / TRL PPO (frozen gc) seconds per iteration in steady state
 (per run the median over the iterations after the first, then the mean over seeds; goal <= 0.5),
-`engine_ratio` = ppoflow engine loop / TRL PPO; `*_with_first` use all iterations (seconds from the start
+`engine_ratio` = ppoflow engine loop / TRL PPO; `*_same_precision` the same against trl_ppo_bf16;
+`*_with_first` use all iterations (seconds from the start
 of training to the last iteration's record / iterations), so the pipeline's engine start-up inside its
 first iteration is included. Setup before training (model loading; the engine loop's engine start) is
 setup_s, the whole training call train_s, this process's CPU seconds per iteration cpu_iter_s (a check
@@ -108,6 +114,7 @@ TRAINERS = [
     Trainer("trl_ppo_frozen", "ppo", _trl_command("trl-ppo", "ppo_trl.py", "--gc", "frozen")),
     Trainer("ppoflow_engine", "ppo", _ppoflow_command("engine", "ppo"), _ppoflow_available("engine")),
     Trainer("trl_ppo_shipped", "ppo", _trl_command("trl-ppo", "ppo_trl.py", "--gc", "shipped")),
+    Trainer("trl_ppo_bf16", "ppo", _trl_command("trl-ppo", "ppo_trl.py", "--gc", "frozen", "--precision", "bf16")),
     Trainer("ppoflow_grpo_pipeline", "grpo", _ppoflow_command("pipeline", "grpo"), _ppoflow_available("pipeline")),
     Trainer("trl_grpo", "grpo", _trl_command("trl-grpo", "grpo_trl.py")),
     Trainer("ppoflow_grpo_engine", "grpo", _ppoflow_command("engine", "grpo"), _ppoflow_available("engine")),
@@ -223,12 +230,16 @@ def headline(summaries: dict[str, dict], iterations: int, unavailable: dict[str,
         "engine_ratio": ratio("ppoflow_engine", "trl_ppo_frozen"),
         "ratio_with_first": ratio("ppoflow_pipeline", "trl_ppo_frozen", "iter_s"),
         "engine_ratio_with_first": ratio("ppoflow_engine", "trl_ppo_frozen", "iter_s"),
+        "ratio_same_precision": ratio("ppoflow_pipeline", "trl_ppo_bf16"),
+        "engine_ratio_same_precision": ratio("ppoflow_engine", "trl_ppo_bf16"),
+        "trl_bf16_speedup": ratio("trl_ppo_frozen", "trl_ppo_bf16"),
         "trl_gc_speedup": ratio("trl_ppo_shipped", "trl_ppo_frozen"),
         "grpo_ratio": ratio("ppoflow_grpo_pipeline", "trl_grpo"),
         "grpo_engine_ratio": ratio("ppoflow_grpo_engine", "trl_grpo"),
         "grpo_ratio_with_first": ratio("ppoflow_grpo_pipeline", "trl_grpo", "iter_s"),
         f"ppoflow_{reward_key}": get("ppoflow_pipeline", reward_key) or get("ppoflow_engine", reward_key),
         f"trl_{reward_key}": get("trl_ppo_frozen", reward_key),
+        f"trl_bf16_{reward_key}": get("trl_ppo_bf16", reward_key),
         f"grpo_ppoflow_{reward_key}": get("ppoflow_grpo_pipeline", reward_key) or get("ppoflow_grpo_engine", reward_key),
         f"grpo_trl_{reward_key}": get("trl_grpo", reward_key),
     }
@@ -294,8 +305,11 @@ def main(argv: list[str] | None = None) -> dict:
     summaries = {name: summarize_trainer([r for r in runs if r["trainer"] == name], size.iterations)
                  for name in by_name}
     save_curves(size, runs)
+    from bench.ppoflow_side import CPU_SETTINGS
+
     figures = {"size": size.name, "iterations": size.iterations, "seeds": a.seeds, "threads_per_process": 1,
                "model": {"path": str(model_dir.relative_to(REPO_ROOT)), **size.model_kwargs},
+               "ppoflow_settings": CPU_SETTINGS,
                **headline(summaries, size.iterations, unavailable), "trainers": summaries,
                "plots": write_plots(size.name)}
     return emit("peer_trl", figures)

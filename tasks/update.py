@@ -19,6 +19,7 @@ from engines import warm
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.ppo_trainer import PPOTrainer
 from ppoflow.config import PPOFlowConfig
+from storage import fs as fsutil
 from storage.checkpoints import save_checkpoint_files
 from storage.schema import schema_for
 from storage.shards import read_shards, write_shards
@@ -81,11 +82,16 @@ def run_update(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, A
     exp_dir = layout.stage_dir(iteration, "experience")
     exp_manifest = write_shards(layout.fs, exp_dir, experience_table(table, result), "experience",
                                 max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
-    with tempfile.TemporaryDirectory(prefix="ppoflow-ckpt-") as tmp:
+    # On local storage the scratch folder sits in the run's checkpoints folder, so the files are renamed
+    # into place rather than copied (same filesystem); elsewhere it is the system temp folder.
+    scratch_parent = layout.fs._strip_protocol(layout.checkpoints_dir) if fsutil.is_local(layout.fs) else None
+    if scratch_parent:
+        os.makedirs(scratch_parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".ppoflow-ckpt-", dir=scratch_parent) as tmp:
         trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())
-        files = save_checkpoint_files(layout, iteration, tmp)
+        files = save_checkpoint_files(layout, iteration, tmp, move=True)
     warm.get_or_build(TRAINER_ROLE, f"staged-{cfg.run.name}-{iteration}", lambda: trainer)
     return {"stage": "update", "iteration": iteration, "checkpoint_uri": layout.url(layout.checkpoint_dir(iteration)),
             "experience_uri": layout.url(exp_dir), "content_hash": stable_hash(files),

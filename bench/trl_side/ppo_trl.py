@@ -23,6 +23,10 @@ side stops sampling at both, so the two sides score the same responses.
 
 --gc shipped runs TRL as it is (two gc.collect() per iteration); --gc frozen calls gc.freeze() first, so
 those collections skip the long-lived objects (models, tensors, modules): the peer number.
+
+--precision fp32 (default) loads the three models in float32 with SDPA attention, as TRL runs out of the
+box on CPU. --precision bf16 sets PPOConfig(bf16=True) (accelerate's bfloat16 autocast; weights and AdamW
+stay float32) and eager attention: the settings ppoflow's side runs with, for the ratio at equal precision.
 """
 from __future__ import annotations
 
@@ -96,7 +100,8 @@ def _rule_backbone_class():
     return DigitsRuleReward
 
 
-def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, stopwatch: Stopwatch, records: list):
+def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, stopwatch: Stopwatch, records: list,
+                  precision: str = "fp32"):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -104,9 +109,10 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    attention = {"attn_implementation": "eager" if precision == "bf16" else "sdpa", "dtype": torch.float32}
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, **attention)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, **attention)
+    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, **attention)
     value.config.pad_token_id = tokenizer.pad_token_id
     rows = make_rows(DATASET_ROWS, DATASET_SEED)
     train = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in rows["prompt"]]})
@@ -118,7 +124,7 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
         total_episodes=PROMPTS_PER_ITERATION * iterations, learning_rate=1e-3, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, response_length=RESPONSE_LENGTH, temperature=1.0, stop_token="eos",
         missing_eos_penalty=None, kl_coef=0.05, kl_estimator="k1", gamma=1.0, lam=0.95, whiten_rewards=False,
-        cliprange=0.2, cliprange_value=0.2, vf_coef=0.1,
+        cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, bf16=precision == "bf16",
     )
     reward = _rule_backbone_class()(tokenizer, rows["prompt"], rows["label"])
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=reference,
@@ -135,13 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--iterations", type=int, default=150)
     p.add_argument("--gc", choices=["shipped", "frozen"], default="frozen")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--greedy-eval", action="store_true", help="greedy accuracy on held-out prompts at the end")
     a = p.parse_args(argv)
     one_thread()
     process_start = time.perf_counter()
     stopwatch, records = Stopwatch(), []
     with tempfile.TemporaryDirectory(prefix="ppo_trl_") as output_dir:
-        trainer, tokenizer, policy = build_trainer(a.model, a.seed, a.iterations, output_dir, stopwatch, records)
+        trainer, tokenizer, policy = build_trainer(a.model, a.seed, a.iterations, output_dir, stopwatch, records,
+                                                   a.precision)
         if a.gc == "frozen":
             gc.collect()
             gc.freeze()  # what exists now (models, data) is never scanned again by TRL's gc.collect()
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
         train_s = time.perf_counter() - train_start
     greedy = greedy_eval(policy, tokenizer) if a.greedy_eval else (None, None)
-    emit_final("trl_ppo", a.seed, records, setup_s, train_s, greedy, gc=a.gc)
+    emit_final("trl_ppo", a.seed, records, setup_s, train_s, greedy, gc=a.gc, precision=a.precision)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from engines.models import load_reference
+from engines.models import autocast, load_reference
 from engines.trainer.experience import left_pad, right_pad
 from engines.trainer.forward import policy_forward
 
@@ -36,7 +37,8 @@ class ReferenceModel:
     """Frozen reference policy. `logprobs` returns one list of floats per response (ragged)."""
 
     def __init__(self, path: str, dtype: str = "float32", temperature: float = 1.0, micro_batch_size: int = 16,
-                 attn_implementation: str = "sdpa", device: str = "cpu", chunk_size: int = 256):
+                 attn_implementation: str = "sdpa", device: str = "cpu", chunk_size: int = 256,
+                 autocast_dtype: Optional[str] = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.path = str(path)
@@ -46,7 +48,11 @@ class ReferenceModel:
         self.micro_batch_size = micro_batch_size
         self.chunk_size = chunk_size
         self.pad_token_id = self.model.config.pad_token_id or 0
-        self.fingerprint = weights_fingerprint(path)
+        self.autocast_dtype = autocast_dtype
+        # Part of the score cache's key: log-probs computed at another precision are other numbers
+        # (the default float32 keeps the bare weights fingerprint, so older caches stay valid).
+        precision = "" if (dtype, autocast_dtype) == ("float32", None) else f"-{dtype}-autocast-{autocast_dtype}"
+        self.fingerprint = weights_fingerprint(path) + precision
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
@@ -71,8 +77,9 @@ class ReferenceModel:
         prompt, prompt_mask = left_pad(prompts, max(len(p) for p in prompts), self.pad_token_id)
         response = right_pad(responses, width_r, self.pad_token_id, torch.long)
         response_mask = right_pad([[1] * len(r) for r in responses], width_r, 0, torch.long)
-        out = policy_forward(self.model, prompt.to(self.device), prompt_mask.to(self.device),
-                             response.to(self.device), response_mask.to(self.device), self.temperature,
-                             self.chunk_size)
+        with autocast(self.autocast_dtype, self.device):
+            out = policy_forward(self.model, prompt.to(self.device), prompt_mask.to(self.device),
+                                 response.to(self.device), response_mask.to(self.device), self.temperature,
+                                 self.chunk_size)
         logprobs = out.logprobs.float().cpu()
         return [logprobs[b, :len(r)].tolist() for b, r in enumerate(responses)]

@@ -76,7 +76,7 @@ def build_reference(cfg):
 
     return ReferenceModel(cfg.model.policy_path, cfg.model.dtype, cfg.rollout.temperature,
                           cfg.train.micro_batch_size, cfg.model.attn_implementation,
-                          chunk_size=cfg.train.logprob_chunk)
+                          chunk_size=cfg.train.logprob_chunk, autocast_dtype=cfg.model.autocast_dtype)
 
 
 class Scorer:

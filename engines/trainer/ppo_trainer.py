@@ -1,7 +1,9 @@
 """PPOTrainer: one PPO update of the actor (and the critic for algo "ppo") with DeepSpeed.
 
 An update reads as its stages in order:
-  1. old log-probs (actor) and old values (critic), no grad, in micro-batches;
+  1. old log-probs (actor) and old values (critic), no grad, in micro-batches -- or, when the whole batch
+     is one optimizer step of one micro-batch (the common single-minibatch recipe), taken from the first
+     epoch's own forward pass, which runs before any weight moves (see `_first_forward`);
   2. per-token KL to the reference (algo.kl_estimator); token rewards (KL folded in when algo.kl_in_reward);
   3. advantages and returns (engines.ppo.compute_advantages);
   4. algo.ppo_epochs passes; each shuffles the rows (seeded by run.seed and the update count, so a resumed
@@ -14,6 +16,9 @@ Loss scale: every micro-batch loss is divided by the response tokens of its whol
 accumulated gradient is the gradient of the step's token-mean loss however the step is split.
 (With several data-parallel ranks DeepSpeed averages ranks; `num_tokens` is then the local step's tokens.)
 
+Precision: model.autocast_dtype ("bfloat16") runs every actor/critic forward (and so its backward) under
+torch.autocast; weights, gradients and AdamW state stay float32, log-probs and values come out float32.
+
 Checkpoints: see engines/trainer/checkpoint.py.
 """
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from engines.models import load_critic, load_policy, load_tokenizer
+from engines.models import autocast, load_critic, load_policy, load_tokenizer
 from engines.ppo import advantages as ppo_advantages
 from engines.ppo.kl import kl_penalty
 from engines.ppo.kl_controller import make_kl_controller
@@ -34,7 +39,7 @@ from engines.ppo.rewards import token_level_rewards
 from engines.trainer import checkpoint
 from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
 from engines.trainer.experience import ExperienceBatch
-from engines.trainer.forward import critic_forward, policy_forward
+from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 
 GROUP_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 KL_CLAMP = 10.0  # log-ratio clamp for every KL estimate (see engines.ppo.kl)
@@ -49,6 +54,15 @@ class UpdateResult:
     values: list[list[float]]
     advantages: list[list[float]]
     returns: list[list[float]]
+
+
+@dataclass
+class _FirstForward:
+    """The first epoch's forward over the whole batch, graphs kept: policy (B, R) log-probs (+ entropy) and
+    critic values (B, R) or None. Its detached outputs are the update's old log-probs and values."""
+
+    policy: PolicyOutput
+    values: Optional[torch.Tensor]
 
 
 @dataclass
@@ -107,6 +121,19 @@ class PPOTrainer:
         if trainer_state_dir is not None:
             checkpoint.load_trainer_state(self, trainer_state_dir)
 
+    def _autocast(self):
+        return autocast(self.cfg.model.autocast_dtype, self.device)
+
+    def _policy_forward(self, mb: ExperienceBatch, with_entropy: bool = False) -> PolicyOutput:
+        with self._autocast():
+            return policy_forward(self.actor, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                  self.cfg.rollout.temperature, self.cfg.train.logprob_chunk,
+                                  with_entropy=with_entropy, entropy_grad=self.cfg.algo.entropy_coef != 0)
+
+    def _critic_forward(self, mb: ExperienceBatch) -> torch.Tensor:
+        with self._autocast():
+            return critic_forward(self.critic, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+
     @property
     def device(self) -> torch.device:
         return next(self.actor.module.parameters()).device
@@ -127,13 +154,27 @@ class PPOTrainer:
         logprobs, values = [], []
         for start in range(0, len(batch), micro):
             mb = batch.select(torch.arange(start, min(start + micro, len(batch))))
-            out = policy_forward(self.actor, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                 self.cfg.rollout.temperature, self.cfg.train.logprob_chunk)
-            logprobs.append(out.logprobs.float())
+            logprobs.append(self._policy_forward(mb).logprobs.float())
             if self.critic is not None:
-                values.append(critic_forward(self.critic, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                             mb.response_mask).float())
+                values.append(self._critic_forward(mb).float())
         return torch.cat(logprobs), (torch.cat(values) if values else None)
+
+    def _old_from_first_forward(self, batch: ExperienceBatch) -> bool:
+        """True when the first epoch is a single optimizer step of a single micro-batch over the whole batch.
+
+        Then its forward pass sees exactly the old weights, so a separate no-grad pass would compute the same
+        log-probs and values again (one actor and one critic forward per update saved). The price: the
+        actor's and the critic's graphs are alive together until the first backward (peak activation
+        memory of both models instead of one).
+        """
+        return (len(batch) == self.train_batch_size
+                and self.actor.train_micro_batch_size_per_gpu() >= len(batch)
+                and (self.critic is None or self.critic.train_micro_batch_size_per_gpu() >= len(batch)))
+
+    def _first_forward(self, batch: ExperienceBatch) -> _FirstForward:
+        """The first epoch's forward over all rows in batch order, with grad (see `_old_from_first_forward`)."""
+        policy = self._policy_forward(batch, with_entropy=True)
+        return _FirstForward(policy, self._critic_forward(batch) if self.critic is not None else None)
 
     # -- stages 2-3: KL, token rewards, advantages -----------------------------------------------------
     def _advantages(self, batch: ExperienceBatch, old_logprobs, values, kl: torch.Tensor):
@@ -157,11 +198,23 @@ class PPOTrainer:
         self._check_batch(batch)
         batch = batch.to(self.device)
         mask = batch.response_mask
-        old_logprobs, values = self._old_logprobs_and_values(batch)
+        first = self._first_forward(batch) if self._old_from_first_forward(batch) else None
+        if first is not None:
+            old_logprobs = first.policy.logprobs.detach().float()
+            values = first.values.detach().float() if first.values is not None else None
+        else:
+            old_logprobs, values = self._old_logprobs_and_values(batch)
         kl = kl_penalty(old_logprobs, batch.ref_logprobs, self.cfg.algo.kl_estimator, KL_CLAMP)
         adv = self._advantages(batch, old_logprobs, values, kl)
         sums = _Sums()
         for epoch in range(self.cfg.train.ppo_epochs):
+            if first is not None and epoch == 0:
+                # the one step of epoch 0 reuses the forward taken above (rows in batch order: with a single
+                # step the order changes nothing but the summation order)
+                rows = torch.arange(len(batch), device=self.device)
+                self._optimizer_step(batch, rows, old_logprobs, values, adv, sums, first)
+                first = None  # frees both graphs' references before the next epoch
+                continue
             order = torch.randperm(len(batch), generator=self._shuffle_generator(epoch))
             for start in range(0, len(batch), self.train_batch_size):
                 rows = order[start:start + self.train_batch_size].to(self.device)
@@ -180,27 +233,33 @@ class PPOTrainer:
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
     # -- stage 4: one optimizer step, accumulated over micro-batches -----------------------------------
-    def _optimizer_step(self, batch, rows, old_logprobs, values, adv, sums: _Sums) -> None:
+    def _optimizer_step(self, batch, rows, old_logprobs, values, adv, sums: _Sums,
+                        first: Optional[_FirstForward] = None) -> None:
+        """One optimizer step over `rows`; `first` (only with rows = the whole batch in order, one micro-batch)
+        supplies the forward outputs instead of new forward passes."""
         micro = self.actor.train_micro_batch_size_per_gpu()
         num_tokens = float(batch.response_mask[rows].sum().clamp(min=1))
         for start in range(0, len(rows), micro):
             r = rows[start:start + micro]
             mb = batch.select(r)
             weight = float(mb.response_mask.sum())
-            self._actor_micro_step(mb, old_logprobs[r], adv.advantages[r], num_tokens, weight, sums)
+            self._actor_micro_step(mb, old_logprobs[r], adv.advantages[r], num_tokens, weight, sums,
+                                   first.policy if first is not None else None)
             if self.critic is not None:
-                self._critic_micro_step(mb, values[r], adv.returns[r], num_tokens, weight, sums)
+                self._critic_micro_step(mb, values[r], adv.returns[r], num_tokens, weight, sums,
+                                        first.values if first is not None else None)
         sums.add("optim/actor_grad_norm", float(self.actor.get_global_grad_norm() or 0.0))
         sums.add("optim/actor_lr", self.actor.get_lr()[0])
         if self.critic is not None:
             sums.add("optim/critic_grad_norm", float(self.critic.get_global_grad_norm() or 0.0))
             sums.add("optim/critic_lr", self.critic.get_lr()[0])
 
-    def _actor_micro_step(self, mb: ExperienceBatch, old_logprobs, advantages, num_tokens, weight, sums) -> None:
+    def _actor_micro_step(self, mb: ExperienceBatch, old_logprobs, advantages, num_tokens, weight, sums,
+                          out: Optional[PolicyOutput] = None) -> None:
+        """Loss, backward and (at the step's boundary) optimizer step; `out`: this micro-batch's forward, taken already."""
         algo = self.cfg.algo
-        out = policy_forward(self.actor, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                             self.cfg.rollout.temperature, self.cfg.train.logprob_chunk, with_entropy=True,
-                             entropy_grad=algo.entropy_coef != 0)
+        if out is None:
+            out = self._policy_forward(mb, with_entropy=True)
         pl = policy_loss(out.logprobs, old_logprobs, advantages, mb.response_mask, algo.clip_low, algo.clip_high,
                          algo.dual_clip, num_tokens=num_tokens)
         loss = pl.loss
@@ -218,8 +277,10 @@ class PPOTrainer:
         sums.add("policy/ratio_mean", pl.ratio_mean, weight)
         sums.add("policy/entropy", masked_mean(out.entropy.detach(), mb.response_mask), weight)
 
-    def _critic_micro_step(self, mb: ExperienceBatch, old_values, returns, num_tokens, weight, sums) -> None:
-        values = critic_forward(self.critic, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+    def _critic_micro_step(self, mb: ExperienceBatch, old_values, returns, num_tokens, weight, sums,
+                           values: Optional[torch.Tensor] = None) -> None:
+        if values is None:
+            values = self._critic_forward(mb)
         vl = value_loss(values, old_values, returns, mb.response_mask, self.cfg.algo.value_clip, num_tokens=num_tokens)
         self.critic.backward(vl.loss, scale_wrt_gas=False)
         self.critic.step()

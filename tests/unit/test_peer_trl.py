@@ -100,8 +100,12 @@ class TestHeadline:
         summaries = {"ppoflow_pipeline": {"iter_s": 12.0, "iter_s_steady": 2.0, "reward_at_3": 0.9},
                      "ppoflow_engine": {"iter_s": 10.0, "iter_s_steady": 1.0, "reward_at_3": 0.8},
                      "trl_ppo_frozen": {"iter_s": 8.0, "iter_s_steady": 8.0, "reward_at_3": 0.5},
-                     "trl_ppo_shipped": {"iter_s": 12.0, "iter_s_steady": 12.0}}
+                     "trl_ppo_shipped": {"iter_s": 12.0, "iter_s_steady": 12.0},
+                     "trl_ppo_bf16": {"iter_s": 5.0, "iter_s_steady": 4.0, "reward_at_3": 0.4}}
         f = headline(summaries, 3, {})
+        # at equal precision (TRL with bf16 autocast): 2/4 and 1/4; TRL's own bf16 gain 8/4
+        assert f["ratio_same_precision"] == pytest.approx(0.5) and f["engine_ratio_same_precision"] == pytest.approx(0.25)
+        assert f["trl_bf16_speedup"] == pytest.approx(2.0) and f["trl_bf16_reward_at_3"] == 0.4
         # steady state: 2/8 and 1/8; with the first iteration (engine start-up): 12/8 and 10/8
         assert f["ratio"] == pytest.approx(0.25) and f["engine_ratio"] == pytest.approx(0.125)
         assert f["ratio_with_first"] == pytest.approx(1.5) and f["engine_ratio_with_first"] == pytest.approx(1.25)

@@ -131,3 +131,26 @@ class TestAtomicWrite:
         fsutil.write_bytes_atomic(fs, f"{root}/bad.json", b"{oops")
         with pytest.raises(ValueError, match="bad.json is not valid JSON"):
             fsutil.read_json(fs, f"{root}/bad.json")
+
+
+class TestMoveFile:
+    def test_local_move_renames_and_the_source_is_gone(self, tmp_path):
+        src = tmp_path / "scratch" / "a.bin"
+        src.parent.mkdir()
+        src.write_bytes(b"x" * 1000)
+        inode = os.stat(src).st_ino
+        target = tmp_path / "ckpt" / "sub" / "a.bin"
+        fs, _ = fsutil.resolve(str(tmp_path))
+        fsutil.move_file_atomic(fs, str(src), str(target))
+        assert target.read_bytes() == b"x" * 1000 and not src.exists()
+        assert os.stat(target).st_ino == inode  # renamed, not copied
+        assert not [p for p in target.parent.iterdir() if p.name != "a.bin"]  # no temp file left
+
+    def test_remote_move_uploads_then_removes_the_source(self, tmp_path):
+        import fsspec
+
+        memory = fsspec.filesystem("memory")
+        src = tmp_path / "b.bin"
+        src.write_bytes(b"payload")
+        fsutil.move_file_atomic(memory, str(src), "/bucket/run/b.bin")
+        assert memory.cat_file("/bucket/run/b.bin") == b"payload" and not src.exists()
