@@ -72,6 +72,20 @@ def is_committed(layout: RunLayout, iteration: int) -> bool:
     return read_commit_marker(layout, iteration) is not None
 
 
+def checkpoint_scratch(layout: RunLayout) -> tempfile.TemporaryDirectory:
+    """A scratch folder to write a checkpoint into before `save_checkpoint_files(..., move=True)`.
+
+    On local storage it sits in the run's checkpoints folder (same filesystem, so the files are renamed
+    into place, not copied; its dot name keeps it out of the iteration listing); elsewhere it is in the
+    system temp folder. Removed when the `with` block ends.
+    """
+    parent = None
+    if fsutil.is_local(layout.fs):
+        parent = layout.checkpoints_dir  # resolved local paths carry no protocol
+        os.makedirs(parent, exist_ok=True)
+    return tempfile.TemporaryDirectory(prefix=".ppoflow-ckpt-", dir=parent)
+
+
 def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str, move: bool = False) -> dict[str, Any]:
     """Upload `local_dir` (policy/, critic/, trainer/, ...) as iteration `iteration`'s staged checkpoint.
 

@@ -122,7 +122,7 @@ def move_file_atomic(fs: fsspec.AbstractFileSystem, local_path: str, path: str) 
     if is_local(fs):
         _replace_locally(path, lambda tmp: _rename_or_copy(local_path, tmp))
     else:
-        fs.put_file(local_path, path, chunksize=_chunk_bytes(fs))
+        upload_file_atomic(fs, local_path, path)
     _remove_quietly(local_path)
 
 

@@ -8,7 +8,6 @@ result equals a run that never failed.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -19,8 +18,7 @@ from engines import warm
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.ppo_trainer import PPOTrainer
 from ppoflow.config import PPOFlowConfig
-from storage import fs as fsutil
-from storage.checkpoints import save_checkpoint_files
+from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
 from storage.schema import schema_for
 from storage.shards import read_shards, write_shards
 from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for, stable_hash
@@ -82,12 +80,7 @@ def run_update(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, A
     exp_dir = layout.stage_dir(iteration, "experience")
     exp_manifest = write_shards(layout.fs, exp_dir, experience_table(table, result), "experience",
                                 max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
-    # On local storage the scratch folder sits in the run's checkpoints folder, so the files are renamed
-    # into place rather than copied (same filesystem); elsewhere it is the system temp folder.
-    scratch_parent = layout.fs._strip_protocol(layout.checkpoints_dir) if fsutil.is_local(layout.fs) else None
-    if scratch_parent:
-        os.makedirs(scratch_parent, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".ppoflow-ckpt-", dir=scratch_parent) as tmp:
+    with checkpoint_scratch(layout) as tmp:
         trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())

@@ -109,10 +109,10 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    attention = {"attn_implementation": "eager" if precision == "bf16" else "sdpa", "dtype": torch.float32}
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, **attention)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, **attention)
-    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, **attention)
+    load_kwargs = {"attn_implementation": "eager" if precision == "bf16" else "sdpa", "dtype": torch.float32}
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs)
+    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, **load_kwargs)
     value.config.pad_token_id = tokenizer.pad_token_id
     rows = make_rows(DATASET_ROWS, DATASET_SEED)
     train = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in rows["prompt"]]})
