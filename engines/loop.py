@@ -1,7 +1,7 @@
 """The bare engine loop: one PPO iteration in memory, no Prefect, no storage.
 
     prompts_for_iteration -> rollout (generate) -> score (rewards + reference) -> update (DeepSpeed)
-                          -> sync (save the policy, load it into the rollout engine)
+                          -> sync (the actor's weights into the rollout engine: in memory or via a saved folder)
 
 Each stage is a separately callable function (`rollout_step`, `scoring_inputs`, `build_experience`,
 `sync_policy`), so the Prefect pipeline calls the same pieces stage by stage, with shards in between.
@@ -61,7 +61,18 @@ def build_experience(samples: list[RolloutSample], results: list[ScoreResult], p
 
 
 def sync_policy(trainer: PPOTrainer, engine: RolloutEngine, policy_dir: str | Path, version: int) -> None:
-    """Save the actor as an HF folder and make the rollout engine serve it as `version`."""
+    """Make the rollout engine serve the trainer's actor as `version`.
+
+    An engine that takes weights in memory (HF generate, in this process) gets the actor's state dict
+    directly; others (vLLM, its own process) load the HF folder the actor is saved to at `policy_dir`.
+    """
+    load_state_dict = getattr(engine, "load_state_dict", None)
+    if load_state_dict is not None and trainer.cfg.train.zero_stage != 3:
+        from engines.rollout.registry import mark_served
+
+        load_state_dict(trainer.actor.module.state_dict(), version)  # ZeRO 0-2: every rank holds full weights
+        mark_served(engine, "memory", version)
+        return
     trainer.save_policy(str(policy_dir))
     engine.load_weights(str(policy_dir), version)
 
@@ -74,7 +85,8 @@ def make_rollout_engine(cfg, policy_dir: str, version: int = 0) -> RolloutEngine
 
 
 class EngineLoop:
-    """Runs PPO iterations in memory. `work_dir` holds the policy folder used for weight sync."""
+    """Runs PPO iterations in memory. `work_dir` holds the policy folder used for weight sync when the
+    rollout engine cannot take weights in memory, and the one `save_policy` writes."""
 
     def __init__(self, cfg, work_dir: Optional[str] = None):
         self.cfg = cfg
@@ -104,6 +116,12 @@ class EngineLoop:
                         "timing/update": t3 - t2, "timing/sync": t4 - t3,
                         "rollout/stop_fraction": sum(s.finish_reason == "stop" for s in samples) / len(samples)})
         return metrics
+
+    def save_policy(self) -> Path:
+        """The actor as it is now, saved as an HF folder under work_dir (from_pretrained loads it)."""
+        policy_dir = self.work_dir / "policy"
+        self.trainer.save_policy(str(policy_dir))
+        return policy_dir
 
     def shutdown(self) -> None:
         """Shut the rollout engine down through the registry (which would otherwise hand it out again)."""

@@ -62,7 +62,7 @@ class ModelConfig(_Section):
     policy_path: str = Field("./runs/_models/tiny-llama", description="Local Hugging Face folder of the initial policy (loaded with from_pretrained).")
     critic_path: Optional[str] = Field(None, description="Backbone for the critic: a reward-model or causal-LM folder; None = the policy.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute precision: float32 on CPU, bfloat16 on GPU.")
-    autocast_dtype: Optional[Literal["bfloat16"]] = Field(None, description="Mixed precision for the trainer's and the reference's forward/backward: matmuls in bfloat16 under torch.autocast while weights, gradients and optimizer state stay in `dtype` (float32). Pays on CPUs with AVX512-BF16 or AMX and on GPUs; None = off.")
+    autocast_dtype: Optional[Literal["bfloat16"]] = Field(None, description="Mixed precision for the trainer's and the reference's forward/backward and for HF-generate rollouts: matmuls in bfloat16 under torch.autocast while weights, gradients and optimizer state stay in `dtype` (float32). Pays on CPUs with AVX512-BF16 or AMX and on GPUs; None = off. (vLLM rollouts follow `dtype`.)")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="Attention kernel passed to from_pretrained.")
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template when it has one.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in actor and critic.")

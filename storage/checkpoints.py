@@ -86,11 +86,15 @@ def checkpoint_scratch(layout: RunLayout) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=".ppoflow-ckpt-", dir=parent)
 
 
-def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str, move: bool = False) -> dict[str, Any]:
+def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str, move: bool = False,
+                          known_sha256: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Upload `local_dir` (policy/, critic/, trainer/, ...) as iteration `iteration`'s staged checkpoint.
 
     move: the files of `local_dir` are scratch the caller gives up; on local storage they are renamed into
     place instead of copied (see storage.fs.move_file_atomic).
+    known_sha256: {relative path: sha256} the caller computed from the bytes as it wrote them; those files
+    are not read back to hash them (the others are). A wrong entry is caught when the checkpoint is loaded
+    (CheckpointCorruptError names the file).
 
     Returns {"iteration", "files": {relative path: {"bytes", "sha256"}}} (JSON-able). A retry first
     removes the iteration's earlier, uncommitted upload. Raises CheckpointError when the iteration is
@@ -106,9 +110,10 @@ def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str, mov
     if reserved:
         raise CheckpointError(f"{local_dir} contains reserved checkpoint file names {sorted(reserved)}")
     fsutil.remove_tree(layout.fs, target)
+    known = known_sha256 or {}
     files = {}
     for rel, path in local_files.items():
-        files[rel] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+        files[rel] = {"bytes": os.path.getsize(path), "sha256": known.get(rel) or file_sha256(path)}
         (fsutil.move_file_atomic if move else fsutil.upload_file_atomic)(layout.fs, path, fsutil.join(target, rel))
     staged = {"iteration": iteration, "files": files}
     fsutil.write_json(layout.fs, fsutil.join(target, STAGED_NAME), staged)

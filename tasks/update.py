@@ -81,10 +81,10 @@ def run_update(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, A
     exp_manifest = write_shards(layout.fs, exp_dir, experience_table(table, result), "experience",
                                 max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
     with checkpoint_scratch(layout) as tmp:
-        trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
+        hashed = trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())
-        files = save_checkpoint_files(layout, iteration, tmp, move=True)
+        files = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
     warm.get_or_build(TRAINER_ROLE, f"staged-{cfg.run.name}-{iteration}", lambda: trainer)
     return {"stage": "update", "iteration": iteration, "checkpoint_uri": layout.url(layout.checkpoint_dir(iteration)),
             "experience_uri": layout.url(exp_dir), "content_hash": stable_hash(files),

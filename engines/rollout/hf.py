@@ -2,10 +2,15 @@
 
 How sampling is done: `generate` runs the KV-cache decoding loop, stopping (EOS + extra stop ids) and
 padding, in greedy mode; the last logits processor, `_SeededSampler`, draws each row's token itself
-(temperature, then top-k, then top-p, then a multinomial draw with that row's own `torch.Generator`) and
-returns scores that are -inf everywhere except the drawn token, so greedy picks exactly that token. That is
-what makes `seeds[i]` fix prompt i's samples whatever else is in the batch, which a single global RNG
-cannot do.
+(temperature, then top-k, then top-p, then inverse-CDF sampling with the row's next uniform) and returns
+scores that are -inf everywhere except the drawn token, so greedy picks exactly that token. Each row's
+uniforms (one per new token) are drawn up front from that row's own `torch.Generator`, so `seeds[i]` fixes
+prompt i's samples whatever else is in the batch (a single global RNG cannot), while the draw itself is one
+batched `searchsorted` per step instead of one `multinomial` call per row and step.
+
+Precision: `autocast_dtype="bfloat16"` runs the model's matmuls in bfloat16 under `torch.autocast`
+(weights stay in `dtype`), the setting the trainer uses for its forwards (`model.autocast_dtype`); the
+logits are upcast to float32 before sampling and log-probs.
 
 Log-probs: from `output_logits` (the model's raw logits, before any processor) divided by the temperature,
 log-softmaxed over the full vocabulary, at the drawn token. They are NOT taken after top-k/top-p
@@ -14,12 +19,13 @@ truncation: the trainer recomputes log pi(token) / T over the full vocabulary, a
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from engines.models import load_policy, load_tokenizer
+from engines.models import autocast, load_policy, load_tokenizer
 from engines.rollout.base import RolloutSample, SamplingSettings
 
 
@@ -27,6 +33,22 @@ def row_seed(prompt_seed: int, sample_index: int) -> int:
     """The generator seed of sample `sample_index` of a prompt seeded `prompt_seed` (63-bit)."""
     digest = hashlib.sha256(f"{prompt_seed}:{sample_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _read_config(folder: Path) -> Optional[dict]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _weight_files(folder: Path) -> Optional[list[Path]]:
+    """The safetensors files of an HF folder (sharded or not), or None when it has none."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else None
 
 
 def warp_scores(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -46,19 +68,42 @@ def warp_scores(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return scores
 
 
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids (B,) drawn from `probs` (B, V) (rows need not be normalised) with `uniforms` (B,) in [0, 1).
+
+    Token v is chosen when u * total falls in [cdf[v-1], cdf[v]): probability probs[v] / total, and a
+    zero-probability token is never chosen (its interval is empty). The CDF is summed in float64 so a
+    150k-token vocabulary loses no small probabilities to rounding.
+    """
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    x = uniforms.to(device=cdf.device, dtype=torch.float64)[:, None] * total
+    # u * total can round up to total itself for u just below 1: keep x strictly inside the last interval
+    x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+
+
 class _SeededSampler:
-    """Logits processor: draws row r's token with generators[r] and one-hot-masks the scores to it."""
+    """Logits processor: row r's token from its own pre-drawn uniforms; scores one-hot-masked to it.
+
+    uniforms: (B, max_new_tokens) float64, row r drawn from generators[r]; column t serves new token t.
+    """
 
     def __init__(self, generators: list[torch.Generator], sampling: SamplingSettings):
-        self.generators = generators
         self.sampling = sampling
+        self.uniforms = torch.stack([torch.rand(sampling.max_new_tokens, generator=g, dtype=torch.float64)
+                                     for g in generators])
+        self.step = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         s = self.sampling
+        if self.step >= self.uniforms.shape[1]:
+            raise RuntimeError(f"the sampler was asked for token {self.step + 1} of max_new_tokens={s.max_new_tokens}")
         probs = warp_scores(scores, s.temperature, s.top_k, s.top_p).softmax(-1)
-        chosen = torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(self.generators)])
+        chosen = inverse_cdf_sample(probs, self.uniforms[:, self.step])
+        self.step += 1
         out = torch.full_like(scores, float("-inf"))
-        out.scatter_(1, chosen[:, None], 0.0)
+        out.scatter_(1, chosen[:, None].to(scores.device), 0.0)
         return out
 
 
@@ -68,14 +113,16 @@ class HFRolloutEngine:
     name = "hf"
 
     def __init__(self, policy_dir: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
-                 seed: int = 0, device: str = "cpu", max_batch_size: int = 256):
+                 autocast_dtype: Optional[str] = None, seed: int = 0, device: str = "cpu", max_batch_size: int = 256):
         self.dtype = dtype
         self.attn_implementation = attn_implementation
+        self.autocast_dtype = autocast_dtype
         self.seed = seed
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.policy_version = 0
         self._calls = 0  # seeds the unseeded calls, so two calls never repeat each other
+        self.model = None
         self._load(policy_dir)
 
     def _load(self, policy_dir: str) -> None:
@@ -83,11 +130,60 @@ class HFRolloutEngine:
         model = load_policy(policy_dir, self.dtype, self.attn_implementation)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.policy_dir = str(Path(policy_dir))
+        self._config_json = _read_config(Path(policy_dir))
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
 
     def load_weights(self, policy_dir: str, version: int) -> None:
-        self._load(policy_dir)
+        """Serve the HF folder `policy_dir` as `version`.
+
+        A folder of the model already loaded (same config.json, safetensors weights) is copied into it in
+        place: no model rebuild, tokenizer kept. Anything else (another architecture, other weight names)
+        loads model and tokenizer anew. Raises FileNotFoundError when `policy_dir` has no config.json.
+        """
+        if not self._copy_weights_in_place(Path(policy_dir)):
+            self._load(policy_dir)
+        self.policy_dir = str(Path(policy_dir))
         self.policy_version = int(version)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Serve weights handed over in memory (a trainer's actor in the same process) as `version`.
+
+        state_dict: the actor module's `state_dict()` (same architecture: strict, a missing or unexpected
+        name is an error naming it). Copied, so the trainer may keep updating its own tensors.
+        """
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+        self.policy_version = int(version)
+
+    def _copy_weights_in_place(self, folder: Path) -> bool:
+        """Copy `folder`'s safetensors into the loaded model; False, with nothing copied, when they do not fit.
+
+        Names and shapes are checked from the files' headers before any tensor is copied, so a folder that
+        does not fit leaves the served model untouched.
+        """
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        files = _weight_files(folder)
+        if self.model is None or files is None or _read_config(folder) != self._config_json:
+            return False
+        params = self.model.state_dict()
+        names: set[str] = set()
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name not in params or tuple(params[name].shape) != tuple(f.get_slice(name).get_shape()):
+                        return False
+                    names.add(name)
+        # Names not in the files must be tied to one that is (lm_head <- embed_tokens).
+        copied_storage = {params[name].data_ptr() for name in names}
+        if any(params[name].data_ptr() not in copied_storage for name in set(params) - names):
+            return False
+        with torch.no_grad():
+            for path in files:
+                for name, tensor in load_file(str(path)).items():
+                    params[name].copy_(tensor)
+        return True
 
     def shutdown(self) -> None:
         self.model = None
@@ -131,7 +227,7 @@ class HFRolloutEngine:
         config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
                                   eos_token_id=sorted(stop_ids), pad_token_id=pad_id, num_beams=1,
                                   output_logits=True, return_dict_in_generate=True)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.autocast_dtype, self.device):
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                       generation_config=config,
                                       logits_processor=LogitsProcessorList([_SeededSampler(generators, sampling)]))

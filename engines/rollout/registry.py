@@ -53,7 +53,7 @@ def _identity(kind: str, rollout_cfg, model_cfg) -> str:
                         sleep=rollout_cfg.sleep_between_iterations, kv=rollout_cfg.kv_cache_space_gib,
                         logprobs=_vllm_logprobs_mode(rollout_cfg))
     else:
-        settings.update(attn=model_cfg.attn_implementation)
+        settings.update(attn=model_cfg.attn_implementation, autocast=model_cfg.autocast_dtype)
     return json.dumps(settings, sort_keys=True)
 
 
@@ -77,8 +77,9 @@ def _build(kind: str, rollout_cfg, model_cfg, policy_dir: str, seed: int) -> Rol
     from engines.rollout.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(policy_dir, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation,
-                             seed=seed)
-    log.info("rollout engine: hf generate (model %s, dtype %s)", policy_dir, model_cfg.dtype)
+                             autocast_dtype=model_cfg.autocast_dtype, seed=seed)
+    log.info("rollout engine: hf generate (model %s, dtype %s, autocast %s)", policy_dir, model_cfg.dtype,
+             model_cfg.autocast_dtype)
     return engine
 
 
@@ -107,6 +108,16 @@ def get_rollout_engine(rollout_cfg, model_cfg, policy_dir: str, version: int, se
             engine.load_weights(str(policy_dir), int(version))
             _engines[identity] = (engine, str(policy_dir), int(version))
         return engine
+
+
+def mark_served(engine: RolloutEngine, source: str, version: int) -> None:
+    """Record that `engine` now serves weights from `source` (e.g. "memory") as `version`, after they were
+    handed to it outside `get_rollout_engine`: a later call naming a policy folder then loads that folder
+    instead of trusting the engine still serves it."""
+    with _lock:
+        for identity, (cached, _dir, _version) in list(_engines.items()):
+            if cached is engine:
+                _engines[identity] = (engine, source, int(version))
 
 
 def shutdown_all() -> None:

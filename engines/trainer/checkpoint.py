@@ -42,8 +42,9 @@ def _open_format_part(state: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def save_optimizer(engine, folder: Path, stem: str) -> None:
-    save_nested(_open_format_part(engine.optimizer.state_dict()), folder, stem)
+def save_optimizer(engine, folder: Path, stem: str) -> dict[str, str]:
+    """Write the optimizer state as folder/stem.{safetensors,json}; returns {file name: sha256}."""
+    return save_nested(_open_format_part(engine.optimizer.state_dict()), folder, stem)
 
 
 def load_optimizer(engine, folder: Path, stem: str) -> None:
@@ -86,24 +87,29 @@ def save_policy(trainer, policy_dir: str | Path) -> None:
     trainer.tokenizer.save_pretrained(Path(policy_dir))
 
 
-def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> None:
-    """Write policy/, critic/ (when there is one) and trainer/ under `out_dir` (see the module docstring)."""
+def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> dict[str, str]:
+    """Write policy/, critic/ (when there is one) and trainer/ under `out_dir` (see the module docstring).
+
+    Returns {path relative to out_dir: sha256} of the files hashed while they were written (the optimizer
+    and RNG state, most of the bytes), so the checkpoint need not read them back to hash them.
+    """
     out = Path(out_dir)
     save_policy(trainer, out / "policy")
     if trainer.critic is not None:
         trainer.critic.module.save(out / "critic", trainer.tokenizer)
     state_dir = out / "trainer"
-    save_optimizer(trainer.actor, state_dir, "actor_optimizer")
+    hashes = dict(save_optimizer(trainer.actor, state_dir, "actor_optimizer"))
     engines = {"actor": _engine_counters(trainer.actor)}
     if trainer.critic is not None:
-        save_optimizer(trainer.critic, state_dir, "critic_optimizer")
+        hashes.update(save_optimizer(trainer.critic, state_dir, "critic_optimizer"))
         engines["critic"] = _engine_counters(trainer.critic)
-    save_nested(rng_state(), state_dir, "rng")
+    hashes.update(save_nested(rng_state(), state_dir, "rng"))
     extra = dict(trainer.extra_state, **(extra_state or {}))
     meta = {"update_count": trainer.update_count, "kl_controller": trainer.kl_controller.state_dict(),
             "engines": engines, "extra_state": extra}
     (state_dir / _TRAINER_FILE).write_text(json.dumps(meta, indent=1))
     (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
+    return {f"trainer/{name}": digest for name, digest in hashes.items()}
 
 
 def load_trainer_state(trainer, state_dir: str) -> None:

@@ -138,9 +138,12 @@ class PPOTrainer:
     def device(self) -> torch.device:
         return next(self.actor.module.parameters()).device
 
-    def save(self, out_dir: str, extra_state: Optional[dict] = None) -> None:
-        """out_dir/policy (HF folder + tokenizer), out_dir/critic, out_dir/trainer. See checkpoint.py."""
-        checkpoint.save_trainer(self, out_dir, extra_state)
+    def save(self, out_dir: str, extra_state: Optional[dict] = None) -> dict[str, str]:
+        """out_dir/policy (HF folder + tokenizer), out_dir/critic, out_dir/trainer. See checkpoint.py.
+
+        Returns {relative path: sha256} of the files hashed as they were written (checkpoint.save_trainer).
+        """
+        return checkpoint.save_trainer(self, out_dir, extra_state)
 
     def save_policy(self, policy_dir: str) -> None:
         """Only the policy HF folder (for a rollout engine's weight refresh)."""

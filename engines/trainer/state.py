@@ -72,17 +72,59 @@ def is_open_format(value: Any) -> bool:
     return True
 
 
-def save_nested(obj: Any, folder: str | Path, stem: str) -> None:
-    """Write `obj` as folder/stem.safetensors + folder/stem.json. TypeError names a non-serialisable leaf."""
-    from safetensors.torch import save_file
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> str:
+    """Write `tensors` as a safetensors file at `path`; returns the sha256 (hex) of the bytes written.
+
+    Layout (the safetensors format): 8-byte little-endian header length, a JSON header
+    {name: {dtype, shape, data_offsets}} padded with spaces to 8 bytes, then each tensor's raw bytes in
+    header order. Each tensor's memory goes straight to the file and into the hash: no second copy of the
+    whole state is built (safetensors' own writer serialises into one buffer first), tensors sharing memory
+    are simply written twice, and the checkpoint need not read the file back to hash it.
+    Raises TypeError naming a tensor of a dtype the format has no name for.
+    """
+    import hashlib
+
+    views, header, offset = [], {}, 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + raw.numel()]}
+        views.append(raw.numpy())
+        offset += raw.numel()
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(encoded).to_bytes(8, "little"), encoded, *views):
+            f.write(chunk)
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_nested(obj: Any, folder: str | Path, stem: str) -> dict[str, str]:
+    """Write `obj` as folder/stem.safetensors + folder/stem.json; returns {file name: sha256 of its bytes}.
+
+    TypeError names a leaf that is neither a tensor nor a JSON value.
+    """
+    import hashlib
 
     tensors: dict[str, torch.Tensor] = {}
     structure = _encode(obj, "", tensors)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    # safetensors refuses tensors sharing memory; clone() gives each its own storage.
-    save_file({k: v.clone() for k, v in tensors.items()}, str(out / f"{stem}.safetensors"))
-    (out / f"{stem}.json").write_text(json.dumps(structure))
+    text = json.dumps(structure).encode()
+    (out / f"{stem}.json").write_bytes(text)
+    return {f"{stem}.safetensors": write_safetensors(tensors, out / f"{stem}.safetensors"),
+            f"{stem}.json": hashlib.sha256(text).hexdigest()}
 
 
 def load_nested(folder: str | Path, stem: str) -> Any:

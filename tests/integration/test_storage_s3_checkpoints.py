@@ -131,6 +131,20 @@ def test_corrupt_checkpoint_file_is_named(layout, tmp_path):
         ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"))
 
 
+def test_known_hashes_are_used_as_given_and_a_wrong_one_is_caught_on_load(layout, tmp_path):
+    local = tmp_path / "local-1"
+    files = make_local_checkpoint(local, 1)
+    right = hashlib.sha256(files["policy/model.safetensors"]).hexdigest()
+    staged = ckpt.save_checkpoint_files(layout, 1, str(local), known_sha256={"policy/model.safetensors": right,
+                                                                             "critic/model.safetensors": "0" * 64})
+    assert staged["files"]["policy/model.safetensors"]["sha256"] == right
+    assert staged["files"]["critic/model.safetensors"]["sha256"] == "0" * 64  # taken as given, not re-read
+    assert staged["files"]["trainer/state.json"]["sha256"] == hashlib.sha256(files["trainer/state.json"]).hexdigest()
+    ckpt.commit_checkpoint(layout, 1)
+    with pytest.raises(ckpt.CheckpointCorruptError, match="critic/model.safetensors fails its sha256"):
+        ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"))
+
+
 def test_commit_without_staging_is_an_error(layout, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="nothing staged"):
         ckpt.commit_checkpoint(layout, 3, {})

@@ -51,12 +51,22 @@ def trained(tiny_model_dir, batches, tmp_path_factory):
     trainer = PPOTrainer(_cfg(tiny_model_dir), str(tiny_model_dir))
     initial = _params(trainer.actor)
     first = trainer.update(batches[0])
-    trainer.save(str(out), extra_state={"data_cursor": 1})
+    hashed = trainer.save(str(out), extra_state={"data_cursor": 1})
     saved_actor, saved_critic = _params(trainer.actor), _params(trainer.critic)
     second = trainer.update(batches[1])
-    return dict(out=out, initial=initial, first=first, saved_actor=saved_actor, saved_critic=saved_critic,
+    return dict(out=out, hashed=hashed, initial=initial, first=first, saved_actor=saved_actor, saved_critic=saved_critic,
                 second=second, final_actor=_params(trainer.actor), final_critic=_params(trainer.critic),
                 trainer=trainer)
+
+
+def test_save_returns_the_hashes_of_the_state_files_it_wrote(trained):
+    from storage.checkpoints import file_sha256
+
+    hashed = trained["hashed"]
+    assert {"trainer/actor_optimizer.safetensors", "trainer/critic_optimizer.safetensors",
+            "trainer/rng.safetensors", "trainer/actor_optimizer.json"} <= set(hashed)
+    for rel, digest in hashed.items():  # hashed while writing == hashed by reading the file back
+        assert digest == file_sha256(str(trained["out"] / rel)), rel
 
 
 def test_update_trains_and_reports_metrics(trained, batches):

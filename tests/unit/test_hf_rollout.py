@@ -94,3 +94,87 @@ def test_load_weights_switches_model_and_version(engine, tiny_model_dir, tmp_pat
     assert {s.policy_version for s in after} == {5}
     assert [s.rollout_logprobs for s in after] != [s.rollout_logprobs for s in before]
     engine.load_weights(str(tiny_model_dir), version=0)
+
+
+def test_inverse_cdf_sample_matches_the_probabilities_by_hand():
+    from engines.rollout.hf import inverse_cdf_sample
+
+    # Unnormalised row (total 2): tokens 0 and 2 have no mass, token 1 has 1/4, token 3 has 3/4.
+    probs = torch.tensor([[0.0, 0.5, 0.0, 1.5]])
+    grid = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000  # evenly spread uniforms
+    drawn = torch.stack([inverse_cdf_sample(probs, u.reshape(1)) for u in grid]).flatten()
+    assert torch.bincount(drawn, minlength=4).tolist() == [0, 250, 0, 750]
+    # The ends of [0, 1): u = 0 and the float just below 1 still land on tokens with mass.
+    below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    assert inverse_cdf_sample(probs, torch.tensor([0.0])).tolist() == [1]
+    assert inverse_cdf_sample(probs, below_one.reshape(1)).tolist() == [3]
+    # Rows are independent: each row reads its own uniform.
+    two = inverse_cdf_sample(torch.tensor([[1.0, 1.0], [1.0, 1.0]]), torch.tensor([0.25, 0.75]))
+    assert two.tolist() == [0, 1]
+
+
+def test_first_token_frequencies_follow_the_model(engine, tiny_model_dir):
+    """4000 one-token samples of one prompt at temperature 0.1 against softmax(logits / 0.1) of a plain forward."""
+    n = 4000
+    sampling = SamplingSettings(n=n, max_new_tokens=1, temperature=0.1)
+    samples = engine.generate([PROMPTS[0]], sampling, seeds=[17])
+    model = load_policy(tiny_model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    probs = torch.softmax(logits / 0.1, -1)
+    counts = torch.bincount(torch.tensor([s.response_ids[0] for s in samples]), minlength=probs.numel())
+    total_variation = 0.5 * (counts / n - probs).abs().sum().item()
+    # Sampling noise alone: E[TV] ~ 0.8 * 0.5 * sum sqrt(p (1 - p) / n) ~ 0.03 here; a sampler that ignored the
+    # temperature or drew uniformly would sit above 0.3 from this peaked distribution (checked below).
+    assert total_variation < 0.1
+    assert 0.5 * (torch.full_like(probs, 1 / probs.numel()) - probs).abs().sum().item() > 0.3
+    assert 0.5 * (torch.softmax(logits, -1) - probs).abs().sum().item() > 0.3
+
+
+def test_load_weights_copies_a_same_architecture_folder_in_place(tiny_model_dir, tmp_path):
+    from engines.toy.model import build_tiny_llama
+
+    engine = HFRolloutEngine(str(tiny_model_dir), seed=0)
+    model_before = engine.model
+    other = build_tiny_llama(tmp_path / "other", seed=7)
+    engine.load_weights(str(other), version=3)
+    assert engine.model is model_before  # copied into the loaded model, not rebuilt
+    expected = load_policy(other).state_dict()
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    # Another architecture cannot be copied in place: the model is rebuilt and serves the new shape.
+    wider = build_tiny_llama(tmp_path / "wider", hidden_size=256, num_heads=4, seed=1)
+    engine.load_weights(str(wider), version=4)
+    assert engine.model is not model_before and engine.model.config.hidden_size == 256
+    assert len(engine.generate(PROMPTS, SamplingSettings(max_new_tokens=3), seeds=[1, 2, 3])) == 3
+
+
+def test_load_state_dict_serves_the_same_samples_as_the_saved_folder(tiny_model_dir, tmp_path):
+    from engines.toy.model import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "other", seed=11)
+    sampling = SamplingSettings(n=2, max_new_tokens=6)
+    from_folder = HFRolloutEngine(str(other), seed=0).generate(PROMPTS, sampling, seeds=[1, 2, 3])
+    engine = HFRolloutEngine(str(tiny_model_dir), seed=0)
+    engine.load_state_dict(load_policy(other).state_dict(), version=9)
+    in_memory = engine.generate(PROMPTS, sampling, seeds=[1, 2, 3])
+    assert [s.response_ids for s in in_memory] == [s.response_ids for s in from_folder]
+    assert {s.policy_version for s in in_memory} == {9}
+    with pytest.raises(RuntimeError, match="lm_head.weight"):
+        engine.load_state_dict({k: v for k, v in load_policy(other).state_dict().items() if k != "lm_head.weight"}, 10)
+
+
+def test_bfloat16_autocast_generation_stays_within_bf16_rounding(tiny_model_dir):
+    sampling = SamplingSettings(n=2, max_new_tokens=6)
+    engine = HFRolloutEngine(str(tiny_model_dir), seed=0, autocast_dtype="bfloat16")
+    samples = engine.generate(PROMPTS, sampling, seeds=[4, 5, 6])
+    model = load_policy(tiny_model_dir).eval()
+    gaps = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(s.prompt_ids) - 1:-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        gaps.append((torch.tensor(s.rollout_logprobs) - expected).abs().max().item())
+    # bf16 keeps 8 bits of mantissa: logits of size ~1 move by ~1e-2; float32 would agree to ~1e-6.
+    assert max(gaps) < 0.1 and max(gaps) > 1e-5
