@@ -20,6 +20,9 @@ short sequences on CPU), ZeRO stage 0 (one rank: nothing to partition) and HF ge
 SDPA) for the peer number; bench/peer_trl.py also runs TRL with bfloat16 autocast and eager attention
 (`trl_ppo_bf16`) so the ratio at equal precision is reported too.
 
+Prefect: the pipeline variant runs against a temporary Prefect server whose database starts empty in every
+process (`fresh_prefect_home`), unless PREFECT_API_URL names a server.
+
 Threads: this process runs with one thread like TRL's, but ppoflow also has helper processes that TRL
 lacks: vLLM's engine core (OMP_NUM_THREADS=1 is inherited) and, for the pipeline, Prefect's temporary
 server. They mostly wait while this process works; cpu_s counts this process only.
@@ -28,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -139,6 +144,23 @@ def run_pipeline(cfg, stopwatch: Stopwatch, records: list) -> None:
         watcher.join()
 
 
+def fresh_prefect_home(work_dir: Path) -> Optional[Path]:
+    """Give this process's temporary Prefect server an empty database, unless a Prefect server is configured.
+
+    The temporary server keeps its SQLite database under PREFECT_HOME (~/.prefect) from run to run; after a
+    day of benchmarks it held ~350 MB of flow and task runs and every iteration's API calls had slowed with
+    it (a tiny PPO iteration: 0.65 -> 0.8 s). A fresh home per run makes the pipeline figure independent of
+    what ran on the machine before. Must run before prefect is imported. Returns the folder (None when a
+    server is configured through PREFECT_API_URL and used as it is).
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    work_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="prefect-home-", dir=work_dir))
+    os.environ["PREFECT_HOME"] = str(home)
+    return home
+
+
 def build_engine_loop(cfg, work_dir: Path):
     """engines/loop.py's EngineLoop (rollout engine, scorer, DeepSpeed trainer), built before the clock starts
     as TRL's models are; its work folder holds the policy it saves for weight sync."""
@@ -186,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     one_thread()  # bench/peer_trl.py checked variant_unavailable already; an import error here says itself
     process_start = time.perf_counter()
     work_dir = Path(a.work_dir).resolve()
+    prefect_home = fresh_prefect_home(work_dir) if a.variant == "pipeline" else None
     cfg = build_config(a.algo, a.model, a.seed, a.iterations, work_dir)
     loop = build_engine_loop(cfg, work_dir) if a.variant == "engine" else None
     stopwatch, records = Stopwatch(), []
@@ -205,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     emit_final(f"ppoflow_{a.variant}", a.seed, records, setup_s, train_s, greedy, algo=a.algo)
     if not a.keep_run:  # a run of the small model leaves ~0.5 GB of shards and checkpoints
         shutil.rmtree(cfg.run.root, ignore_errors=True)
+        if prefect_home is not None:
+            shutil.rmtree(prefect_home, ignore_errors=True)
 
 
 if __name__ == "__main__":

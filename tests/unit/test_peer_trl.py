@@ -280,3 +280,17 @@ class TestRunEngineLoop:
         with pytest.raises(RuntimeError, match="update failed"):
             run_engine_loop(loop, Stopwatch(), [])
         assert loop.shut
+
+
+def test_pipeline_runs_get_an_empty_prefect_home_unless_a_server_is_configured(tmp_path, monkeypatch):
+    import os
+
+    from bench.ppoflow_side import fresh_prefect_home
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "shared-home"))
+    first, second = fresh_prefect_home(tmp_path / "w"), fresh_prefect_home(tmp_path / "w")
+    assert first != second and first.parent == second.parent == tmp_path / "w"
+    assert list(first.iterdir()) == [] and os.environ["PREFECT_HOME"] == str(second)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert fresh_prefect_home(tmp_path / "w") is None and os.environ["PREFECT_HOME"] == str(second)
