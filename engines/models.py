@@ -45,6 +45,11 @@ def autocast(dtype_name: Optional[str], device: torch.device | str):
     return torch.autocast(device_type=torch.device(device).type, dtype=torch_dtype(dtype_name))
 
 
+def weight_files(folder: str | Path) -> list[Path]:
+    """The *.safetensors files of a Hugging Face folder, sorted by name (one file or the shards; [] if none)."""
+    return sorted(Path(folder).glob("*.safetensors"))
+
+
 def _check_model_dir(path: str | Path, what: str) -> Path:
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -135,7 +140,7 @@ def _reward_model_score_head(folder: Path, hidden: int) -> Optional[nn.Linear]:
     config = json.loads((folder / "config.json").read_text())
     if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
         return None
-    for weights in sorted(folder.glob("*.safetensors")):
+    for weights in weight_files(folder):
         with safe_open(str(weights), framework="pt") as f:
             if "score.weight" in f.keys():
                 weight = f.get_tensor("score.weight")

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engines.models import autocast, load_policy, load_tokenizer
+from engines.models import autocast, load_policy, load_tokenizer, weight_files
 from engines.rollout.base import RolloutSample, SamplingSettings
 
 
@@ -40,15 +40,6 @@ def _read_config(folder: Path) -> Optional[dict]:
         return json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-def _weight_files(folder: Path) -> Optional[list[Path]]:
-    """The safetensors files of an HF folder (sharded or not), or None when it has none."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    single = folder / "model.safetensors"
-    return [single] if single.is_file() else None
 
 
 def warp_scores(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -164,8 +155,8 @@ class HFRolloutEngine:
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        files = _weight_files(folder)
-        if self.model is None or files is None or _read_config(folder) != self._config_json:
+        files = weight_files(folder)
+        if self.model is None or not files or _read_config(folder) != self._config_json:
             return False
         params = self.model.state_dict()
         names: set[str] = set()

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from engines.models import autocast, load_reference
+from engines.models import autocast, load_reference, weight_files
 from engines.trainer.experience import left_pad, right_pad
 from engines.trainer.forward import policy_forward
 
@@ -22,7 +22,7 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     Reads every weight byte once (about 20 s for 14 GB); call it once per scorer, not per batch.
     """
     digest = hashlib.sha256()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
     for path in files:

@@ -8,6 +8,7 @@ strings that load back to the same object; anything else is an error naming its 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -87,8 +88,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> str
     are simply written twice, and the checkpoint need not read the file back to hash it.
     Raises TypeError naming a tensor of a dtype the format has no name for.
     """
-    import hashlib
-
     views, header, offset = [], {}, 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _SAFETENSORS_DTYPES:
@@ -115,8 +114,6 @@ def save_nested(obj: Any, folder: str | Path, stem: str) -> dict[str, str]:
 
     TypeError names a leaf that is neither a tensor nor a JSON value.
     """
-    import hashlib
-
     tensors: dict[str, torch.Tensor] = {}
     structure = _encode(obj, "", tensors)
     out = Path(folder)
