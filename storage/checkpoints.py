@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from storage import fs as fsutil
 from storage.layout import RunLayout, parse_iteration_name
@@ -223,17 +223,27 @@ def apply_retention(layout: RunLayout, keep_last: int) -> list[int]:
 
 
 def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional[str] = None,
-                    verify: bool = True) -> str:
+                    verify: bool = True, parts: Optional[Sequence[str]] = None) -> str:
     """A local folder holding committed checkpoint `iteration` (policy/, critic/, trainer/).
 
     Remote checkpoints are copied to `local_cache_dir` (default: storage.local_cache_dir or a temp
     folder); local ones are used in place. With `verify`, every file is checked against the marker's
-    size and sha256. Raises CheckpointError when not committed, CheckpointCorruptError naming the file.
+    size and sha256. `parts` (e.g. ("policy",)): only those top-level folders are copied and verified, so a
+    rollout worker does not download and hash the optimizer state it never reads (two thirds of the bytes
+    with AdamW); other folders of the returned path may then be absent or unverified.
+    Raises CheckpointError when not committed or a part is not in it, CheckpointCorruptError naming the file.
     """
     marker = read_commit_marker(layout, iteration)
     source = layout.checkpoint_dir(iteration)
     if marker is None:
         raise CheckpointError(f"checkpoint {layout.url(source)} is not committed (no valid {MARKER_NAME})")
+    files = marker["files"]
+    if parts is not None:
+        present = sorted({rel.split("/", 1)[0] for rel in files if "/" in rel})
+        for part in parts:
+            if part not in present:
+                raise CheckpointError(f"checkpoint {layout.url(source)} has no {part}/ folder (it holds {present})")
+        files = {rel: info for rel, info in files.items() if rel.split("/", 1)[0] in parts}
     cache_root = (local_cache_dir or layout.storage_cfg.local_cache_dir
                   or os.path.join(tempfile.gettempdir(), "ppoflow-cache"))
     if not fsutil.is_local(layout.fs):
@@ -241,10 +251,10 @@ def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional
         # restarted from scratch) must not be served from an older cached copy.
         marker_digest = hashlib.sha256(json.dumps(marker, sort_keys=True).encode()).hexdigest()[:16]
         cache_root = os.path.join(cache_root, marker_digest)
-    local = fsutil.materialize(layout.fs, source, cache_root)
+    local = fsutil.materialize(layout.fs, source, cache_root, parts)
     if verify:
         try:
-            _verify_files(local, marker["files"], layout.url(source))
+            _verify_files(local, files, layout.url(source))
         except CheckpointCorruptError:
             if local != source:
                 fsutil.remove_tree(fsutil.resolve(local)[0], local)  # never reuse a bad cached copy

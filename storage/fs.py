@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -198,24 +198,41 @@ def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
             if name.startswith(prefix) and info.get("type", "file") == "file"}
 
 
-def materialize(fs: fsspec.AbstractFileSystem, path: str, local_cache_dir: Optional[str] = None) -> str:
+_COMPLETE = ".ppoflow-complete"
+
+
+def materialize(fs: fsspec.AbstractFileSystem, path: str, local_cache_dir: Optional[str] = None,
+                parts: Optional[Sequence[str]] = None) -> str:
     """A local folder with the contents of folder `path`; `path` itself when the filesystem is local.
 
     Meant for immutable folders (committed checkpoints): a copy already complete in the cache (it has
     a `.ppoflow-complete` file) is reused. A copy is built in a temp folder and renamed into place, so
-    an interrupted download is never mistaken for a complete one. Raises FileNotFoundError naming the
-    URL when the folder is empty or missing.
+    an interrupted download is never mistaken for a complete one. `parts`: copy only these subfolders
+    (each becomes a complete copy of its own), e.g. a rollout worker that needs a checkpoint's policy/
+    and not its optimizer state. Raises FileNotFoundError naming the URL when a folder is empty or missing.
     """
     if is_local(fs):
         return path
     url = url_of(fs, path)
     cache_root = local_cache_dir or os.path.join(tempfile.gettempdir(), "ppoflow-cache")
     dest = os.path.join(cache_root, hashlib.sha256(url.encode()).hexdigest()[:16], os.path.basename(path))
-    if os.path.exists(os.path.join(dest, ".ppoflow-complete")):
+    if os.path.exists(os.path.join(dest, _COMPLETE)):
         return dest
+    if parts is None:
+        _copy_folder(fs, path, dest)
+    else:
+        for part in parts:
+            _copy_folder(fs, join(path, part), os.path.join(dest, part))
+    return dest
+
+
+def _copy_folder(fs: fsspec.AbstractFileSystem, path: str, dest: str) -> None:
+    """Copy remote folder `path` to local `dest` via a staging folder and a rename (see `materialize`)."""
+    if os.path.exists(os.path.join(dest, _COMPLETE)):
+        return
     files = list_files(fs, path)
     if not files:
-        raise FileNotFoundError(f"nothing to materialize: {url} is empty or missing")
+        raise FileNotFoundError(f"nothing to materialize: {url_of(fs, path)} is empty or missing")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".materialize-", dir=os.path.dirname(dest))
     try:
@@ -223,16 +240,15 @@ def materialize(fs: fsspec.AbstractFileSystem, path: str, local_cache_dir: Optio
             local = os.path.join(staging, *rel.split("/"))
             os.makedirs(os.path.dirname(local), exist_ok=True)
             fs.get_file(join(path, rel), local)
-        open(os.path.join(staging, ".ppoflow-complete"), "w").close()
-        if os.path.exists(dest) and not os.path.exists(os.path.join(dest, ".ppoflow-complete")):
-            shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier copy
+        open(os.path.join(staging, _COMPLETE), "w").close()
+        if os.path.exists(dest) and not os.path.exists(os.path.join(dest, _COMPLETE)):
+            shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier copy, or one of only some parts
         try:
             os.replace(staging, dest)
         except OSError:
-            if not os.path.exists(os.path.join(dest, ".ppoflow-complete")):
+            if not os.path.exists(os.path.join(dest, _COMPLETE)):
                 raise
             shutil.rmtree(staging, ignore_errors=True)  # a concurrent process finished the same copy first
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return dest

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from ppoflow.config import PPOFlowConfig
 from storage.checkpoints import load_checkpoint, read_commit_marker
@@ -44,15 +44,19 @@ def policy_ref(cfg: PPOFlowConfig, iteration: int) -> dict[str, Any]:
             "content_hash": stable_hash(marker)}
 
 
-def local_checkpoint_dir(cfg: PPOFlowConfig, ref: dict[str, Any]) -> str | None:
-    """A local folder holding policy/, critic/, trainer/ of the referenced checkpoint (None = initial)."""
+def local_checkpoint_dir(cfg: PPOFlowConfig, ref: dict[str, Any], parts: Optional[Sequence[str]] = None) -> str | None:
+    """A local folder holding policy/, critic/, trainer/ of the referenced checkpoint (None = initial).
+
+    parts: only those folders are fetched and verified (see storage.checkpoints.load_checkpoint).
+    """
     if ref["checkpoint_iteration"] is None:
         return None
     cache = os.path.join(os.environ.get("PPOFLOW_CACHE", os.path.expanduser("~/.cache/ppoflow")), "checkpoints",
                          cfg.run.name)
-    return load_checkpoint(layout_for(cfg), ref["checkpoint_iteration"], cache)
+    return load_checkpoint(layout_for(cfg), ref["checkpoint_iteration"], cache, parts=parts)
 
 
 def local_policy_dir(cfg: PPOFlowConfig, ref: dict[str, Any]) -> str:
-    ckpt = local_checkpoint_dir(cfg, ref)
+    """The referenced policy as a local Hugging Face folder; of a checkpoint only policy/ is fetched and verified."""
+    ckpt = local_checkpoint_dir(cfg, ref, parts=("policy",))
     return ref["uri"] if ckpt is None else os.path.join(ckpt, "policy")

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines.trainer.direct_io import SequentialWriter
+
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _DTYPE = "__torch_dtype__"
@@ -73,6 +75,8 @@ def is_open_format(value: Any) -> bool:
     return True
 
 
+# Below this, a file's page-cache copy costs little and O_DIRECT's staging copy gains nothing.
+DIRECT_MIN_BYTES = 16 << 20
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                        torch.uint8: "U8", torch.bool: "BOOL"}
@@ -86,6 +90,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> str
     header order. Each tensor's memory goes straight to the file and into the hash: no second copy of the
     whole state is built (safetensors' own writer serialises into one buffer first), tensors sharing memory
     are simply written twice, and the checkpoint need not read the file back to hash it.
+    Files of DIRECT_MIN_BYTES or more bypass the page cache (engines/trainer/direct_io.py): they are optimizer
+    state, read again only on resume.
     Raises TypeError naming a tensor of a dtype the format has no name for.
     """
     views, header, offset = [], {}, 0
@@ -102,7 +108,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> str
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
+    with SequentialWriter(path, direct=offset >= DIRECT_MIN_BYTES) as f:
         for chunk in (len(encoded).to_bytes(8, "little"), encoded, *views):
             f.write(chunk)
             digest.update(chunk)

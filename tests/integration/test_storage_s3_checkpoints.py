@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import storage.checkpoints as ckpt
-from storage.fs import list_files, write_bytes_atomic, write_json
+from storage.fs import is_local, list_files, write_bytes_atomic, write_json
 from storage.layout import RunLayout
 
 
@@ -129,6 +129,36 @@ def test_corrupt_checkpoint_file_is_named(layout, tmp_path):
     write_bytes_atomic(layout.fs, victim, b"\x00" * 2048)  # same size, other bytes
     with pytest.raises(ckpt.CheckpointCorruptError, match="critic/model.safetensors fails its sha256"):
         ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"))
+
+
+def read_local(folder, rel) -> bytes:
+    with open(os.path.join(folder, *rel.split("/")), "rb") as f:
+        return f.read()
+
+
+def test_a_policy_only_load_fetches_and_verifies_only_the_policy(layout, tmp_path):
+    """A rollout worker needs policy/: it must neither download nor hash the trainer state."""
+    files = save_and_commit(layout, tmp_path, 1)
+    bad = b"x" * len(files["trainer/state.json"])  # same size, other bytes: only a hash can tell
+    write_bytes_atomic(layout.fs, f"{layout.checkpoint_dir(1)}/trainer/state.json", bad)
+    folder = ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"), parts=("policy",))
+    for rel in ("policy/model.safetensors", "policy/config.json"):
+        assert read_local(folder, rel) == files[rel], rel
+    if not is_local(layout.fs):  # remote: nothing but policy/ was copied
+        assert sorted(os.listdir(folder)) == ["policy"]
+    # the whole checkpoint is still checked in full, from the same cache
+    with pytest.raises(ckpt.CheckpointCorruptError, match="trainer/state.json fails its sha256"):
+        ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"))
+
+
+def test_a_policy_only_load_still_checks_the_policy_and_names_a_missing_part(layout, tmp_path):
+    files = save_and_commit(layout, tmp_path, 1)
+    bad = b"\x02" * len(files["policy/model.safetensors"])  # iteration 1 wrote 0x01 bytes
+    write_bytes_atomic(layout.fs, f"{layout.checkpoint_dir(1)}/policy/model.safetensors", bad)
+    with pytest.raises(ckpt.CheckpointCorruptError, match="policy/model.safetensors fails its sha256"):
+        ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"), parts=("policy",))
+    with pytest.raises(ckpt.CheckpointError, match=r"has no actor/ folder \(it holds \['critic', 'policy', 'trainer'\]\)"):
+        ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"), parts=("actor",))
 
 
 def test_known_hashes_are_used_as_given_and_a_wrong_one_is_caught_on_load(layout, tmp_path):

@@ -203,7 +203,13 @@ class TestScoreWithCache:
         assert stats.hit_mask == [True] * 5 + [False] * 7
         assert (stats.hits, stats.misses, stats.computed) == (5, 7, 7)
         assert samples_scored(log) - before_fn == 7
-        assert results == scorer.score(DISTINCT)  # one batch here too, so equal bit for bit
+        direct = scorer.score(DISTINCT)
+        # Rewards are equal exactly; reference log-probs to float32 rounding: the cached 5 and the 7 computed
+        # now went through other micro-batches than a direct call's, and a matmul's kernel (so its summation
+        # order) may depend on how many rows it gets.
+        assert [(r.reward, r.components) for r in results] == [(r.reward, r.components) for r in direct]
+        for got, want in zip(results, direct):
+            assert got.ref_logprobs == pytest.approx(want.ref_logprobs, abs=1e-6)
 
     def test_without_a_cache_pairs_are_still_deduplicated(self, scorer, reward_file):
         _, log = reward_file
