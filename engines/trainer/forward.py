@@ -27,6 +27,7 @@ the untrimmed pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Iterator, NamedTuple, Optional
 
@@ -126,8 +127,14 @@ def last_layer_mlp_on(model, columns: int) -> Iterator[bool]:
 
 
 def _takes_logits_to_keep(model) -> bool:
+    return _class_takes_logits_to_keep(type(_unwrap(model)))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_takes_logits_to_keep(model_class: type) -> bool:
+    """Whether `model_class.forward` has a `logits_to_keep` argument (read once per class: this is per forward)."""
     try:
-        return "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters
+        return "logits_to_keep" in inspect.signature(model_class.forward).parameters
     except (TypeError, ValueError):
         return False
 

@@ -77,6 +77,21 @@ def grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def naive_with_grads(model, naive, batch, mask):
+    """The naive outputs (detached) and the parameter gradients of their masked weighted sum; grads reset."""
+    expected = naive(model, *batch)
+    masked_weighted_sum(expected, mask).backward()
+    expected_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    return expected.detach(), expected_grads
+
+
+def assert_grads_close(model, expected_grads):
+    actual = grads(model)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(actual[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 CASES = [
     # (prompt lengths, response lengths, P, R): ragged prompts and responses; R=1; one row
     ([3, 5, 1, 4], [6, 2, 6, 1], 5, 6),
@@ -91,10 +106,7 @@ def test_policy_forward_equals_naive_values_and_gradients(tiny_model_dir, prompt
     batch = padded_batch(prompt_lengths, response_lengths, width_p, width_r)
     mask = batch[3].float()
     model = load_policy(tiny_model_dir)
-    expected = naive_logprobs(model, *batch)
-    masked_weighted_sum(expected, mask).backward()
-    expected_grads = grads(model)
-    model.zero_grad(set_to_none=True)
+    expected, expected_grads = naive_with_grads(model, naive_logprobs, batch, mask)
 
     seen, hook = column_counter()
     handles = [model.model.layers[0].mlp.register_forward_hook(hook("first_mlp")),
@@ -106,21 +118,16 @@ def test_policy_forward_equals_naive_values_and_gradients(tiny_model_dir, prompt
     masked_weighted_sum(out.logprobs, mask).backward()
 
     assert seen == {"first_mlp": [width_p + width_r - 1], "last_mlp": [width_r], "lm_head": [width_r]}
-    torch.testing.assert_close(out.logprobs * mask, expected.detach() * mask, atol=1e-5, rtol=0)
-    actual_grads = grads(model)
-    assert actual_grads.keys() == expected_grads.keys()
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(actual_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(out.logprobs * mask, expected * mask, atol=1e-5, rtol=0)
+    assert grads(model).keys() == expected_grads.keys()
+    assert_grads_close(model, expected_grads)
 
 
 def test_critic_forward_equals_naive_values_and_gradients(tiny_model_dir):
     batch = padded_batch(*CASES[0])
     mask = batch[3].float()
     critic = load_critic(tiny_model_dir)
-    expected = naive_values(critic, *batch)
-    masked_weighted_sum(expected, mask).backward()
-    expected_grads = grads(critic)
-    critic.zero_grad(set_to_none=True)
+    expected, expected_grads = naive_with_grads(critic, naive_values, batch, mask)
 
     seen, hook = column_counter()
     handle = critic.backbone.layers[-1].mlp.register_forward_hook(hook("last_mlp"))
@@ -129,9 +136,8 @@ def test_critic_forward_equals_naive_values_and_gradients(tiny_model_dir):
     masked_weighted_sum(values, mask).backward()
 
     assert seen == {"last_mlp": [CASES[0][3]]}
-    torch.testing.assert_close(values * mask, expected.detach() * mask, atol=1e-6, rtol=0)
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads(critic)[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(values * mask, expected * mask, atol=1e-6, rtol=0)
+    assert_grads_close(critic, expected_grads)
 
 
 def test_gradient_checkpointing_keeps_the_mlp_whole_and_the_result(tiny_model_dir):
@@ -139,18 +145,14 @@ def test_gradient_checkpointing_keeps_the_mlp_whole_and_the_result(tiny_model_di
     batch = padded_batch(*CASES[0])
     mask = batch[3].float()
     model = load_policy(tiny_model_dir)
-    expected = naive_logprobs(model, *batch)
-    masked_weighted_sum(expected, mask).backward()
-    expected_grads = grads(model)
-    model.zero_grad(set_to_none=True)
+    expected, expected_grads = naive_with_grads(model, naive_logprobs, batch, mask)
     model.gradient_checkpointing_enable()
     with last_layer_mlp_on(model, 2) as active:
         assert active is False
     out = policy_forward(model, *batch, TEMPERATURE)
     masked_weighted_sum(out.logprobs, mask).backward()
-    torch.testing.assert_close(out.logprobs * mask, expected.detach() * mask, atol=1e-5, rtol=0)
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads(model)[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(out.logprobs * mask, expected * mask, atol=1e-5, rtol=0)
+    assert_grads_close(model, expected_grads)
 
 
 def test_trim_is_off_for_families_not_known_to_be_position_wise(tiny_model_dir):
