@@ -67,10 +67,11 @@ def sync_policy(trainer: PPOTrainer, engine: RolloutEngine, policy_dir: str | Pa
     directly; others (vLLM, its own process) load the HF folder the actor is saved to at `policy_dir`.
     """
     load_state_dict = getattr(engine, "load_state_dict", None)
-    if load_state_dict is not None and trainer.cfg.train.zero_stage != 3:
+    weights = trainer.actor_weights()
+    if load_state_dict is not None and weights is not None:
         from engines.rollout.registry import mark_served
 
-        load_state_dict(trainer.actor.module.state_dict(), version)  # ZeRO 0-2: every rank holds full weights
+        load_state_dict(weights, version)
         mark_served(engine, "memory", version)
         return
     trainer.save_policy(str(policy_dir))

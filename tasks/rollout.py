@@ -13,13 +13,14 @@ from prefect import task
 from engines import warm
 from engines.data import PromptSource
 from engines.models import load_tokenizer
-from engines.rollout.base import RolloutSample, SamplingSettings, prompt_sampling_seed
-from engines.rollout.registry import get_rollout_engine
+from engines.rollout.base import RolloutEngine, RolloutSample, SamplingSettings, prompt_sampling_seed
+from engines.rollout.registry import get_rollout_engine, serve_in_memory
 from ppoflow.config import PPOFlowConfig
 from storage.schema import schema_for
 from storage.shards import write_shards
 from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for, local_path_state
 from tasks.policy import local_policy_dir
+from tasks.update import held_trainer
 
 
 def prompt_hash(prompt_ids: list[int]) -> str:
@@ -60,16 +61,31 @@ def prompt_source_for(cfg: PPOFlowConfig) -> PromptSource:
         cfg.data, load_tokenizer(cfg.model.policy_path), cfg.model.apply_chat_template))
 
 
+def rollout_engine_for(cfg: PPOFlowConfig, policy: dict[str, Any]) -> RolloutEngine:
+    """This process's rollout engine, serving the policy `policy` refers to (tasks/policy.py).
+
+    When this process's warm trainer holds exactly that checkpoint (its content hash: the update wrote the
+    checkpoint from these very tensors and nothing has moved them since) and the engine takes weights in
+    memory, they are handed over directly; otherwise the checkpoint's policy/ is fetched, verified and loaded.
+    """
+    trainer = held_trainer(policy["content_hash"])
+    if trainer is not None and (weights := trainer.actor_weights()) is not None:
+        engine = serve_in_memory(cfg.rollout, cfg.model, lambda: weights, f"memory:{policy['content_hash']}",
+                                 policy["version"])
+        if engine is not None:
+            return engine
+    return get_rollout_engine(cfg.rollout, cfg.model, local_policy_dir(cfg, policy), policy["version"], cfg.run.seed)
+
+
 def run_rollout(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, Any]) -> dict[str, Any]:
     """Generate iteration `iteration`'s samples with the policy `policy` (tasks/policy.py) -> rollout manifest."""
     cfg = as_config(config)
     STAGE_BODY_CALLS["rollout"] += 1
     started = time.perf_counter()
-    policy_dir = local_policy_dir(cfg, policy)
     source = prompt_source_for(cfg)
     tokenizer = source.tokenizer
     prompts = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
-    engine = get_rollout_engine(cfg.rollout, cfg.model, policy_dir, policy["version"], cfg.run.seed)
+    engine = rollout_engine_for(cfg, policy)
     seeds = [prompt_sampling_seed(cfg.run.seed, iteration, p.index) for p in prompts]
     samples = engine.generate([p.prompt_ids for p in prompts], SamplingSettings.from_config(cfg.rollout), seeds)
     layout = layout_for(cfg)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow as pa
 from prefect import task
@@ -47,6 +47,12 @@ def take_trainer(cfg: PPOFlowConfig, policy: dict[str, Any]) -> PPOTrainer:
         return held[1]
     del held
     return _build_trainer(cfg, policy)
+
+
+def held_trainer(content_hash: str) -> Optional[PPOTrainer]:
+    """The warm trainer if it holds exactly the checkpoint with this content hash (tasks/policy.py), else None."""
+    held = warm.peek(TRAINER_ROLE)
+    return held[1] if held is not None and held[0] == content_hash else None
 
 
 def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:

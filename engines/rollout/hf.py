@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engines.models import autocast, load_policy, load_tokenizer, weight_files
+from engines.models import autocast, load_policy, load_tokenizer, precast_linear_weights, weight_files
 from engines.rollout.base import RolloutSample, SamplingSettings
 
 
@@ -120,6 +120,7 @@ class HFRolloutEngine:
         self.tokenizer = load_tokenizer(policy_dir)
         model = load_policy(policy_dir, self.dtype, self.attn_implementation)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        precast_linear_weights(self.model, self.autocast_dtype)  # one cast per weight load, not per token
         self.policy_dir = str(Path(policy_dir))
         self._config_json = _read_config(Path(policy_dir))
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)

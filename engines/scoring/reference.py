@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from engines.models import autocast, load_reference, weight_files
+from engines.models import autocast, load_reference, precast_linear_weights, weight_files
 from engines.trainer.experience import left_pad, right_pad
 from engines.trainer.forward import policy_forward
 
@@ -43,6 +43,7 @@ class ReferenceModel:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.path = str(path)
         self.model = load_reference(path, dtype, attn_implementation).to(device)
+        precast_linear_weights(self.model, autocast_dtype)  # frozen: cast once, not per forward
         self.device = torch.device(device)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size

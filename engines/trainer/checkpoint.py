@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from engines.hf_save import save_pretrained_hashed
 from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
 
 _TRAINER_FILE = "trainer.json"
@@ -79,24 +80,29 @@ def _set_engine_counters(engine, state: dict[str, Any]) -> None:
     engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
 
-def save_policy(trainer, policy_dir: str | Path) -> None:
-    """Only the actor's HF folder (+ tokenizer): what a rollout engine needs to refresh its weights."""
+def save_policy(trainer, policy_dir: str | Path) -> dict[str, str]:
+    """Only the actor's HF folder (+ tokenizer): what a rollout engine needs to refresh its weights.
+
+    Returns {file name: sha256} of the weight files, hashed as they were written (engines/hf_save.py).
+    """
     if trainer.cfg.train.zero_stage == 3:
         raise NotImplementedError("saving under train.zero_stage=3 is not supported; use stage 0, 1 or 2")
-    trainer.actor.module.save_pretrained(Path(policy_dir), safe_serialization=True)
+    digests = save_pretrained_hashed(trainer.actor.module, policy_dir)
     trainer.tokenizer.save_pretrained(Path(policy_dir))
+    return digests
 
 
 def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> dict[str, str]:
     """Write policy/, critic/ (when there is one) and trainer/ under `out_dir` (see the module docstring).
 
-    Returns {path relative to out_dir: sha256} of the files hashed while they were written (the optimizer
-    and RNG state, most of the bytes), so the checkpoint need not read them back to hash them.
+    Returns {path relative to out_dir: sha256} of the files hashed while they were written (the weights,
+    the optimizer and RNG state: all but a few small JSON files), so the checkpoint need not read them back.
     """
     out = Path(out_dir)
-    save_policy(trainer, out / "policy")
+    hashed = {f"policy/{name}": digest for name, digest in save_policy(trainer, out / "policy").items()}
     if trainer.critic is not None:
-        trainer.critic.module.save(out / "critic", trainer.tokenizer)
+        hashed.update({f"critic/{name}": digest
+                       for name, digest in trainer.critic.module.save(out / "critic", trainer.tokenizer).items()})
     state_dir = out / "trainer"
     hashes = dict(save_optimizer(trainer.actor, state_dir, "actor_optimizer"))
     engines = {"actor": _engine_counters(trainer.actor)}
@@ -109,7 +115,8 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
             "engines": engines, "extra_state": extra}
     (state_dir / _TRAINER_FILE).write_text(json.dumps(meta, indent=1))
     (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
-    return {f"trainer/{name}": digest for name, digest in hashes.items()}
+    hashed.update({f"trainer/{name}": digest for name, digest in hashes.items()})
+    return hashed
 
 
 def load_trainer_state(trainer, state_dir: str) -> None:

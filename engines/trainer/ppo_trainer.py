@@ -145,6 +145,11 @@ class PPOTrainer:
         """
         return checkpoint.save_trainer(self, out_dir, extra_state)
 
+    def actor_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """The actor's state dict (its live tensors, not copies) for a rollout engine in this process, or
+        None under ZeRO-3, where a rank holds only its shard of each parameter."""
+        return None if self.cfg.train.zero_stage == 3 else self.actor.module.state_dict()
+
     def save_policy(self, policy_dir: str) -> None:
         """Only the policy HF folder (for a rollout engine's weight refresh)."""
         checkpoint.save_policy(self, policy_dir)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -82,7 +82,8 @@ _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16
                        torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> str:
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                      metadata: Optional[dict[str, str]] = None) -> str:
     """Write `tensors` as a safetensors file at `path`; returns the sha256 (hex) of the bytes written.
 
     Layout (the safetensors format): 8-byte little-endian header length, a JSON header
@@ -90,8 +91,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> str
     header order. Each tensor's memory goes straight to the file and into the hash: no second copy of the
     whole state is built (safetensors' own writer serialises into one buffer first), tensors sharing memory
     are simply written twice, and the checkpoint need not read the file back to hash it.
-    Files of DIRECT_MIN_BYTES or more bypass the page cache (engines/trainer/direct_io.py): they are optimizer
-    state, read again only on resume.
+    Files of DIRECT_MIN_BYTES or more bypass the page cache (engines/trainer/direct_io.py): optimizer state
+    and model weights, read again only on resume or by another process.
+    metadata: extra string entries for the header's __metadata__ (which always has "format": "pt").
     Raises TypeError naming a tensor of a dtype the format has no name for.
     """
     views, header, offset = [], {}, 0
@@ -104,7 +106,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> str
                         "data_offsets": [offset, offset + raw.numel()]}
         views.append(raw.numpy())
         offset += raw.numel()
-    header["__metadata__"] = {"format": "pt"}
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     digest = hashlib.sha256()

@@ -52,3 +52,35 @@ def test_prompt_set_is_rebuilt_when_the_dataset_file_changes(tmp_path, tiny_mode
     second = prompt_source_for(cfg)
     assert second is not first
     assert second.texts == ["3 3 3", "4 4 4", "5 5 5"]
+
+
+def test_rollout_takes_the_warm_trainers_weights_and_samples_what_the_checkpoint_gives(
+        tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch):
+    import tasks.rollout as rollout_stage
+    from engines import warm
+    from tasks.checkpoint import run_checkpoint
+    from tasks.update import TRAINER_ROLE, run_update
+
+    cfg = small_config(str(tmp_path / "runs"), "memory", tiny_model_dir, digits_dataset_dir,
+                       model={"autocast_dtype": "bfloat16"}, score={"cache": False})
+    first = policy_ref(cfg, 1)
+    scored = run_score(cfg, 1, run_rollout(cfg, 1, first))
+    run_checkpoint(cfg, 1, run_update(cfg, 1, first, scored))
+    policy = policy_ref(cfg, 2)
+    layout = layout_for(cfg)
+
+    def no_folder(*args, **kwargs):
+        raise AssertionError("the rollout fetched the checkpoint although the warm trainer holds it")
+
+    # The trainer that wrote iteration 1's checkpoint is warm: its weights go to the engine in memory.
+    monkeypatch.setattr(rollout_stage, "local_policy_dir", no_folder)
+    in_memory = run_rollout(cfg, 2, policy)
+    memory_rows = read_shards(layout.fs, layout.stage_dir(2, "rollout")).to_pydict()
+    monkeypatch.undo()
+    # Without a warm trainer the same stage loads the committed policy/ folder instead.
+    warm.invalidate(TRAINER_ROLE)
+    from_folder = run_rollout(cfg, 2, policy)
+    folder_rows = read_shards(layout.fs, layout.stage_dir(2, "rollout")).to_pydict()
+    assert memory_rows["response_ids"] == folder_rows["response_ids"]
+    assert memory_rows["rollout_logprobs"] == folder_rows["rollout_logprobs"]
+    assert in_memory["content_hash"] == from_folder["content_hash"]

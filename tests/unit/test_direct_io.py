@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from engines.trainer import direct_io
-from engines.trainer.direct_io import ALIGN, BUFFER_BYTES, SequentialWriter
+from engines.trainer.direct_io import ALIGN, BUFFER_BYTES, RING, SequentialWriter
 from engines.trainer.state import DIRECT_MIN_BYTES, write_safetensors
 
 
@@ -138,3 +139,111 @@ def test_large_safetensors_file_goes_direct_and_reads_back(tmp_path):
     back = load_file(str(path))
     for name, tensor in tensors.items():
         assert torch.equal(back[name], tensor), name
+
+
+def direct_or_skip(writer: SequentialWriter) -> None:
+    if not writer.direct:
+        writer.close()
+        pytest.skip("this filesystem refuses O_DIRECT at open")
+
+
+def test_the_ring_wraps_several_times(tmp_path):
+    """7 full buffers and a tail, in pieces that straddle buffer edges: every buffer of the ring is reused."""
+    sizes = (BUFFER_BYTES // 3 + 1,) * 21 + (12345,)
+    assert sum(sizes) > 7 * BUFFER_BYTES >= 2 * RING * BUFFER_BYTES
+    chunks = pieces(*sizes)
+    expected = b""
+    for chunk in chunks:
+        expected += chunk
+    path = tmp_path / "f.bin"
+    with SequentialWriter(path) as writer:
+        for chunk in chunks:
+            writer.write(chunk)
+    data = path.read_bytes()
+    assert len(data) == len(expected) == writer.bytes_written
+    assert hashlib.sha256(data).hexdigest() == hashlib.sha256(expected).hexdigest()
+    assert writer.wait_s >= 0 and writer.io_thread_cpu_s >= 0
+
+
+def spy_writes(monkeypatch, fail_after: int | None = None) -> list[tuple[int, threading.Thread]]:
+    """Record (fd, thread) of every os.write; with fail_after, the writes after that many raise ENOSPC."""
+    calls, real_write = [], os.write
+
+    def spying_write(fd, data):
+        calls.append((fd, threading.current_thread()))
+        if fail_after is not None and len(calls) > fail_after:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_io.os, "write", spying_write)
+    return calls
+
+
+@pytest.mark.timeout(60)
+def test_the_first_buffer_is_written_by_the_caller_and_the_rest_by_one_io_thread(tmp_path, monkeypatch):
+    calls = spy_writes(monkeypatch)
+    chunks = pieces(4 * BUFFER_BYTES + 10)
+    before = set(threading.enumerate())
+    writer = SequentialWriter(tmp_path / "f.bin")
+    direct_or_skip(writer)
+    for chunk in chunks:
+        writer.write(chunk)
+    writer.close()
+    assert set(threading.enumerate()) == before
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(chunks)
+    me = threading.current_thread()
+    # 5 writes: the probe (caller), 3 full buffers (one other thread), the padded tail (caller, at close)
+    assert [thread is me for _, thread in calls] == [True, False, False, False, True]
+    assert len({thread for _, thread in calls if thread is not me}) == 1
+
+
+@pytest.mark.parametrize("size", [0, 5, BUFFER_BYTES - 1, BUFFER_BYTES, BUFFER_BYTES + 5])
+def test_a_small_file_starts_no_thread(tmp_path, monkeypatch, size):
+    """Up to one buffer (and a tail: the tail is written at close) everything happens on the caller."""
+    started = []
+    monkeypatch.setattr(direct_io, "Thread", lambda *a, **k: started.append(a) or threading.Thread(*a, **k))
+    calls = spy_writes(monkeypatch)
+    chunk = os.urandom(size)
+    with SequentialWriter(tmp_path / "f.bin") as writer:
+        writer.write(chunk)
+    assert started == []
+    assert all(thread is threading.current_thread() for _, thread in calls)
+    assert (tmp_path / "f.bin").read_bytes() == chunk
+    assert writer.io_thread_cpu_s == 0.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2 * BUFFER_BYTES, 9 * BUFFER_BYTES + 7])  # raised by close() / by write()
+def test_an_error_in_the_io_thread_surfaces_and_leaves_no_thread(tmp_path, monkeypatch, size):
+    calls = spy_writes(monkeypatch, fail_after=1)  # the synchronous first buffer goes through
+    before = set(threading.enumerate())
+    path = tmp_path / "f.bin"
+    with pytest.raises(OSError) as info:
+        with SequentialWriter(path) as writer:
+            if not writer.direct:
+                pytest.skip("this filesystem refuses O_DIRECT at open")
+            for start in range(0, size, 3 << 20):  # several writes, so the error can reach one of them
+                writer.write(b"\0" * min(3 << 20, size - start))
+    assert info.value.errno == errno.ENOSPC and str(path) in str(info.value)
+    assert set(threading.enumerate()) == before
+    assert calls[0][1] is threading.current_thread() and calls[1][1] is not threading.current_thread()
+    writer.close()  # idempotent: nothing more to raise or release
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("io_error", [False, True])
+def test_an_exception_in_the_with_body_propagates_unmasked(tmp_path, monkeypatch, io_error):
+    """Even when the I/O thread failed too, the body's exception is the one raised, and nothing hangs."""
+    spy_writes(monkeypatch, fail_after=1 if io_error else None)
+    before = set(threading.enumerate())
+    chunk = os.urandom(3 * BUFFER_BYTES + 5)
+    with pytest.raises(RuntimeError, match="body failed"):
+        with SequentialWriter(tmp_path / "f.bin") as writer:
+            try:
+                writer.write(chunk)
+            except OSError:  # the I/O thread's error may reach write() already; close() raises it anyway
+                assert io_error
+            raise RuntimeError("body failed")
+    assert set(threading.enumerate()) == before
+    if not io_error:  # what was written before the exception is still on disk, as before
+        assert (tmp_path / "f.bin").read_bytes() == chunk

@@ -178,3 +178,23 @@ def test_bfloat16_autocast_generation_stays_within_bf16_rounding(tiny_model_dir)
         gaps.append((torch.tensor(s.rollout_logprobs) - expected).abs().max().item())
     # bf16 keeps 8 bits of mantissa: logits of size ~1 move by ~1e-2; float32 would agree to ~1e-6.
     assert max(gaps) < 0.1 and max(gaps) > 1e-5
+
+
+def test_autocast_engine_keeps_linear_weights_in_bf16_through_every_load(tiny_model_dir, tmp_path):
+    from engines.toy.model import build_tiny_llama
+
+    engine = HFRolloutEngine(str(tiny_model_dir), seed=0, autocast_dtype="bfloat16")
+
+    def assert_serves(folder):
+        expected = load_policy(folder).state_dict()
+        for name, tensor in engine.model.state_dict().items():
+            linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+            assert tensor.dtype == (torch.bfloat16 if linear else torch.float32), name
+            assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
+
+    assert_serves(tiny_model_dir)
+    other = build_tiny_llama(tmp_path / "other", seed=5)
+    engine.load_weights(str(other), version=1)  # in place: float32 file values rounded into bf16 storage
+    assert_serves(other)
+    engine.load_state_dict(load_policy(tiny_model_dir).state_dict(), version=2)
+    assert_serves(tiny_model_dir)

@@ -72,3 +72,37 @@ def test_critic_from_reward_model_reuses_score_head(tiny_model_dir, tmp_path):
     config.num_labels = 2
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm2")
     assert isinstance(load_critic(tmp_path / "rm2"), ValueHeadModel)
+
+
+def _llama(tie: bool, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_precast_linear_weights_keeps_autocast_outputs_bit_for_bit(tie):
+    import copy
+
+    from engines.models import autocast, precast_linear_weights
+
+    plain = _llama(tie)
+    cast = copy.deepcopy(plain)
+    # 2 layers x (q, k, v, o, gate, up, down) = 14 Linears, plus the LM head unless it is tied to the
+    # embedding (then it must stay float32 with the embedding it shares).
+    assert precast_linear_weights(cast, "bfloat16") == 14 + (0 if tie else 1)
+    assert cast.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert cast.model.embed_tokens.weight.dtype == torch.float32
+    assert cast.lm_head.weight.dtype == (torch.float32 if tie else torch.bfloat16)
+    assert (cast.lm_head.weight is cast.model.embed_tokens.weight) == tie
+    assert torch.equal(cast.model.layers[0].self_attn.q_proj.weight,
+                       plain.model.layers[0].self_attn.q_proj.weight.to(torch.bfloat16))
+    ids = torch.randint(3, 64, (3, 9))
+    with torch.no_grad(), autocast("bfloat16", "cpu"):
+        expected, got = plain(ids).logits, cast(ids).logits
+    assert torch.equal(got, expected)
+    # Without autocast nothing changes; float32 weights are what autocast=None runs on.
+    assert precast_linear_weights(_llama(tie), None) == 0
