@@ -1,7 +1,11 @@
 """fsspec helpers: resolve a storage URL, and write objects so that a reader never sees half of one.
 
 Atomic writes, by filesystem:
-- local disk: write a hidden temp file in the target's folder, fsync, then `os.replace` (atomic on POSIX).
+- local disk: write a hidden temp file in the target's folder, fsync it, `os.replace` it over the target
+  (atomic on POSIX), then fsync the folder (and the parents of folders it had to create), so the new
+  object is on disk when the call returns, as an S3 object is when its PUT returns. Checkpoints rely on
+  that order: their files are durable before the commit marker is written, and the marker is durable
+  before retention deletes an older checkpoint. (~3 ms for the 22 files of a checkpoint here.)
 - S3 (and other object stores): one PUT below 2 x `multipart_chunk_bytes`; above it a multipart upload
   that s3fs aborts on failure. An S3 object becomes visible only when its PUT or its
   CompleteMultipartUpload succeeds, so no rename is ever needed (and S3 has no atomic rename).
@@ -74,30 +78,54 @@ def _chunk_bytes(fs: fsspec.AbstractFileSystem) -> int:
     return int(getattr(fs, "default_block_size", None) or 50 * 2**20)
 
 
-def _replace_locally(path: str, fill) -> None:
-    """Write a sibling temp file with `fill(tmp_path)`, then os.replace it over `path` (atomic on POSIX)."""
-    folder = os.path.dirname(path)
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a folder's entries, to the device. Folders cannot be opened on Windows: skipped."""
+    if os.name == "nt" and os.path.isdir(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_folder_durably(folder: str) -> None:
+    """os.makedirs, then fsync the parent of every folder it created (their entries are what a crash loses)."""
+    missing = []
+    probe = os.path.abspath(folder)
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
     os.makedirs(folder, exist_ok=True)
+    for created in reversed(missing):
+        _fsync(os.path.dirname(created))
+
+
+def _replace_locally(path: str, fill) -> None:
+    """Write a sibling temp file with `fill(tmp_path)`, fsync it, os.replace it over `path` (atomic on
+    POSIX) and fsync the folder: durable when this returns."""
+    folder = os.path.dirname(path)
+    _make_folder_durably(folder)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         fill(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)
         raise
+    _fsync(folder)
 
 
-def _write_synced(tmp: str, data: Any) -> None:
+def _write_file(tmp: str, data: Any) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> None:
     """Write `data` (bytes or any buffer) to `path`: readers see the old object, or none, or all of the new one."""
     if is_local(fs):
-        _replace_locally(path, lambda tmp: _write_synced(tmp, data))
+        _replace_locally(path, lambda tmp: _write_file(tmp, data))
         return
     # s3fs: put_object below 2 x chunk, else a multipart upload that is aborted when any part fails.
     payload = data if isinstance(data, bytes) else bytes(memoryview(data))  # e.g. a pyarrow Buffer

@@ -12,7 +12,7 @@ are touched once) and written a whole buffer at a time; the tail is zero-padded 
 then truncated to its true length. Where O_DIRECT does not exist (macOS, Windows) or is refused (tmpfs and
 some FUSE or network filesystems: EINVAL on open or on the first write), the same bytes go through a plain
 buffered file: the result is byte-for-byte the same file either way.
-Durability is the same as a buffered write: neither path calls fsync.
+Neither path calls fsync: storage.fs fsyncs each file (and its folder) as it moves it into a checkpoint.
 
 Overlap: an O_DIRECT write blocks until the device has the bytes, and the caller (state.write_safetensors)
 hashes every chunk on the same thread, so written synchronously the two take turns. The first full buffer

@@ -198,3 +198,46 @@ def test_policy_folder_loads_with_from_pretrained(layout, tmp_path, tiny_model_d
     loaded = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "policy"))
     for (name, a), (_, b) in zip(original.state_dict().items(), loaded.state_dict().items()):
         assert a.equal(b), name
+
+
+def test_local_checkpoint_files_are_durable_before_the_marker_and_the_marker_before_retention(
+        layout, tmp_path, monkeypatch):
+    if not is_local(layout.fs):
+        pytest.skip("fsync order is a local-disk matter: an S3 object is durable when its PUT returns")
+    save_and_commit(layout, tmp_path, 1, keep_last=1)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_rmtree = os.fsync, os.replace, shutil.rmtree
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        events.append(("replace", os.path.abspath(dst)))
+
+    def rmtree(path, *args, **kwargs):
+        events.append(("rmtree", os.path.abspath(path)))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    files = save_and_commit(layout, tmp_path, 2, keep_last=1)
+    target = os.path.abspath(layout.checkpoint_dir(2))
+    marker_at = events.index(("replace", os.path.join(target, ckpt.MARKER_NAME)))
+    for rel in files:
+        final = os.path.join(target, *rel.split("/"))
+        placed = events.index(("replace", final))
+        folder = os.path.dirname(final)
+        # the data was flushed under its temporary name before the rename, the folder entry after it,
+        # and both before the marker
+        data_synced = [i for i, (kind, path) in enumerate(events[:placed]) if kind == "fsync"
+                       and os.path.dirname(path) == folder and os.path.basename(path).startswith(f".{os.path.basename(final)}.tmp-")]
+        assert data_synced, rel
+        assert ("fsync", folder) in events[placed:marker_at], rel
+    # the new iteration folder's own entry in checkpoints/ is durable before the marker too
+    assert ("fsync", os.path.dirname(target)) in events[:marker_at]
+    # retention removes iteration 1 only after the marker's folder entry is on disk
+    removed = events.index(("rmtree", os.path.abspath(layout.checkpoint_dir(1))))
+    assert ("fsync", target) in events[marker_at:removed]
