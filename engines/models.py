@@ -63,9 +63,8 @@ def precast_linear_weights(model: nn.Module, autocast_dtype: Optional[str]) -> i
     dtype = torch_dtype(autocast_dtype)
     holders: dict[int, set[type]] = {}
     for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None:
-                holders.setdefault(id(param), set()).add(nn.Linear if isinstance(module, nn.Linear) else type(module))
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), set()).add(nn.Linear if isinstance(module, nn.Linear) else type(module))
     converted = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear):

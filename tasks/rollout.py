@@ -70,7 +70,7 @@ def rollout_engine_for(cfg: PPOFlowConfig, policy: dict[str, Any]) -> RolloutEng
     """
     trainer = held_trainer(policy["content_hash"])
     if trainer is not None and (weights := trainer.actor_weights()) is not None:
-        engine = serve_in_memory(cfg.rollout, cfg.model, lambda: weights, f"memory:{policy['content_hash']}",
+        engine = serve_in_memory(cfg.rollout, cfg.model, weights, f"memory:{policy['content_hash']}",
                                  policy["version"])
         if engine is not None:
             return engine

@@ -41,12 +41,9 @@ def _build_trainer(cfg: PPOFlowConfig, policy: dict[str, Any]) -> PPOTrainer:
 
 def take_trainer(cfg: PPOFlowConfig, policy: dict[str, Any]) -> PPOTrainer:
     """The warm trainer if it holds exactly `policy`'s state, else one rebuilt from that checkpoint."""
-    held = warm.peek(TRAINER_ROLE)
-    warm.invalidate(TRAINER_ROLE)
-    if held is not None and held[0] == policy["content_hash"]:
-        return held[1]
-    del held
-    return _build_trainer(cfg, policy)
+    trainer = held_trainer(policy["content_hash"])
+    warm.invalidate(TRAINER_ROLE)  # a trainer for another checkpoint is dropped before a new one is built
+    return trainer if trainer is not None else _build_trainer(cfg, policy)
 
 
 def held_trainer(content_hash: str) -> Optional[PPOTrainer]:

@@ -14,7 +14,7 @@ import atexit
 import json
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Optional
 
 from engines.rollout.base import RolloutEngine, SamplingSettings
 
@@ -111,15 +111,14 @@ def get_rollout_engine(rollout_cfg, model_cfg, policy_dir: str, version: int, se
         return engine
 
 
-def serve_in_memory(rollout_cfg, model_cfg, state_dict: Callable[[], dict], source: str,
-                    version: int) -> Optional[RolloutEngine]:
-    """The engine already built for these settings, now serving `state_dict()` as `version`; else None.
+def serve_in_memory(rollout_cfg, model_cfg, state_dict: dict, source: str, version: int) -> Optional[RolloutEngine]:
+    """The engine already built for these settings, now serving `state_dict` as `version`; else None.
 
-    For a trainer in the same process whose weights are exactly a checkpoint's policy: handing them over
-    in memory skips writing nothing but saves reading and hashing the policy folder back. `source` names
-    those weights (e.g. "memory:<checkpoint hash>"): an engine that serves (source, version) already is
-    left as it is. None when no engine is built yet for these settings or the engine cannot take weights
-    in memory (vLLM runs in its own process): the caller then goes through `get_rollout_engine`.
+    For a trainer in the same process whose weights are exactly a checkpoint's policy: the checkpoint is
+    still written, but the engine need not read and hash its policy folder back. `source` names those
+    weights (e.g. "memory:<checkpoint hash>"): an engine that serves (source, version) already is left as
+    it is. None when no engine is built yet for these settings or the engine cannot take weights in memory
+    (vLLM runs in its own process): the caller then goes through `get_rollout_engine`.
     """
     identity = _identity(resolve_engine_kind(rollout_cfg.engine), rollout_cfg, model_cfg)
     with _lock:
@@ -128,7 +127,7 @@ def serve_in_memory(rollout_cfg, model_cfg, state_dict: Callable[[], dict], sour
         return None
     engine = cached[0]
     if (cached[1], cached[2]) != (source, int(version)):
-        engine.load_state_dict(state_dict(), int(version))
+        engine.load_state_dict(state_dict, int(version))
         mark_served(engine, source, version)
     return engine
 
