@@ -12,7 +12,9 @@ file atomically, then writes _STAGED.json. `commit_checkpoint` (checkpoint stage
 machine) checks the staged files are all there, writes _COMMITTED, then LATEST, then applies retention.
 A crash before _COMMITTED leaves the previous checkpoint as the latest; a crash after it but before
 LATEST is repaired by `latest_iteration` (it trusts markers, not LATEST) and by a retried commit,
-which is idempotent. A committed checkpoint is never written into or overwritten.
+which is idempotent. A committed checkpoint is never written into or overwritten. On a local disk every
+write is durable when it returns (storage/fs.py fsyncs file and folder), so the order above also holds
+after a machine crash: files before the marker, the marker before retention deletes an older checkpoint.
 """
 from __future__ import annotations
 

@@ -92,8 +92,9 @@ class Stopwatch:
         self.start = self.last = time.perf_counter()
         self.cpu_start = time.process_time()
 
-    def lap(self) -> tuple[float, float]:
-        now = time.perf_counter()
+    def lap(self, at: float | None = None) -> tuple[float, float]:
+        """`at`: when the iteration ended, on time.perf_counter's clock, if known better than "now"."""
+        now = time.perf_counter() if at is None else at
         since_start, since_last = now - self.start, now - self.last
         self.last = now
         return since_start, since_last
