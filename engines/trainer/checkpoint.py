@@ -99,10 +99,9 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
     the optimizer and RNG state: all but a few small JSON files), so the checkpoint need not read them back.
     """
     out = Path(out_dir)
-    hashed = {f"policy/{name}": digest for name, digest in save_policy(trainer, out / "policy").items()}
+    hashed = _under("policy", save_policy(trainer, out / "policy"))
     if trainer.critic is not None:
-        hashed.update({f"critic/{name}": digest
-                       for name, digest in trainer.critic.module.save(out / "critic", trainer.tokenizer).items()})
+        hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer)))
     state_dir = out / "trainer"
     hashes = dict(save_optimizer(trainer.actor, state_dir, "actor_optimizer"))
     engines = {"actor": _engine_counters(trainer.actor)}
@@ -115,8 +114,13 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
             "engines": engines, "extra_state": extra}
     (state_dir / _TRAINER_FILE).write_text(json.dumps(meta, indent=1))
     (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
-    hashed.update({f"trainer/{name}": digest for name, digest in hashes.items()})
+    hashed.update(_under("trainer", hashes))
     return hashed
+
+
+def _under(folder: str, digests: dict[str, str]) -> dict[str, str]:
+    """{name: sha256} of files in `folder` -> {"folder/name": sha256}, the checkpoint's relative paths."""
+    return {f"{folder}/{name}": digest for name, digest in digests.items()}
 
 
 def load_trainer_state(trainer, state_dir: str) -> None:

@@ -8,6 +8,8 @@ summation orders over different row counts: 1e-5 on log-probs of size ~|log 64| 
 Hooks on the model count the columns each part really saw, so a test also fails if a cut silently stops
 happening (the numbers alone cannot tell).
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -54,17 +56,24 @@ def naive_values(critic, prompt_ids, prompt_mask, response_ids, response_mask):
     return values[:, width_p - 1: width_p + width_r - 1]
 
 
-def column_counter():
-    """Forward hooks that record the column count (dim 1) of a submodule's output, per call.
+@contextlib.contextmanager
+def columns_seen(**modules):
+    """Within the block, record the column count (dim 1) of each named submodule's output, per call:
+    yields {name: [columns, ...]}; the hooks are removed on exit.
 
     Registered before policy_forward's own hooks, so they run before its zero padding of the MLP output:
     they see the columns the module computed."""
-    seen = {}
+    seen: dict = {}
 
     def hook(name):
         return lambda _m, _args, out: seen.setdefault(name, []).append(out.shape[1])
 
-    return seen, hook
+    handles = [module.register_forward_hook(hook(name)) for name, module in modules.items()]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def masked_weighted_sum(values, mask):
@@ -108,13 +117,9 @@ def test_policy_forward_equals_naive_values_and_gradients(tiny_model_dir, prompt
     model = load_policy(tiny_model_dir)
     expected, expected_grads = naive_with_grads(model, naive_logprobs, batch, mask)
 
-    seen, hook = column_counter()
-    handles = [model.model.layers[0].mlp.register_forward_hook(hook("first_mlp")),
-               model.model.layers[-1].mlp.register_forward_hook(hook("last_mlp")),
-               model.lm_head.register_forward_hook(hook("lm_head"))]
-    out = policy_forward(model, *batch, TEMPERATURE, chunk_size=3)
-    for handle in handles:
-        handle.remove()
+    with columns_seen(first_mlp=model.model.layers[0].mlp, last_mlp=model.model.layers[-1].mlp,
+                      lm_head=model.lm_head) as seen:
+        out = policy_forward(model, *batch, TEMPERATURE, chunk_size=3)
     masked_weighted_sum(out.logprobs, mask).backward()
 
     assert seen == {"first_mlp": [width_p + width_r - 1], "last_mlp": [width_r], "lm_head": [width_r]}
@@ -129,10 +134,8 @@ def test_critic_forward_equals_naive_values_and_gradients(tiny_model_dir):
     critic = load_critic(tiny_model_dir)
     expected, expected_grads = naive_with_grads(critic, naive_values, batch, mask)
 
-    seen, hook = column_counter()
-    handle = critic.backbone.layers[-1].mlp.register_forward_hook(hook("last_mlp"))
-    values = critic_forward(critic, *batch)
-    handle.remove()
+    with columns_seen(last_mlp=critic.backbone.layers[-1].mlp) as seen:
+        values = critic_forward(critic, *batch)
     masked_weighted_sum(values, mask).backward()
 
     assert seen == {"last_mlp": [CASES[0][3]]}
@@ -163,9 +166,8 @@ def test_trim_is_off_for_families_not_known_to_be_position_wise(tiny_model_dir):
     with last_layer_mlp_on(model, 2) as active:
         assert active is False
     # and the hooks are gone after the block: a plain call runs the MLP on every column
-    seen, hook = column_counter()
-    model.model.layers[-1].mlp.register_forward_hook(hook("last_mlp"))
-    model(input_ids=torch.tensor([[1, 5, 6, 7]]), use_cache=False)
+    with columns_seen(last_mlp=model.model.layers[-1].mlp) as seen:
+        model(input_ids=torch.tensor([[1, 5, 6, 7]]), use_cache=False)
     assert seen == {"last_mlp": [4]}
 
 

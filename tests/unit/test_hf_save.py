@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers.modeling_utils as hf_modeling
 from safetensors import safe_open
+from safetensors.torch import save_file as SAFETENSORS_SAVE_FILE
 
 from engines import hf_save
 from engines.hf_save import save_pretrained_hashed
@@ -43,13 +44,7 @@ def test_folder_loads_back_and_digests_are_the_files(tmp_path, tie):
     again = load_policy(tmp_path / "m")
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
-    assert hf_modeling.safe_save_file is hf_save_original()
-
-
-def hf_save_original():
-    from safetensors.torch import save_file
-
-    return save_file
+    assert hf_modeling.safe_save_file is SAFETENSORS_SAVE_FILE
 
 
 def test_sharded_folder_hashes_every_shard(tmp_path):
@@ -71,4 +66,4 @@ def test_a_failed_write_restores_the_original_writer(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_save, "write_safetensors", refuse)
     with pytest.raises(OSError, match="No space left"):
         save_pretrained_hashed(_llama(False), tmp_path / "m")
-    assert hf_modeling.safe_save_file is hf_save_original()
+    assert hf_modeling.safe_save_file is SAFETENSORS_SAVE_FILE
