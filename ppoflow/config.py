@@ -130,7 +130,8 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator against the reference.")
     kl_in_reward: bool = Field(True, description="Fold the KL penalty into token rewards (PPO); else add it to the loss (GRPO style).")
     kl_coef: float = Field(0.01, ge=0, description="Initial KL coefficient.")
-    kl_target: Optional[float] = Field(None, description="Adaptive KL controller target; None = fixed coefficient.")
+    kl_target: Optional[float] = Field(None, description="Adaptive KL controller target: mean KL per response "
+                                       "(summed over its tokens), nats; None = fixed coefficient.")
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon (samples).")
     clip_low: float = Field(0.2, ge=0, description="Policy ratio clip below 1.")
     clip_high: float = Field(0.2, ge=0, description="Policy ratio clip above 1 (DAPO's clip-higher when larger).")

@@ -9,7 +9,8 @@ An update reads as its stages in order:
   4. algo.ppo_epochs passes; each shuffles the rows (seeded by run.seed and the update count, so a resumed
      run shuffles exactly like an uninterrupted one) and cuts them into optimizer steps of
      train.train_batch_size rows, each accumulated over micro-batches of train.micro_batch_size;
-  5. the KL controller sees the batch's mean KL.
+  5. the KL controller sees the batch's mean KL per sequence (each response's KL summed over its tokens,
+     averaged over responses: the unit of Ziegler et al.'s target, `algo.kl_target`).
 
 Loss scale: every micro-batch loss is divided by the response tokens of its whole optimizer step
 (`num_tokens`) and DeepSpeed's own 1/accumulation scaling is switched off (`scale_wrt_gas=False`), so the
@@ -34,7 +35,7 @@ from engines.ppo import advantages as ppo_advantages
 from engines.ppo.kl import kl_penalty
 from engines.ppo.kl_controller import make_kl_controller
 from engines.ppo.losses import entropy_loss, kl_loss, policy_loss, value_loss
-from engines.ppo.masked import masked_mean
+from engines.ppo.masked import masked_mean, masked_sum
 from engines.ppo.rewards import token_level_rewards
 from engines.trainer import checkpoint
 from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
@@ -228,9 +229,13 @@ class PPOTrainer:
                 rows = order[start:start + self.train_batch_size].to(self.device)
                 self._optimizer_step(batch, rows, old_logprobs, values, adv, sums)
         kl_mean = float(masked_mean(kl, mask))
+        kl_per_sequence = float(masked_sum(kl, mask, dim=-1).mean())
         metrics = self._batch_metrics(batch, old_logprobs, values, adv, kl_mean)
+        metrics["kl/sequence_mean"] = kl_per_sequence
         metrics.update(sums.means())
-        self.kl_controller.update(kl_mean, len(batch))
+        # Per sequence, not per token: a target of 6 nats means 6 nats per response, as in the paper (a
+        # per-token mean would be ~length times smaller and drive beta down for as long as the run lasts).
+        self.kl_controller.update(kl_per_sequence, len(batch))
         self.update_count += 1
         return UpdateResult(metrics, _ragged(old_logprobs, mask),
                             _ragged(values, mask) if values is not None else [[] for _ in range(len(batch))],

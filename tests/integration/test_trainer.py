@@ -229,3 +229,26 @@ def test_zero_stage_0_resume_equals_uninterrupted(tiny_model_dir, batches, tmp_p
     for live, again in ((trainer.actor, resumed.actor), (trainer.critic, resumed.critic)):
         for k, v in _params(again).items():
             assert torch.equal(v, _params(live)[k]), k
+
+
+def test_adaptive_kl_controller_sees_the_kl_per_sequence(tiny_model_dir, batches):
+    """algo.kl_target is per response (Ziegler et al.: KL summed over a response's tokens, averaged over
+    responses). Derived by hand from the update's own old log-probs and the batch's reference log-probs
+    (k1: old - ref per token); a per-token mean would be ~3.5x smaller on these responses (1-6 tokens)."""
+    cfg = _cfg(tiny_model_dir, **{"algo.kl_target": 0.01, "algo.kl_horizon": 1000, "algo.kl_coef": 0.1})
+    trainer = PPOTrainer(cfg, str(tiny_model_dir))
+    trainer.update(batches[0])  # the actor moves away from the reference, so the second update sees KL > 0
+    seen: list[float] = []
+    controller_update = trainer.kl_controller.update
+    trainer.kl_controller.update = lambda kl, n: (seen.append(kl), controller_update(kl, n))[1]
+    beta_before = trainer.kl_controller.value
+    result = trainer.update(batches[1])
+    per_row = [sum(o - float(r) for o, r in zip(old, ref)) for old, ref in zip(result.old_logprobs,
+                                                                               batches[1].ref_logprobs)]
+    per_sequence = sum(per_row) / len(per_row)
+    per_token = sum(per_row) / sum(len(old) for old in result.old_logprobs)
+    assert abs(per_sequence) > 1.5 * abs(per_token) > 0  # the two readings are far apart here
+    assert seen == [pytest.approx(per_sequence, rel=1e-4)]
+    assert result.metrics["kl/sequence_mean"] == pytest.approx(per_sequence, rel=1e-4)
+    error = min(max(per_sequence / 0.01 - 1.0, -0.2), 0.2)
+    assert trainer.kl_controller.value == pytest.approx(beta_before * (1 + error * 8 / 1000), rel=1e-9)
