@@ -100,6 +100,7 @@ class RewardSourceConfig(_Section):
     weight: float = Field(1.0, description="Weight of this source in the summed reward.")
     name: Optional[str] = Field(None, description="Component name in metrics and shards; defaults to kind.")
     timeout_s: float = Field(60.0, gt=0, description="Per-call timeout (function and remote sources).")
+    isolation: Literal["thread", "process"] = Field("thread", description="function: run it in a worker thread, or in a worker process that is killed on a timeout (for code that may hang).")
     batch_size: int = Field(64, ge=1, description="Samples per call to this source.")
     token_env: str = Field("PPOFLOW_REWARD_TOKEN", description="remote: environment variable holding the bearer token.")
     max_retries: int = Field(3, ge=0, description="remote: retries with exponential backoff on 5xx, timeouts and connection errors; 4xx fails at once.")

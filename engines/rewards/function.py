@@ -8,8 +8,11 @@ A function is named by a spec: `path/to/file.py:fn` (a file, imported under a pr
 - veRL: `compute_score(data_source, solution_str, ground_truth, extra_info)` -> float or {"score": float};
   called once per sample (solution_str = response text).
 
-`async def` functions are awaited. Every call has a timeout (a sync function runs in a worker thread; a
-thread cannot be killed, so a timed-out call is abandoned and a fresh thread serves the next call).
+`async def` functions are awaited. Every call has a timeout. Where the function runs (`isolation`):
+- "thread" (default): a worker thread of this process; cheapest, but a thread cannot be killed, so a
+  timed-out call is abandoned (it runs on) and a fresh thread serves the next call;
+- "process": a worker process (engines/rewards/isolated.py), killed on a timeout and replaced at the next
+  call; for functions that may hang (running generated code, say).
 A wrong number of rewards, a non-finite reward, an exception or a timeout is a RewardError naming the
 source and the sample, never a silent zero.
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Sequence
 
 from engines.rewards.base import RewardBatch, RewardError
+from engines.rewards.isolated import FunctionRaised, ProcessCaller, WorkerFailed, WorkerTimeout
 
 Contract = Literal["openrlhf", "verl"]
 
@@ -98,10 +102,13 @@ def function_identity(spec: str, fn: Callable) -> str:
 class FunctionRewardSource:
     """RewardSource over a Python function. See the module docstring for the contracts and errors."""
 
-    def __init__(self, spec: str, timeout_s: float = 60.0, batch_size: int = 64, name: Optional[str] = None):
+    def __init__(self, spec: str, timeout_s: float = 60.0, batch_size: int = 64, name: Optional[str] = None,
+                 isolation: Literal["thread", "process"] = "thread"):
         if batch_size < 1 or not timeout_s > 0:
             raise ValueError(f"reward function {spec!r}: batch_size must be >= 1 and timeout_s > 0 "
                              f"(got {batch_size}, {timeout_s})")
+        if isolation not in ("thread", "process"):
+            raise ValueError(f"reward function {spec!r}: isolation must be 'thread' or 'process', got {isolation!r}")
         self.spec = spec
         self.fn = load_reward_function(spec)
         self.contract = detect_contract(self.fn, spec)
@@ -109,7 +116,9 @@ class FunctionRewardSource:
         self.batch_size = batch_size
         self.name = name or "function"
         self.identity = function_identity(spec, self.fn)
+        self.isolation = isolation
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-fn")
+        self._process = ProcessCaller(spec) if isolation == "process" else None
 
     def score(self, batch: RewardBatch) -> list[float]:
         rewards: list[float] = []
@@ -126,6 +135,8 @@ class FunctionRewardSource:
 
     def _call(self, what: str, *args, **kwargs) -> Any:
         """Run the function with the timeout; RewardError naming `what` on exception or timeout."""
+        if self._process is not None:
+            return self._call_in_process(what, *args, **kwargs)
         try:
             if inspect.iscoroutinefunction(self.fn):
                 return asyncio.run(asyncio.wait_for(self.fn(*args, **kwargs), self.timeout_s))
@@ -143,6 +154,18 @@ class FunctionRewardSource:
         except Exception as e:
             raise RewardError(f"reward source {self.name!r} ({self.spec}) raised {type(e).__name__}: {e} "
                               f"on {what}") from e
+
+    def _call_in_process(self, what: str, *args, **kwargs) -> Any:
+        try:
+            return self._process.call(self.timeout_s, *args, **kwargs)
+        except WorkerTimeout as e:
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s "
+                              f"on {what} ({e})") from None
+        except FunctionRaised as e:
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) raised {e.type_name}: {e.message} "
+                              f"on {what}") from None
+        except WorkerFailed as e:
+            raise RewardError(f"reward source {self.name!r} ({self.spec}): {e} on {what}") from None
 
     def _score_openrlhf(self, batch: RewardBatch, start: int, stop: int) -> list[float]:
         what = f"{self._sample_name(batch, start)} .. {self._sample_name(batch, stop - 1)}"

@@ -52,7 +52,7 @@ def build_reward_sources(cfg) -> list[RewardSource]:
         if spec.kind == "function":
             from engines.rewards.function import FunctionRewardSource
             sources.append(FunctionRewardSource(spec.target, timeout_s=spec.timeout_s, batch_size=spec.batch_size,
-                                                name=name))
+                                                name=name, isolation=spec.isolation))
         elif spec.kind == "model":
             from engines.rewards.model import RewardModelSource
             sources.append(RewardModelSource(spec.target, name=name, batch_size=spec.batch_size,

@@ -1,0 +1,222 @@
+"""A reward function in a worker process of its own, so that a call that hangs can be stopped.
+
+A thread cannot be killed: a timed-out call in a worker thread runs on (a code-execution reward stuck in a
+loop burns a core until the process ends, and each retry of the stage adds one more). A process can. With
+`isolation: process` a function reward source calls its function in one long-lived worker process
+(`python -m engines.rewards.isolated`); on a timeout the worker is killed with SIGKILL and the next call
+starts a new one.
+
+Protocol (between our own two processes, over the worker's stdin and stdout; nothing is stored): frames of
+an 8-byte little-endian length and a pickle. The first frame is the init {"spec", "sys_path"}; the worker
+answers ("ready", None) or ("error", type name, message). Each call frame is (args, kwargs); the answer is
+("ok", result) or ("error", type name, message). The worker writes frames on a duplicate of its stdout and
+points fd 1 at stderr, so a function that prints cannot corrupt the protocol. It exits when its stdin
+closes, and on Linux also when the thread that started it dies (PR_SET_PDEATHSIG), so a worker stuck in a
+loop does not outlive its trainer.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+from typing import Any, BinaryIO, Optional
+
+_LENGTH = struct.Struct("<Q")
+START_TIMEOUT_S = 120.0  # interpreter start and the reward module's imports (torch, say) on a loaded machine
+
+
+class WorkerTimeout(TimeoutError):
+    """The call did not answer within its timeout; the worker was killed."""
+
+
+class WorkerFailed(RuntimeError):
+    """The worker could not start, could not import the function, or died during a call."""
+
+
+class FunctionRaised(RuntimeError):
+    """The function raised; `type_name` and `message` are its exception's."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name, self.message = type_name, message
+
+
+def _frame(obj: Any) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(data)) + data
+
+
+def _read_exactly(fd: int, size: int, deadline: Optional[float]) -> bytes:
+    """`size` bytes from `fd`; TimeoutError when the deadline passes first, EOFError when the writer closed."""
+    chunks, have = [], 0
+    while have < size:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, size - have)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        have += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, deadline: Optional[float] = None) -> Any:
+    (size,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size, deadline))
+    return pickle.loads(_read_exactly(fd, size, deadline))
+
+
+class ProcessCaller:
+    """Calls the function named by `spec` in a worker process; see the module docstring.
+
+    `call(timeout_s, *args, **kwargs)` returns the function's result (`.tolist()` of a tensor or array),
+    raises FunctionRaised when the function raised, WorkerTimeout after killing a worker that did not
+    answer in time, WorkerFailed when the worker cannot start or import the function, or died.
+    """
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self._proc: Optional[subprocess.Popen] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "engines.rewards.isolated"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, cwd=os.getcwd(), env=_worker_env())
+        try:
+            self._send(proc, {"spec": self.spec, "sys_path": list(sys.path)})
+            answer = _read_frame(proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
+        except (TimeoutError, EOFError, OSError) as e:
+            _kill(proc)
+            raise WorkerFailed(f"the reward worker for {self.spec!r} did not start "
+                               f"({'no answer in %.0f s' % START_TIMEOUT_S if isinstance(e, TimeoutError) else 'it exited'}, "
+                               f"exit code {proc.returncode}); its stderr is above") from None
+        if answer[0] != "ready":
+            _kill(proc)
+            raise WorkerFailed(f"the reward worker could not load {self.spec!r}: {answer[1]}: {answer[2]}")
+        return proc
+
+    @staticmethod
+    def _send(proc: subprocess.Popen, obj: Any) -> None:
+        proc.stdin.write(_frame(obj))
+        proc.stdin.flush()
+
+    def call(self, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
+        if self._proc is None or self._proc.poll() is not None:  # first call, or the last worker is gone
+            self._proc = self._start()
+        proc = self._proc
+        try:
+            self._send(proc, (args, kwargs))
+            answer = _read_frame(proc.stdout.fileno(), time.monotonic() + timeout_s)
+        except TimeoutError:
+            _kill(proc)
+            self._proc = None
+            raise WorkerTimeout(f"no answer in {timeout_s} s; worker {proc.pid} killed") from None
+        except (EOFError, BrokenPipeError):
+            _kill(proc)
+            self._proc = None
+            raise WorkerFailed(f"the reward worker {proc.pid} died during the call (exit code "
+                               f"{proc.returncode})") from None
+        if answer[0] == "ok":
+            return answer[1]
+        raise FunctionRaised(answer[1], answer[2])
+
+    def close(self) -> None:
+        if self._proc is not None:
+            _kill(self._proc)
+            self._proc = None
+
+    def __del__(self):
+        self.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+
+def _worker_env() -> dict[str, str]:
+    # One thread, like the process it serves (bench/common one_thread): a reward is not where cores go.
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")
+    return env
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the thread that started it exits (no effect elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def _answer(out: BinaryIO, obj: Any) -> None:
+    out.write(_frame(obj))
+    out.flush()
+
+
+def serve(inp: BinaryIO, out: BinaryIO) -> None:
+    """The worker's loop (see the module docstring); returns when its input closes."""
+    import asyncio
+    import inspect
+
+    from engines.rewards.function import load_reward_function
+
+    try:
+        init = _read_frame(inp.fileno())
+    except EOFError:
+        return
+    sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
+    try:
+        fn = load_reward_function(init["spec"])
+    except Exception as e:  # the parent reports it, naming the spec
+        _answer(out, ("error", type(e).__name__, str(e)))
+        return
+    _answer(out, ("ready", None))
+    is_async = inspect.iscoroutinefunction(fn)
+    while True:
+        try:
+            args, kwargs = _read_frame(inp.fileno())
+        except EOFError:
+            return
+        try:
+            result = asyncio.run(fn(*args, **kwargs)) if is_async else fn(*args, **kwargs)
+            if isinstance(result, dict) and hasattr(result.get("rewards"), "tolist"):
+                result = dict(result, rewards=result["rewards"].tolist())
+            elif hasattr(result, "tolist"):
+                result = result.tolist()
+            _answer(out, ("ok", result))
+        except Exception as e:
+            _answer(out, ("error", type(e).__name__, str(e)))
+
+
+def main() -> None:
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # the function's prints go to stderr, not into the protocol
+    sys.stdout = sys.stderr
+    serve(sys.stdin.buffer, out)
+
+
+if __name__ == "__main__":
+    main()
