@@ -2,15 +2,18 @@
 
 Stage records (`<run>/iter-000003/_stages/<stage>.json`) let a parent flow read what a stage deployment on
 another pool produced, and let `ppoflow runs show` list an iteration's outputs. metrics.jsonl has one line
-per iteration; rewriting an iteration's line (after a retry) replaces it, never duplicates it. Both are
-rewritten whole in one PUT: S3 has no append.
+per iteration; rewriting an iteration's line (after a retry) replaces it, never duplicates it. Stage
+records are rewritten whole in one PUT; metrics.jsonl gets the next iteration's line appended on a local
+disk and is rewritten whole otherwise (S3 has no append).
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 from typing import Any
 
-from storage.fs import join, read_json, write_bytes_atomic, write_json
+from storage.fs import append_line_durably, is_local, join, read_json, write_bytes_atomic, write_json
 from storage.layout import RunLayout
 
 
@@ -26,15 +29,66 @@ def read_stage_record(layout: RunLayout, iteration: int, stage: str) -> dict[str
     return read_json(layout.fs, stage_record_path(layout, iteration, stage))
 
 
+def _complete_lines(data: bytes) -> list[bytes]:
+    """The newline-terminated, non-blank lines of `data`; a last line without a newline is a torn append."""
+    return [line for line in data.split(b"\n")[:-1] if line.strip()]
+
+
+_TAIL_BYTES = 1 << 16  # read from the end of metrics.jsonl to find its last line (a row is ~1 KB)
+_ITERATION_PREFIX = re.compile(rb'^\{"iteration": (\d+)[,}]')
+
+
+def _iteration_of(line: bytes) -> int:
+    # Rows are written with "iteration" first, so its value is read without parsing the whole row.
+    match = _ITERATION_PREFIX.match(line)
+    return int(match.group(1)) if match else int(json.loads(line)["iteration"])
+
+
 def read_metrics(layout: RunLayout) -> list[dict[str, Any]]:
     if not layout.fs.exists(layout.metrics_path):
         return []
     with layout.fs.open(layout.metrics_path, "rb") as f:
-        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+        return [json.loads(line) for line in _complete_lines(f.read())]
+
+
+def _last_line_if_appendable(path: str) -> bytes | None:
+    """The last line of a local metrics file that ends in a newline (read from its tail), else None."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - _TAIL_BYTES))
+            tail = f.read()
+    except FileNotFoundError:
+        return None
+    if not tail.endswith(b"\n"):
+        return None  # empty, or a torn append: rewrite
+    lines = tail[:-1].rsplit(b"\n", 1)
+    if len(lines) == 1 and size > len(tail):
+        return None  # a last line longer than the tail read: rewrite
+    return lines[-1]
 
 
 def record_metrics(layout: RunLayout, row: dict[str, Any]) -> None:
-    """Put `row` (which has an "iteration") into metrics.jsonl, replacing that iteration's earlier line."""
-    rows = [r for r in read_metrics(layout) if r.get("iteration") != row["iteration"]] + [row]
-    rows.sort(key=lambda r: r["iteration"])
-    write_bytes_atomic(layout.fs, layout.metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    """Put `row` (which has an "iteration") into metrics.jsonl, replacing that iteration's earlier line.
+
+    A row after the file's last one is appended on a local disk (one fsynced write: the common case, so an
+    iteration's cost does not grow with the run's length). Otherwise (a retried iteration, object storage,
+    a torn append) the file is rewritten whole and atomically, rows sorted by iteration; other rows are
+    moved as bytes, not parsed again (parsing and dumping every row took 65 ms per iteration at 2,000 rows).
+    """
+    line = (json.dumps(row) + "\n").encode()
+    iteration = int(row["iteration"])
+    path = layout.metrics_path
+    if is_local(layout.fs):
+        last = _last_line_if_appendable(path)
+        if last is not None and last.strip() and _iteration_of(last) < iteration:
+            append_line_durably(path, line)
+            return
+    data = b""
+    if layout.fs.exists(path):
+        with layout.fs.open(path, "rb") as f:
+            data = f.read()
+    kept = [(_iteration_of(old), old) for old in _complete_lines(data)]
+    rows = sorted([item for item in kept if item[0] != iteration] + [(iteration, line.rstrip(b"\n"))],
+                  key=lambda item: item[0])
+    write_bytes_atomic(layout.fs, path, b"".join(old + b"\n" for _, old in rows))

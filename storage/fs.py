@@ -132,6 +132,20 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> N
     fs.pipe_file(path, payload, chunksize=_chunk_bytes(fs))
 
 
+def append_line_durably(path: str, line: bytes) -> None:
+    """Local files only: append `line` (ending in a newline) to an existing file and fsync it.
+
+    Not atomic: a crash can leave a torn last line (no newline at its end). Readers of such files skip a
+    last line without a newline, and writers rewrite the file whole when it does not end in one.
+    """
+    if not line.endswith(b"\n"):
+        raise ValueError("append_line_durably appends whole lines: the line must end with a newline")
+    with open(path, "ab") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def upload_file_atomic(fs: fsspec.AbstractFileSystem, local_path: str, path: str) -> None:
     """Copy a local file to `path` with the same guarantee as `write_bytes_atomic`, streaming it."""
     if is_local(fs):
