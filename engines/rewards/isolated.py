@@ -135,7 +135,10 @@ class ProcessCaller:
             self._proc = None
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:  # at interpreter exit modules may be half torn down; the worker dies with its pipe
+            pass
 
 
 def _kill(proc: subprocess.Popen) -> None:
