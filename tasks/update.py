@@ -8,6 +8,7 @@ result equals a run that never failed.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any, Optional
 
@@ -25,8 +26,11 @@ from tasks.common import STAGE_BODY_CALLS, as_config, cache_key_fn, layout_for, 
 from tasks.policy import local_checkpoint_dir
 
 TRAINER_ROLE = "trainer"
-# Test hook: a fault injected after the PPO step and before the checkpoint is staged (the worst moment).
+# Test hooks: a fault injected after the PPO step and before the checkpoint is staged (the worst moment),
+# and the process killed outright (SIGKILL: no exception handler, finally or atexit runs) once the
+# checkpoint's files are written to scratch but before any is staged.
 FAULT_ENV = "PPOFLOW_FAULT_UPDATE_ITER"
+KILL_ENV = "PPOFLOW_KILL_WHILE_SAVING_ITER"
 
 
 def _build_trainer(cfg: PPOFlowConfig, policy: dict[str, Any]) -> PPOTrainer:
@@ -85,6 +89,8 @@ def run_update(config: PPOFlowConfig | dict, iteration: int, policy: dict[str, A
                                 max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
     with checkpoint_scratch(layout) as tmp:
         hashed = trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
+        if os.environ.get(KILL_ENV) == str(iteration):
+            os.kill(os.getpid(), signal.SIGKILL)
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())
         files = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
