@@ -1,8 +1,10 @@
 """DeepSpeed in this process: distributed setup, the config dict built from TrainConfig, engine creation.
 
 One process is rank 0 of world 1 unless a launcher set RANK/WORLD_SIZE; on CPU the CPU accelerator with the
-gloo backend is used (DS_ACCELERATOR=cpu). The first `deepspeed.initialize` on a machine JIT-builds
-DeepSpeed's shared-memory comm op (about 150 s on 2 cores, cached in ~/.cache/torch_extensions after).
+gloo backend is used (DS_ACCELERATOR=cpu). DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op
+when it starts (35 s on 2 cores, then cached in ~/.cache/torch_extensions; so paid again by every fresh
+container and CI machine). With one rank there is nothing to reduce, so `setup_distributed` marks that op
+unavailable and DeepSpeed falls back to plain torch.distributed; with several CPU ranks it is built as usual.
 
 Optimizer: AdamW with `torch_adam: true`, i.e. `torch.optim.AdamW(fused=True)` inside DeepSpeed's ZeRO
 wrapper. Why: DeepSpeed's own fused CPU Adam needs a second JIT build (minutes on 2 cores); torch's fused
@@ -46,7 +48,20 @@ def setup_distributed() -> None:
     import deepspeed
 
     if not dist.is_initialized():
+        if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
+            _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _skip_shm_comm_build() -> None:
+    """One CPU rank: tell DeepSpeed its shared-memory comm op is unavailable, so it is not compiled (module doc).
+
+    `deepspeed.ops.__compatible_ops__` is the dict DeepSpeed itself consults before building the op (and
+    keeps, so that edits persist); if a later DeepSpeed stops reading it, the op is simply built again.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
