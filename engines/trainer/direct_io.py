@@ -7,8 +7,12 @@ Large-scale checkpoint writers bypass the cache for the same reason (DeepSpeed's
 on the project's 2-core VM: 164 MB in 0.37 s buffered, 0.05-0.12 s with O_DIRECT (the virtio disk varies run to run).
 
 How: O_DIRECT wants the buffer address, the length and the file offset aligned to the device's logical
-block size. Bytes are copied into a page-aligned staging buffer (an anonymous mmap, reused, so its pages
-are touched once) and written a whole buffer at a time; the tail is zero-padded to `ALIGN` and the file is
+block size. Bytes are copied into a page-aligned staging buffer (an anonymous mmap) and written a whole
+buffer at a time. Staging buffers come from a pool kept for the life of the process (`RING` of them, 24
+MiB), so their pages are touched once per process, not once per file: mapping, first-touching and unmapping
+a fresh 8 MiB buffer cost ~6 ms, ~70 ms for the 12 buffers of one checkpoint of the 10M-parameter Llama
+(246 MB), against ~0.25 ms per buffer reused. A reused buffer's old bytes never reach a file: only the
+filled part is written, and a tail is zero-padded before it is. the tail is zero-padded to `ALIGN` and the file is
 then truncated to its true length. Where O_DIRECT does not exist (macOS, Windows) or is refused (tmpfs and
 some FUSE or network filesystems: EINVAL on open or on the first write), the same bytes go through a plain
 buffered file: the result is byte-for-byte the same file either way.
@@ -32,6 +36,7 @@ import errno
 import mmap
 import os
 import queue
+import threading
 import time
 from pathlib import Path
 from threading import Thread
@@ -40,6 +45,25 @@ from typing import Optional
 ALIGN = 4096                # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20      # one staging buffer; a multiple of ALIGN
 RING = 3                    # staging buffers once writes go asynchronous (2 gave an inconsistent gain)
+
+_pool: list[mmap.mmap] = []  # free staging buffers, kept for the next writer (see the module docstring)
+_pool_lock = threading.Lock()
+
+
+def _take_buffer() -> mmap.mmap:
+    with _pool_lock:
+        if _pool:
+            return _pool.pop()
+    return mmap.mmap(-1, BUFFER_BYTES)
+
+
+def _give_back(buffers: list[mmap.mmap]) -> None:
+    """Return buffers to the pool; beyond RING of them (writers that ran at once), unmap the rest."""
+    with _pool_lock:
+        keep = max(0, RING - len(_pool))
+        _pool.extend(buffers[:keep])
+    for buf in buffers[keep:]:
+        buf.close()
 
 
 def _write_all(fd: int, buf: mmap.mmap, length: int) -> None:
@@ -84,7 +108,7 @@ class SequentialWriter:
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-                self._staging = mmap.mmap(-1, BUFFER_BYTES)
+                self._staging = _take_buffer()
                 self._buffers.append(self._staging)
                 self.direct = True
             except OSError as exc:
@@ -145,7 +169,7 @@ class SequentialWriter:
         waits while all RING buffers are queued. Raises the I/O thread's error, if it had one."""
         if self._thread is None:
             for _ in range(RING - 1):
-                self._buffers.append(mmap.mmap(-1, BUFFER_BYTES))
+                self._buffers.append(_take_buffer())
                 self._free.put(self._buffers[-1])
             self._thread = Thread(target=self._io_loop, name=f"direct-io {self.path}", daemon=True)
             self._thread.start()
@@ -187,9 +211,8 @@ class SequentialWriter:
             raise exc
 
     def _release_buffers(self) -> None:
-        for buf in self._buffers:
-            buf.close()
-        self._buffers.clear()
+        _give_back(self._buffers)
+        self._buffers = []
         self._staging = None
 
     def close(self) -> None:

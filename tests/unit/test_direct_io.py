@@ -247,3 +247,32 @@ def test_an_exception_in_the_with_body_propagates_unmasked(tmp_path, monkeypatch
     assert set(threading.enumerate()) == before
     if not io_error:  # what was written before the exception is still on disk, as before
         assert (tmp_path / "f.bin").read_bytes() == chunk
+
+
+def test_staging_buffers_are_mapped_once_and_reused_by_later_writers(tmp_path, monkeypatch):
+    """Three files of several buffers each, one after another (as a checkpoint's files are written): RING
+    buffers are mapped in all, not RING per file, and each file still holds exactly its own bytes, also a
+    short file written into buffers that held another file's bytes before."""
+    import mmap as real_mmap
+
+    mapped = []
+
+    class CountingMmap:
+        @staticmethod
+        def mmap(*args, **kwargs):
+            mapped.append(args)
+            return real_mmap.mmap(*args, **kwargs)
+
+    monkeypatch.setattr(direct_io, "_pool", [])  # start from an empty pool
+    monkeypatch.setattr(direct_io, "mmap", CountingMmap)
+    contents = [bytes([0xAA]) * (3 * BUFFER_BYTES + 17), os.urandom(2 * BUFFER_BYTES + ALIGN + 1),
+                bytes([0x55]) * 5001]
+    for k, data in enumerate(contents):
+        with SequentialWriter(tmp_path / f"f{k}.bin") as writer:
+            direct_or_skip(writer)
+            for start in range(0, len(data), 3_000_000):
+                writer.write(data[start:start + 3_000_000])
+    assert len(mapped) == RING
+    for k, data in enumerate(contents):
+        assert (tmp_path / f"f{k}.bin").read_bytes() == data, k
+    assert len(direct_io._pool) == RING
