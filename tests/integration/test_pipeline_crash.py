@@ -25,9 +25,15 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
+# Set in os.environ by DeepSpeed set-up in this test process (earlier tests): a child must pick its own
+# rendezvous port, or it would try to listen where this process already does.
+_DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _train(config_path: Path, **env) -> subprocess.CompletedProcess:
+    child_env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     return subprocess.run([sys.executable, "-m", "flows.cli", "train", str(config_path)], cwd=REPO,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+                          env={**child_env, **env}, capture_output=True, text=True, timeout=600)
 
 
 def _digests(folder: Path) -> dict[str, str]:
