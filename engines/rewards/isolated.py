@@ -90,15 +90,15 @@ class ProcessCaller:
 
     def _start(self) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "engines.rewards.isolated"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, cwd=os.getcwd(), env=_worker_env())
+                                stdout=subprocess.PIPE, cwd=os.getcwd())
         try:
             self._send(proc, {"spec": self.spec, "sys_path": list(sys.path)})
             answer = _read_frame(proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
         except (TimeoutError, EOFError, OSError) as e:
             _kill(proc)
-            raise WorkerFailed(f"the reward worker for {self.spec!r} did not start "
-                               f"({'no answer in %.0f s' % START_TIMEOUT_S if isinstance(e, TimeoutError) else 'it exited'}, "
-                               f"exit code {proc.returncode}); its stderr is above") from None
+            why = f"no answer in {START_TIMEOUT_S:.0f} s" if isinstance(e, TimeoutError) else "it exited"
+            raise WorkerFailed(f"the reward worker for {self.spec!r} did not start ({why}, exit code "
+                               f"{proc.returncode}); its stderr is above") from None
         if answer[0] != "ready":
             _kill(proc)
             raise WorkerFailed(f"the reward worker could not load {self.spec!r}: {answer[1]}: {answer[2]}")
@@ -150,14 +150,6 @@ def _kill(proc: subprocess.Popen) -> None:
             stream.close()
         except OSError:
             pass
-
-
-def _worker_env() -> dict[str, str]:
-    # One thread, like the process it serves (bench/common one_thread): a reward is not where cores go.
-    env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, "1")
-    return env
 
 
 def _die_with_parent() -> None:
