@@ -12,8 +12,8 @@ buffer at a time. Staging buffers come from a pool kept for the life of the proc
 MiB), so their pages are touched once per process, not once per file: mapping, first-touching and unmapping
 a fresh 8 MiB buffer cost ~6 ms, ~70 ms for the 12 buffers of one checkpoint of the 10M-parameter Llama
 (246 MB), against ~0.25 ms per buffer reused. A reused buffer's old bytes never reach a file: only the
-filled part is written, and a tail is zero-padded before it is. the tail is zero-padded to `ALIGN` and the file is
-then truncated to its true length. Where O_DIRECT does not exist (macOS, Windows) or is refused (tmpfs and
+filled part is written. The tail is zero-padded to `ALIGN` and the file is then truncated to its true
+length. Where O_DIRECT does not exist (macOS, Windows) or is refused (tmpfs and
 some FUSE or network filesystems: EINVAL on open or on the first write), the same bytes go through a plain
 buffered file: the result is byte-for-byte the same file either way.
 Neither path calls fsync: storage.fs fsyncs each file (and its folder) as it moves it into a checkpoint.
