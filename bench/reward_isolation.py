@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         for isolation in ("thread", "process"):
             source = FunctionRewardSource(spec, batch_size=64, isolation=isolation)
             results[isolation] = time_source(source, batch, args.repeats)
-            if source._process is not None:
-                source._process.close()
+            source.close()
         (t_first, t_s, t_rewards), (p_first, p_s, p_rewards) = results["thread"], results["process"]
         if p_rewards != t_rewards:
             raise SystemExit(f"{contract}: the process gave other rewards than the thread")

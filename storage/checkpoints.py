@@ -19,6 +19,7 @@ after a machine crash: files before the marker, the marker before retention dele
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import logging
@@ -82,6 +83,7 @@ def is_committed(layout: RunLayout, iteration: int) -> bool:
 _SCRATCH_PREFIX = ".ppoflow-ckpt."
 
 
+@functools.lru_cache(maxsize=1)
 def _host_tag() -> str:
     """This machine's name as it appears in scratch folder names (letters, digits and dashes only)."""
     return "".join(c if c.isalnum() else "-" for c in socket.gethostname()) or "host"

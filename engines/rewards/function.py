@@ -117,8 +117,19 @@ class FunctionRewardSource:
         self.name = name or "function"
         self.identity = function_identity(spec, self.fn)
         self.isolation = isolation
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-fn")
         self._process = ProcessCaller(spec) if isolation == "process" else None
+        self._executor = None if self._process is not None else self._new_executor()
+
+    @staticmethod
+    def _new_executor() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-fn")
+
+    def close(self) -> None:
+        """Stop the worker process (isolation "process") or let the worker thread end; idempotent."""
+        if self._process is not None:
+            self._process.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
 
     def score(self, batch: RewardBatch) -> list[float]:
         rewards: list[float] = []
@@ -146,7 +157,7 @@ class FunctionRewardSource:
             except concurrent.futures.TimeoutError:
                 # The stuck thread cannot be stopped: abandon it, serve later calls from a new one.
                 self._executor.shutdown(wait=False)
-                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-fn")
+                self._executor = self._new_executor()
                 raise
         except (concurrent.futures.TimeoutError, asyncio.TimeoutError):
             raise RewardError(f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s "

@@ -84,10 +84,6 @@ class ProcessCaller:
         self.spec = spec
         self._proc: Optional[subprocess.Popen] = None
 
-    @property
-    def pid(self) -> Optional[int]:
-        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
-
     def _start(self) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "engines.rewards.isolated"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, cwd=os.getcwd())

@@ -90,7 +90,7 @@ def test_a_hanging_call_is_killed_and_the_next_call_gets_a_new_worker(rewards, t
     assert not _alive(first_worker)  # ... and it is gone, not spinning on
     second_worker = int(source.score(_batch(["fine"], [""]))[0])
     assert second_worker not in (first_worker, os.getpid()) and _alive(second_worker)
-    source._process.close()
+    source.close()
     assert not _alive(second_worker)
 
 
@@ -112,4 +112,4 @@ def test_the_config_setting_reaches_the_source(rewards):
     (source,) = build_reward_sources(cfg)
     assert source.isolation == "process"
     assert int(source.score(_batch(["fine"], [""]))[0]) != os.getpid()  # scored in another process
-    source._process.close()
+    source.close()
