@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -83,6 +84,8 @@ def run(algo: str, engine: str, iterations: int, seconds: float, overrides: list
                 break
     finally:
         loop.shutdown()
+        if work_dir is None:  # a temp folder of our own: model, data and syncs are not wanted afterwards
+            shutil.rmtree(work, ignore_errors=True)
     figures = {"algo": algo, "engine": loop.engine.name, "first_reward": round(rewards[0], 4),
                "final_reward": round(rewards[-1], 4), "iterations": len(rewards),
                "seconds": round(time.perf_counter() - start, 1), "setup_seconds": round(setup_s, 1),

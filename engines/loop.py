@@ -13,6 +13,7 @@ process, and the pipeline (tasks/rollout.py) draws the same samples as this loop
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -91,6 +92,8 @@ class EngineLoop:
 
     def __init__(self, cfg, work_dir: Optional[str] = None):
         self.cfg = cfg
+        # A folder the loop made itself is removed by shutdown(); a caller's folder is the caller's.
+        self._owns_work_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="ppoflow-loop-"))
         self.tokenizer = load_tokenizer(cfg.model.policy_path)
         self.prompt_source = PromptSource(cfg.data, self.tokenizer, cfg.model.apply_chat_template)
@@ -125,7 +128,10 @@ class EngineLoop:
         return policy_dir
 
     def shutdown(self) -> None:
-        """Shut the rollout engine down through the registry (which would otherwise hand it out again)."""
+        """Shut the rollout engine down through the registry (which would otherwise hand it out again),
+        and remove work_dir when the loop made it (a policy `save_policy` wrote there goes with it)."""
         from engines.rollout.registry import shutdown_all
 
         shutdown_all()
+        if self._owns_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)

@@ -3,15 +3,31 @@
 #   bash scripts/setup.sh
 # torch goes in first and pinned, so nothing later pulls a CUDA build; vLLM's CPU build comes next and
 # drags in CUDA-built torchvision/torchaudio/torchcodec, which break transformers' imports: removed.
+# triton (1 GB, pulled in by xgrammar) only serves GPU kernels: removed on machines without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# A full disk fails pip half-way with a bare "[Errno 28]"; say up front what is needed and where.
+NEED_GIB=${PPOFLOW_SETUP_NEED_GIB:-6}
+if [ ! -f .venv/.ready ]; then
+  for dir in . "${TMPDIR:-/tmp}"; do
+    free_gib=$(df -Pk "$dir" | awk 'NR==2 {printf "%d", $4 / 1048576}')
+    if [ "$free_gib" -lt "$NEED_GIB" ]; then
+      echo "setup: only ${free_gib} GiB free on the disk of $(cd "$dir" && pwd); installing into .venv needs" \
+           "about ${NEED_GIB} GiB (PPOFLOW_SETUP_NEED_GIB overrides). Free some space and run it again." >&2
+      exit 1
+    fi
+  done
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q "torch==2.13.0" ${PPOFLOW_TORCH_INDEX:+--index-url "$PPOFLOW_TORCH_INDEX"}
 python -m pip install -q -e ".[cpu,dev]"
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  python -m pip uninstall -y -q triton 2>/dev/null || true
+fi
 python - <<'PY'
 import torch, transformers, deepspeed, prefect, pyarrow, datasets, s3fs  # noqa: F401
 from transformers import LlamaConfig  # fails if a CUDA torchvision is still installed

@@ -30,8 +30,12 @@ enable_sleep_mode raises ValueError (vLLM's sleep mode needs CUDA's memory pool)
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -44,6 +48,20 @@ LogprobsMode = str  # "processed_logprobs" | "raw_logprobs"
 # config.json keys that must agree between the served model and a checkpoint loaded into it.
 _ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
+def _private_ipc_dir() -> None:
+    """Point vLLM's ZeroMQ IPC sockets at a folder of this process's own, removed at exit.
+
+    vLLM names a socket file `<VLLM_RPC_BASE_PATH>/<uuid4>` (default: the system temp folder) for each
+    engine and never unlinks it, so every engine start left files in /tmp for good. A value the user set
+    is kept. Set before the first `LLM` is built: the spawned engine-core process inherits it.
+    """
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return
+    folder = tempfile.mkdtemp(prefix="ppoflow-vllm-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    atexit.register(shutil.rmtree, folder, True)
 
 
 def logprobs_mode_for(sampling: SamplingSettings) -> LogprobsMode:
@@ -109,6 +127,7 @@ class VLLMRolloutEngine:
         self.policy_version = 0
         self._warned: set[tuple] = set()
         kv_bytes = None if kv_cache_space_gib is None else int(kv_cache_space_gib * 2**30)
+        _private_ipc_dir()
         started = time.perf_counter()
         self._llm = LLM(model=str(path), dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
                         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,

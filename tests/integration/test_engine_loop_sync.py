@@ -33,3 +33,15 @@ def test_engine_loop_syncs_the_actor_in_memory(tmp_path, tiny_model_dir, digits_
         assert _equal(load_policy(loop.save_policy()).state_dict(), actor)
     finally:
         loop.shutdown()
+    assert (tmp_path / "loop" / "policy" / "config.json").exists()  # the caller's folder outlives the loop
+
+
+def test_engine_loop_removes_the_temp_folder_it_made(tmp_path, tiny_model_dir, digits_dataset_dir):
+    cfg = small_config(str(tmp_path / "runs"), "loop-temp", tiny_model_dir, digits_dataset_dir)
+    loop = EngineLoop(cfg)
+    try:
+        saved = loop.save_policy()
+        assert saved.parent == loop.work_dir and (saved / "config.json").exists()
+    finally:
+        loop.shutdown()
+    assert not loop.work_dir.exists()

@@ -6,7 +6,13 @@ weights. The last test shuts the engine down through the registry.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +169,29 @@ def test_load_weights_rejects_other_architecture(engine, tmp_path):
         engine.load_weights(str(wider), 9)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         engine.load_weights(str(tmp_path / "missing"), 9)
+
+
+def test_ipc_sockets_live_in_a_private_folder(engine):
+    """vLLM's ZeroMQ socket files go into this process's own folder, not loose into /tmp (where vLLM
+    never removes them)."""
+    folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
+    assert folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith("ppoflow-vllm-ipc-")
+    sockets = [p for p in folder.iterdir() if stat.S_ISSOCK(p.stat().st_mode)]
+    assert sockets, f"vLLM made no socket in {folder}: it did not take VLLM_RPC_BASE_PATH"
+
+
+def test_private_ipc_folder_is_removed_at_exit_and_a_user_value_is_kept(tmp_path):
+    code = ("import os; from engines.rollout.vllm_engine import _private_ipc_dir; _private_ipc_dir(); "
+            "d = os.environ['VLLM_RPC_BASE_PATH']; open(os.path.join(d, 'sock'), 'w').close(); print(d)")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    made = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    folder = Path(made.stdout.strip())
+    assert folder.name.startswith("ppoflow-vllm-ipc-") and not folder.exists()
+    mine = tmp_path / "rpc"
+    mine.mkdir()
+    kept = subprocess.run([sys.executable, "-c", code], env={**env, "VLLM_RPC_BASE_PATH": str(mine)},
+                          capture_output=True, text=True, check=True)
+    assert kept.stdout.strip() == str(mine) and (mine / "sock").exists()
 
 
 def test_registry_reuses_engine_then_shuts_down_cleanly(engine, tiny_model_dir, tmp_path):
