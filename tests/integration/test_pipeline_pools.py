@@ -3,6 +3,7 @@ the training deployment with stage pools configured, and find each stage's flow 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,10 +66,19 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
             assert all(fr.state.is_completed() for fr in found), [(fr.name, fr.state) for fr in found]
         assert (tmp_path / "runs" / "pools" / "checkpoints" / "iter-000001" / "_COMMITTED").exists()
     finally:
-        for w in workers:
-            w.terminate()
-        for w in workers:
-            try:
-                w.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                w.kill()
+        _stop_workers(workers)
+
+
+def _stop_workers(workers: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM every worker, then SIGKILL the process group of any still running after one shared grace
+    period. (A Prefect process worker answers SIGTERM by forwarding SIGINT to itself and can take tens of
+    seconds to exit; its flow runs have all finished by now, so nothing is lost.)"""
+    for w in workers:
+        w.terminate()
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        try:
+            w.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(w.pid, signal.SIGKILL)  # start_new_session=True: the group is the worker's own
+            w.wait()
