@@ -41,7 +41,8 @@ class StorageConfig(_Section):
     shard_max_rows: int = Field(4096, ge=1, description="Rows per Arrow part before a new part starts.")
     shard_max_bytes: int = Field(256 * 2**20, ge=1024, description="Bytes per Arrow part (approximate) before a new part starts.")
     multipart_chunk_bytes: int = Field(50 * 2**20, ge=5 * 2**20, description="S3 multipart chunk size; objects of 2x this or more go up as a multipart upload (aborted on failure).")
-    local_cache_dir: Optional[str] = Field(None, description="Local folder for copies of remote checkpoints (vLLM/transformers need local folders); None = <tmp>/ppoflow-cache.")
+    local_cache_dir: Optional[str] = Field(None, description="Local folder for copies of remote checkpoints (vLLM/transformers need local folders), under checkpoints/<run name>/; None = $PPOFLOW_CACHE, else ~/.cache/ppoflow.")
+    checkpoint_cache_keep: int = Field(2, ge=1, description="Copies of remote checkpoints kept per run in the local cache, most recently used first; older ones are deleted after each load (each copy is a whole checkpoint, or the parts a worker fetched).")
 
     def fsspec_options(self) -> dict[str, Any]:
         """Keyword arguments for `fsspec.filesystem("s3", ...)`; empty for AWS defaults."""

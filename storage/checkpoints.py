@@ -24,9 +24,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
+import time
 from typing import Any, Optional, Sequence
 
 from storage import fs as fsutil
@@ -282,8 +284,8 @@ def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional
                     verify: bool = True, parts: Optional[Sequence[str]] = None) -> str:
     """A local folder holding committed checkpoint `iteration` (policy/, critic/, trainer/).
 
-    Remote checkpoints are copied to `local_cache_dir` (default: storage.local_cache_dir or a temp
-    folder); local ones are used in place. With `verify`, every file is checked against the marker's
+    Remote checkpoints are copied under `local_cache_dir` (default: `checkpoint_cache_dir(layout)`), which
+    then keeps only the storage.checkpoint_cache_keep most recently used copies; local ones are used in place. With `verify`, every file is checked against the marker's
     size and sha256. `parts` (e.g. ("policy",)): only those top-level folders are copied and verified, so a
     rollout worker does not download and hash the optimizer state it never reads (two thirds of the bytes
     with AdamW); other folders of the returned path may then be absent or unverified.
@@ -300,13 +302,12 @@ def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional
             if part not in present:
                 raise CheckpointError(f"checkpoint {layout.url(source)} has no {part}/ folder (it holds {present})")
         files = {rel: info for rel, info in files.items() if rel.split("/", 1)[0] in parts}
-    cache_root = (local_cache_dir or layout.storage_cfg.local_cache_dir
-                  or os.path.join(tempfile.gettempdir(), "ppoflow-cache"))
+    cache_root = None
     if not fsutil.is_local(layout.fs):
         # Keyed by the marker's content too: a path reused by a newer commit (a bucket recreated, a run
         # restarted from scratch) must not be served from an older cached copy.
         marker_digest = hashlib.sha256(json.dumps(marker, sort_keys=True).encode()).hexdigest()[:16]
-        cache_root = os.path.join(cache_root, marker_digest)
+        cache_root = os.path.join(local_cache_dir or checkpoint_cache_dir(layout), marker_digest)
     local = fsutil.materialize(layout.fs, source, cache_root, parts)
     if verify:
         try:
@@ -315,7 +316,49 @@ def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional
             if local != source:
                 fsutil.remove_tree(fsutil.resolve(local)[0], local)  # never reuse a bad cached copy
             raise
+    if cache_root is not None:
+        _evict_cached_copies(cache_root, layout.storage_cfg.checkpoint_cache_keep)
     return local
+
+
+def checkpoint_cache_dir(layout: RunLayout) -> str:
+    """The local folder holding this run's copies of remote checkpoints, one subfolder per commit marker:
+    storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow; then checkpoints/<run name>."""
+    base = (layout.storage_cfg.local_cache_dir or os.environ.get("PPOFLOW_CACHE")
+            or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow"))
+    return os.path.join(base, "checkpoints", layout.run_name)
+
+
+_COPY_NAME = re.compile(r"[0-9a-f]{16}")  # a cached copy's folder: the marker digest of load_checkpoint
+
+
+def _evict_cached_copies(current: str, keep: int) -> list[str]:
+    """Mark the cached copy `current` as just used, then delete all but the `keep` most recently used
+    copies beside it. Returns the folders removed.
+
+    Without this the cache grew by one checkpoint per iteration for as long as the run lasted: a worker
+    that is not the trainer (a rollout pool, a resumed run on a new machine) fetches every new policy.
+    Recency is the folder's mtime, set here with an explicit nanosecond time (the kernel's own file
+    times move in timer ticks). A process on this machine still reading a copy loses it only once `keep`
+    newer copies have been loaded since it began, so keep >= 2 covers a worker that reads the checkpoint
+    the trainer just wrote while the trainer goes on to the next.
+    """
+    now = time.time_ns()
+    os.utime(current, ns=(now, now))
+    parent = os.path.dirname(current)
+    copies = []
+    with os.scandir(parent) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False) and _COPY_NAME.fullmatch(entry.name):
+                copies.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
+    removed = []
+    for _, path in sorted(copies, reverse=True)[keep:]:
+        if path != current:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("checkpoint cache %s: removed %d older copies (keeping %d)", parent, len(removed), keep)
+    return removed
 
 
 def _verify_files(local_dir: str, files: dict[str, dict[str, Any]], source_url: str) -> None:

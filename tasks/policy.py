@@ -51,9 +51,7 @@ def local_checkpoint_dir(cfg: PPOFlowConfig, ref: dict[str, Any], parts: Optiona
     """
     if ref["checkpoint_iteration"] is None:
         return None
-    cache = os.path.join(os.environ.get("PPOFLOW_CACHE", os.path.expanduser("~/.cache/ppoflow")), "checkpoints",
-                         cfg.run.name)
-    return load_checkpoint(layout_for(cfg), ref["checkpoint_iteration"], cache, parts=parts)
+    return load_checkpoint(layout_for(cfg), ref["checkpoint_iteration"], parts=parts)
 
 
 def local_policy_dir(cfg: PPOFlowConfig, ref: dict[str, Any]) -> str:

@@ -1,10 +1,18 @@
 """Shared fixtures live in tests/fixtures/, one file per real component (models, S3 server, Prefect server)."""
+import atexit
 import os
+import shutil
+import tempfile
 
 # One thread per test process keeps the 2-core CI machine responsive when servers run beside the tests.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Copies of remote checkpoints go to a folder of this test session's (workers it starts inherit it), not
+# into the user's ~/.cache/ppoflow.
+if "PPOFLOW_CACHE" not in os.environ:
+    os.environ["PPOFLOW_CACHE"] = tempfile.mkdtemp(prefix="ppoflow-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PPOFLOW_CACHE"], True)
 
 pytest_plugins = [
     "tests.fixtures.models",

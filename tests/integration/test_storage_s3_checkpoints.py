@@ -241,3 +241,32 @@ def test_local_checkpoint_files_are_durable_before_the_marker_and_the_marker_bef
     # retention removes iteration 1 only after the marker's folder entry is on disk
     removed = events.index(("rmtree", os.path.abspath(layout.checkpoint_dir(1))))
     assert ("fsync", target) in events[marker_at:removed]
+
+
+def _cached_iterations(cache_dir) -> set[int]:
+    """Iterations with a copy in the cache: <cache>/<marker digest>/<url hash>/iter-NNNNNN/."""
+    return {int(p.name.split("-")[1]) for p in cache_dir.glob("*/*/iter-*")}
+
+
+def test_cached_copies_of_remote_checkpoints_are_bounded_most_recently_used_first(s3_bucket, tmp_path):
+    bucket, cfg = s3_bucket
+    layout = RunLayout(f"s3://{bucket}/runs", "run-cache", cfg.model_copy(update={"checkpoint_cache_keep": 2}))
+    files = {i: save_and_commit(layout, tmp_path, i, keep_last=4) for i in (1, 2, 3, 4)}
+    cache = tmp_path / "cache"
+    # Loads in this order, and the copies a 2-entry least-recently-used cache holds after each (by hand).
+    expected_after = [(1, {1}), (2, {1, 2}), (1, {1, 2}), (3, {1, 3}), (4, {3, 4}), (1, {4, 1})]
+    for iteration, expected in expected_after:
+        assert_loads_as(layout, iteration, files[iteration], cache)  # evicted copies come back intact
+        assert _cached_iterations(cache) == expected, (iteration, expected)
+
+
+def test_checkpoint_cache_folder_is_the_configured_one_else_ppoflow_cache(s3_bucket, tmp_path, monkeypatch):
+    bucket, cfg = s3_bucket
+    monkeypatch.setenv("PPOFLOW_CACHE", str(tmp_path / "env-cache"))
+    by_env = RunLayout(f"s3://{bucket}/runs", "run-e", cfg)
+    assert ckpt.checkpoint_cache_dir(by_env) == str(tmp_path / "env-cache" / "checkpoints" / "run-e")
+    save_and_commit(by_env, tmp_path, 1)
+    assert ckpt.load_checkpoint(by_env, 1).startswith(str(tmp_path / "env-cache" / "checkpoints" / "run-e") + os.sep)
+    configured = RunLayout(f"s3://{bucket}/runs", "run-e",
+                           cfg.model_copy(update={"local_cache_dir": str(tmp_path / "mine")}))
+    assert ckpt.checkpoint_cache_dir(configured) == str(tmp_path / "mine" / "checkpoints" / "run-e")
