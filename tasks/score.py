@@ -48,6 +48,15 @@ def scorer_for(cfg: PPOFlowConfig) -> Scorer:
     return warm.get_or_build("scorer", key, lambda: Scorer(cfg))
 
 
+def score_cache_for(cfg: PPOFlowConfig, layout, scorer_identity: str) -> ScoreCache:
+    """This process's score cache for the scorer, kept warm between iterations: a new one would read every
+    segment in the folder again, the warm one reads only segments other processes wrote since."""
+    folder = layout.score_cache_dir(scorer_identity)
+    identity = json.dumps([layout.url(folder), cfg.score.cache_max_bytes])
+    return warm.get_or_build("score-cache", identity,
+                             lambda: ScoreCache(layout.fs, folder, max_bytes=cfg.score.cache_max_bytes))
+
+
 def run_score(config: PPOFlowConfig | dict, iteration: int, rollout: dict[str, Any]) -> dict[str, Any]:
     """Score the rollout shards of `rollout` (a rollout manifest) -> scored manifest.
 
@@ -61,8 +70,7 @@ def run_score(config: PPOFlowConfig | dict, iteration: int, rollout: dict[str, A
     clear_stage_dir(layout.fs, stage_dir)  # uncommitted until this attempt succeeds: see the module docstring
     table = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
     scorer = scorer_for(cfg)
-    cache = ScoreCache(layout.fs, layout.score_cache_dir(scorer.identity), max_bytes=cfg.score.cache_max_bytes) \
-        if cfg.score.cache else None
+    cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
     results, stats = score_with_cache(scorer, scoring_inputs(table), cache)
     scored = (table.append_column("reward", pa.array([r.reward for r in results], pa.float32()))
               .append_column("reward_components", pa.array([json.dumps(r.components, sort_keys=True) for r in results]))

@@ -78,49 +78,110 @@ def test_unreadable_segment_is_a_miss_not_a_failure(cache_dir):
     assert len(reader.get_many(keys_of(0, 0))) == 20
 
 
-def _writer_job(root_url, cfg_json, folder_rel, writer, batches, errors):
+def _segment_rows(layout, folder, name) -> int:
+    """Rows of one segment, read with pyarrow directly (not through ScoreCache)."""
+    import pyarrow as pa
+
+    with layout.fs.open(f"{folder}/{name}", "rb") as f:
+        return pa.ipc.open_file(pa.BufferReader(f.read())).read_all().num_rows
+
+
+def test_compaction_merges_each_full_level_into_one_segment_of_the_next(cache_dir):
+    """compact_at=3 and 10 puts: the folder counts puts in base 3. 10 = 1*9 + 0*3 + 1, so one level-2
+    segment (every entry of puts 1-9, named with put 1's time so eviction still takes it first) and one
+    level-0 segment (put 10) remain; no entry is lost."""
+    layout, folder = cache_dir
+    cache = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=3)
+    names = [cache.put_many({k: value_for(k) for k in keys_of(0, b)}) for b in range(10)]
+    left = sorted(list_files(layout.fs, folder))
+    assert len(left) == 2 and left[1] == names[9]
+    merged = left[0]
+    assert merged.endswith("-L2.arrow") and merged[:24] == names[0][:24]  # "seg-" + the 20-digit time
+    assert _segment_rows(layout, folder, merged) == 9 * 20
+    fresh = ScoreCache(layout.fs, folder, compact_at=0)
+    for b in range(10):
+        assert fresh.get_many(keys_of(0, b)) == {k: value_for(k) for k in keys_of(0, b)}, b
+
+
+def test_compaction_keeps_each_key_once(cache_dir):
+    """Three puts of the same 20 keys (three workers scoring the same pairs) merge into 20 rows, not 60."""
+    layout, folder = cache_dir
+    cache = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=3)
+    for _ in range(3):
+        cache.put_many({k: value_for(k) for k in keys_of(0, 0)})
+    (only,) = list_files(layout.fs, folder)
+    assert only.endswith("-L1.arrow") and _segment_rows(layout, folder, only) == 20
+
+
+def test_a_warm_reader_follows_segments_merged_away_under_it(cache_dir):
+    """A reader that read level-0 segments before another writer merged them: its next refresh forgets
+    the deleted segments, reads the merged one, and still answers every key, holding each once."""
+    layout, folder = cache_dir
+    writer = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=3)
+    reader = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=0)
+    for b in range(2):
+        writer.put_many({k: value_for(k) for k in keys_of(0, b)})
+    assert len(reader.get_many(keys_of(0, 0) + keys_of(0, 1))) == 40
+    writer.put_many({k: value_for(k) for k in keys_of(0, 2)})  # the third put merges all three
+    assert len(list_files(layout.fs, folder)) == 1
+    every = keys_of(0, 0) + keys_of(0, 1) + keys_of(0, 2)
+    assert reader.get_many(every) == {k: value_for(k) for k in every}
+    assert len(reader) == 60
+
+
+def test_compact_at_one_is_refused(cache_dir):
+    layout, folder = cache_dir
+    with pytest.raises(ValueError, match="compact_at=1"):
+        ScoreCache(layout.fs, folder, compact_at=1)
+
+
+def _writer_job(root_url, cfg_json, folder_rel, writer, batches, errors, compact_at=0):
     """One writer: puts `batches` segments and, between puts, reads everything written so far."""
     from ppoflow.config import StorageConfig
 
     try:
         fs, root = resolve(root_url, StorageConfig.model_validate_json(cfg_json))
-        cache = ScoreCache(fs, f"{root}/{folder_rel}", max_bytes=0)
+        cache = ScoreCache(fs, f"{root}/{folder_rel}", max_bytes=0, compact_at=compact_at)
         for batch in range(batches):
             cache.put_many({k: value_for(k) for k in keys_of(writer, batch)})
             cache.refresh()
-            for key, value in list(cache._entries.items()):
+            for key, value in cache.items():
                 if value != value_for(key):
                     errors.append(f"writer {writer}: torn entry {key}")
     except Exception as e:  # reported to the test, which fails on any
         errors.append(f"writer {writer}: {type(e).__name__}: {e}")
 
 
-def _check_all_present(layout, folder, writers, batches):
-    reader = ScoreCache(layout.fs, folder)
+def _check_all_present(layout, folder, writers, batches, compacted=False):
+    reader = ScoreCache(layout.fs, folder, compact_at=0)
     for w in range(writers):
         for b in range(batches):
             keys = keys_of(w, b)
             got = reader.get_many(keys)
             assert got == {k: value_for(k) for k in keys}, (w, b)
-    assert len(list_files(layout.fs, folder)) == writers * batches  # one segment per put, none overwritten
+    if not compacted:
+        assert len(list_files(layout.fs, folder)) == writers * batches  # one segment per put, none overwritten
 
 
 def _folder_rel(layout, folder):
     return folder[len(layout.root):].lstrip("/")
 
 
-def test_concurrent_writer_threads(cache_dir):
+@pytest.mark.parametrize("compact_at", [0, 3], ids=["no-compaction", "compacting"])
+def test_concurrent_writer_threads(cache_dir, compact_at):
+    """Four writers at once; with compact_at=3 they also merge and delete each other's segments while the
+    others read them: no entry may be lost or torn either way."""
     layout, folder = cache_dir
     errors: list[str] = []
     cfg_json = layout.storage_cfg.model_dump_json()
     threads = [threading.Thread(target=_writer_job, args=(layout.root_url, cfg_json, _folder_rel(layout, folder),
-                                                          w, 4, errors)) for w in range(4)]
+                                                          w, 4, errors, compact_at)) for w in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     assert errors == []
-    _check_all_present(layout, folder, writers=4, batches=4)
+    _check_all_present(layout, folder, writers=4, batches=4, compacted=bool(compact_at))
 
 
 def _process_entry(root_url, cfg_json, folder_rel, writer, batches, queue):
