@@ -22,11 +22,13 @@ no critic and no PPO math. `update_over_plain` = (PPO update tokens/s) / (plain-
 epoch trains two models (actor and critic), so ~0.5 means no overhead beyond the second model.
 
 FLOPs (model FLOPs, the PaLM appendix B convention: no recomputation counted, causal attention not halved):
-a forward+backward pass costs 6 * N_body * T + 12 * L * d * S * T, plus 6 * N_head * T_head for a head
-over T_head tokens, where N_body = transformer-layer parameters, L = layers, d = hidden size, S = sequence
-length, T = tokens. The actor's LM head runs over response positions only (ppoflow trims the logits), the
-critic's value head is ignored (d parameters). Old log-probs and values come from the first epoch's own
-forward when one micro-batch holds the whole batch; otherwise one forward of each model more (2 * ... ).
+a forward+backward pass over T tokens of sequence length S costs 6 * N_body * T + 12 * L * d * S * T, with
+N_body = transformer-layer parameters, L = layers, d = hidden size. Counted is the work the update needs,
+which is what ppoflow runs (engines/trainer/forward.py): the input is P + R - 1 columns (the last response
+token predicts nothing scored), and the last layer's MLP and the actor's LM head (d * V) run on the R
+response columns only; the critic's value head (d parameters) is ignored. Old log-probs and values come
+from the first epoch's own forward when one micro-batch holds the whole batch; otherwise one forward of
+each model more (a third of a forward+backward).
 MFU = FLOPs / seconds / peak, peak = the GPU's dense bf16 peak (H100/H200 SXM: 989.4 TFLOP/s); None on CPU
 or an unknown GPU. Figures also give the peak memory allocated (GPU).
 """
@@ -73,10 +75,12 @@ def layer_params(size: ModelSize) -> int:
 def update_flops(size: ModelSize, batch: int, prompt_len: int, response_len: int, epochs: int,
                  old_from_first_forward: bool) -> float:
     """Model FLOPs of one PPO update (actor + critic), the convention of the module docstring."""
-    seq = prompt_len + response_len
+    seq = prompt_len + response_len - 1
     tokens = batch * seq
-    body = 6 * size.num_layers * layer_params(size) * tokens + 12 * size.num_layers * size.hidden_size * seq * tokens
-    head = 6 * size.hidden_size * size.vocab_size * batch * response_len
+    d, f = size.hidden_size, size.intermediate_size
+    body = (6 * size.num_layers * layer_params(size) * tokens + 12 * size.num_layers * d * seq * tokens
+            - 6 * 3 * d * f * batch * (seq - response_len))  # last layer's MLP: response columns only
+    head = 6 * d * size.vocab_size * batch * response_len
     train_pass = (body + head) + body  # actor, critic
     extra_forward = 0 if old_from_first_forward else train_pass / 3  # a forward is a third of forward+backward
     return epochs * train_pass + extra_forward

@@ -22,19 +22,22 @@ class TestLayerParams:
 
 
 class TestUpdateFlops:
-    # L=1, d=2, f=4, V=3: layer params 4*4 + 3*2*4 + 2*2 = 44. One row, prompt 1 + response 1: S=2, T=2.
-    # body  = 6*44*2 + 12*1*2*2*2 = 528 + 96 = 624;  LM head over the one response token = 6*2*3*1 = 36
-    # one PPO epoch = actor (624 + 36) + critic 624 = 1284
+    # L=1, d=2, f=4, V=3: layer params 4*4 + 3*2*4 + 2*2 = 44. One row, prompt 2 + response 2: the input is
+    # S = 2 + 2 - 1 = 3 columns, T = 3 tokens.
+    # body = 6*44*3 + 12*1*2*3*3 - (the last layer's MLP skipped on the one prompt column: 6*3*2*4*1 = 144)
+    #      = 792 + 216 - 144 = 864;  LM head over the 2 response columns = 6*2*3*2 = 72
+    # one PPO epoch = actor (864 + 72) + critic 864 = 1800
     SIZE = ModelSize(hidden_size=2, num_layers=1, num_heads=1, intermediate_size=4, vocab_size=3)
 
     def test_epochs_reusing_the_first_forward(self):
-        assert update_flops(self.SIZE, 1, 1, 1, epochs=2, old_from_first_forward=True) == 2 * 1284
+        assert update_flops(self.SIZE, 1, 2, 2, epochs=2, old_from_first_forward=True) == 2 * 1800
 
     def test_a_separate_old_forward_adds_a_third_of_a_pass(self):
-        assert update_flops(self.SIZE, 1, 1, 1, epochs=2, old_from_first_forward=False) == 2 * 1284 + 428
+        assert update_flops(self.SIZE, 1, 2, 2, epochs=2, old_from_first_forward=False) == 2 * 1800 + 600
 
     def test_plain_step_runs_the_head_over_every_token(self):
-        assert plain_step_flops(self.SIZE, 1, 2) == 624 + 6 * 2 * 3 * 2
+        # S = T = 2, every column through every layer and the head: 6*44*2 + 12*2*2*2 + 6*2*3*2
+        assert plain_step_flops(self.SIZE, 1, 2) == 528 + 96 + 72
 
 
 @pytest.mark.slow
