@@ -23,7 +23,7 @@ def bench_names() -> list[str]:
     return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in NOT_BENCHES)
 
 
-VARIANT_KEYS = ("algo", "engine", "size", "model")  # a bench run per variant keeps one latest line per variant
+VARIANT_KEYS = ("algo", "engine", "size", "model", "storage")  # a bench run per variant keeps one latest line per variant
 
 
 def latest(name: str) -> list[dict]:

@@ -228,6 +228,27 @@ def remove_tree(fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.invalidate_cache(path)
 
 
+def remove_files(fs: fsspec.AbstractFileSystem, paths: list[str]) -> None:
+    """Remove each file of `paths`; one already gone is no error (another writer removed it first).
+
+    On object storage this is one bulk request per 1,000 keys (S3 DeleteObjects, which ignores missing
+    keys) instead of a DELETE per file.
+    """
+    if not paths:
+        return
+    if is_local(fs):
+        for path in paths:
+            _remove_quietly(path)
+        return
+    try:
+        fs.rm(list(paths))
+    except FileNotFoundError:
+        pass
+    finally:
+        for path in paths:
+            fs.invalidate_cache(path)
+
+
 def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
     """{relative path: size in bytes} of every file under `path` (empty when the folder does not exist)."""
     fs.invalidate_cache(path)

@@ -14,7 +14,11 @@ on a local disk, a GET each on S3). When `compact_at` segments share a level, a 
 `compact_at` of them (duplicate keys dropped) into one segment of the next level, named with the oldest
 input's time so eviction order holds, then deletes the inputs: every entry is rewritten once per level,
 and there are log_{compact_at}(puts) levels. A crash between the write and the deletes leaves duplicates,
-which the next merge of that level drops; two writers merging at once leave two equal segments.
+which the next merge of that level drops. Writers that merge at once must not multiply: the merged
+segment's name is derived from its inputs' names, so two writers merging the same inputs write the same
+name (the same entries), and a writer that finds an input already gone stops compacting (another writer is
+merging it) without writing anything. (Before this rule, four writers each wrote their own copy, four
+copies filled the next level, and so on: levels climbed past 20 in the concurrency test.)
 
 Eviction is by total bytes: after a put, when the folder holds more than `max_bytes`, the oldest
 segments (by the time in their name) are deleted until it fits. A reader that listed a segment which is
@@ -25,6 +29,7 @@ each, as on disk), and forgets a segment's entries once a listing shows it gone.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -74,6 +79,18 @@ def _new_segment_name(time_ns: int, level: int = 0) -> str:
     return f"seg-{time_ns:020d}-{uuid.uuid4().hex[:12]}" + (f"-L{level}" if level else "") + ".arrow"
 
 
+def _merged_segment_name(inputs: list[str], level: int) -> str:
+    """The name of the merge of `inputs` (oldest first): the oldest input's time, so eviction order holds,
+    and a digest of the input names, so every writer merging the same inputs writes the same segment."""
+    oldest = int(_SEGMENT_NAME.fullmatch(inputs[0]).group(1))
+    digest = hashlib.sha256("\n".join(inputs).encode()).hexdigest()[:12]
+    return f"seg-{oldest:020d}-{digest}-L{level}.arrow"
+
+
+class _MergedElsewhere(Exception):
+    """An input of a merge is gone: another writer merged (or evicted) it first."""
+
+
 def _table_bytes(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, SEGMENT_SCHEMA) as writer:
@@ -112,8 +129,9 @@ class ScoreCache:
         return {name: size for name, size in fsutil.list_files(self.fs, self.dir).items()
                 if "/" not in name and _segment_level(name) is not None}
 
-    def _read_segment(self, name: str) -> Optional[pa.Table]:
-        """The segment's table; None when it is gone (evicted, merged) or unreadable (logged)."""
+    def _read_segment(self, name: str, missing_ok: bool = True) -> Optional[pa.Table]:
+        """The segment's table; None when it is gone (evicted, merged) or unreadable (logged).
+        missing_ok=False: a gone segment raises _MergedElsewhere instead."""
         path = fsutil.join(self.dir, name)
         try:
             table = pa.ipc.open_file(pa.BufferReader(fsutil.read_bytes(self.fs, path))).read_all()
@@ -121,6 +139,8 @@ class ScoreCache:
                 raise ValueError(f"schema {table.schema} is not the segment schema")
             return table
         except FileNotFoundError:
+            if not missing_ok:
+                raise _MergedElsewhere(name) from None
             return None  # evicted or merged between the listing and the read: its keys are misses
         except (pa.ArrowInvalid, OSError, ValueError) as e:
             log.warning("score cache: skipping unreadable segment %s: %s", fsutil.url_of(self.fs, path), e)
@@ -199,28 +219,42 @@ class ScoreCache:
         name = _new_segment_name(time.time_ns())
         fsutil.write_bytes_atomic(self.fs, fsutil.join(self.dir, name), _table_bytes(table))
         self._remember(table, name)  # as float32, exactly what another reader of the segment gets
-        self.compact()
-        self.evict()
+        # One listing serves compaction and eviction unless a merge changed the folder (on S3 a LIST each).
+        sizes = self._segment_sizes()
+        if self._compact(sizes):
+            sizes = self._segment_sizes()
+        self._evict(sizes)
         return name
 
     def compact(self) -> list[str]:
         """Merge segments level by level while a level holds `compact_at` of them; returns the new names."""
+        return self._compact(self._segment_sizes())
+
+    def _compact(self, sizes: dict[str, int]) -> list[str]:
         made: list[str] = []
         while self.compact_at:
             by_level: dict[int, list[str]] = {}
-            for name in sorted(self._segment_sizes()):  # oldest first
+            for name in sorted(sizes):  # oldest first
                 by_level.setdefault(_segment_level(name), []).append(name)
             full = [level for level, names in sorted(by_level.items()) if len(names) >= self.compact_at]
             if not full:
                 return made
-            name = self._merge(by_level[full[0]][:self.compact_at], full[0] + 1)
+            try:
+                name = self._merge(by_level[full[0]][:self.compact_at], full[0] + 1)
+            except _MergedElsewhere:
+                return made  # another writer is merging this level; it finishes the job
+            if name in made:
+                return made  # its inputs are still listed (a delete that did not take): never loop on them
             if name is not None:
                 made.append(name)
+            sizes = self._segment_sizes()
+        return made
 
     def _merge(self, names: list[str], level: int) -> Optional[str]:
         """One segment of `level` holding the entries of `names` (each key once), then `names` deleted
-        (unreadable ones too: they would fill the level again forever). None when none could be read."""
-        tables = [t for t in map(self._read_segment, names) if t is not None]
+        (unreadable ones too: they would fill the level again forever). None when none could be read.
+        Raises _MergedElsewhere, having written and deleted nothing, when one of `names` is gone."""
+        tables = [t for t in (self._read_segment(n, missing_ok=False) for n in names) if t is not None]
         name = None
         if tables:
             merged = pa.concat_tables(tables)
@@ -229,34 +263,28 @@ class ScoreCache:
                 first.setdefault(key, i)
             if len(first) < merged.num_rows:
                 merged = merged.take(pa.array(sorted(first.values()), pa.int64()))
-            oldest = int(_SEGMENT_NAME.fullmatch(names[0]).group(1))
-            name = _new_segment_name(oldest, level)
+            name = _merged_segment_name(names, level)
             fsutil.write_bytes_atomic(self.fs, fsutil.join(self.dir, name), _table_bytes(merged))
             self._remember(merged, name)
-        for old in names:
-            try:
-                self.fs.rm_file(fsutil.join(self.dir, old))
-            except FileNotFoundError:
-                pass  # another writer merged or evicted it first
+        fsutil.remove_files(self.fs, [fsutil.join(self.dir, old) for old in names])  # gone already: merged elsewhere
         self._forget_gone(set(self._seen_segments) - set(names))
         return name
 
     def evict(self) -> list[str]:
         """Delete the oldest segments until the folder holds at most `max_bytes`; returns their names."""
+        return self._evict(self._segment_sizes()) if self.max_bytes > 0 else []
+
+    def _evict(self, sizes: dict[str, int]) -> list[str]:
         if self.max_bytes <= 0:
             return []
-        sizes = self._segment_sizes()
         total = sum(sizes.values())
         removed = []
         for name in sorted(sizes):  # names start with the creation time (a merge's, its oldest input's)
             if total <= self.max_bytes:
                 break
-            try:
-                self.fs.rm_file(fsutil.join(self.dir, name))
-            except FileNotFoundError:
-                pass  # another writer evicted it first
             total -= sizes[name]
             removed.append(name)
+        fsutil.remove_files(self.fs, [fsutil.join(self.dir, name) for name in removed])  # gone already: evicted elsewhere
         return removed
 
     def total_bytes(self) -> int:

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from storage.fs import list_files, resolve, write_bytes_atomic
+from storage.fs import list_files, remove_files, resolve, write_bytes_atomic
 from storage.layout import RunLayout
 import hashlib
 
-from storage.score_cache import ScoreCache
+from storage.score_cache import ScoreCache, _segment_level
 
 
 def value_for(key: str) -> dict:
@@ -129,6 +129,47 @@ def test_a_warm_reader_follows_segments_merged_away_under_it(cache_dir):
     assert len(reader) == 60
 
 
+def test_a_merge_repeated_by_a_second_writer_leaves_one_segment(cache_dir, monkeypatch):
+    """Writer A merges three segments and dies before deleting them; writer B merges the same three: the
+    folder then holds ONE merged segment (the same name), with every entry, and no input."""
+    import storage.score_cache as score_cache_module
+
+    layout, folder = cache_dir
+    a = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=0)  # fills level 0 without merging
+    inputs = [a.put_many({k: value_for(k) for k in keys_of(0, b)}) for b in range(3)]
+    with monkeypatch.context() as m:
+        m.setattr(score_cache_module.fsutil, "remove_files", lambda fs, paths: None)  # "dies" before its deletes
+        merged_by_a = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=3).compact()
+    assert len(list_files(layout.fs, folder)) == 4  # three inputs still there beside A's merge
+    merged_by_b = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=3).compact()
+    assert merged_by_a == merged_by_b and set(list_files(layout.fs, folder)) == set(merged_by_b)
+    assert _segment_rows(layout, folder, merged_by_b[0]) == 60
+    assert not set(inputs) & set(list_files(layout.fs, folder))
+
+
+def test_a_merge_whose_input_is_gone_writes_and_deletes_nothing(cache_dir):
+    """Another writer took one input first: this writer stops compacting, leaving the folder as it was."""
+    layout, folder = cache_dir
+    a = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=0)
+    names = [a.put_many({k: value_for(k) for k in keys_of(0, b)}) for b in range(3)]
+    b = ScoreCache(layout.fs, folder, max_bytes=0, compact_at=3)
+    sizes = b._segment_sizes()  # b lists all three ...
+    remove_files(layout.fs, [f"{folder}/{names[1]}"])  # ... then another writer takes one
+    assert b._compact(sizes) == []
+    assert set(list_files(layout.fs, folder)) == {names[0], names[2]}
+
+
+def test_remove_files_removes_exactly_those_listed_and_ignores_gone_ones(cache_dir):
+    """The cache's deletes (merge inputs, evictions): one call for many files; a file another writer
+    removed first is no error; files not named stay."""
+    layout, folder = cache_dir
+    for name in ("a", "b", "c"):
+        write_bytes_atomic(layout.fs, f"{folder}/{name}", name.encode())
+    remove_files(layout.fs, [f"{folder}/a", f"{folder}/b", f"{folder}/gone-already"])
+    assert list_files(layout.fs, folder) == {"c": 1}
+    remove_files(layout.fs, [])
+
+
 def test_compact_at_one_is_refused(cache_dir):
     layout, folder = cache_dir
     with pytest.raises(ValueError, match="compact_at=1"):
@@ -182,6 +223,11 @@ def test_concurrent_writer_threads(cache_dir, compact_at):
         t.join(timeout=120)
     assert errors == []
     _check_all_present(layout, folder, writers=4, batches=4, compacted=bool(compact_at))
+    # 16 puts merged by threes reach level 2 (9 <= 16 < 27) when merges never repeat; racing writers may
+    # merge overlapping inputs once in a while, never a level further per race. Writers that each wrote
+    # their own copy of a merge multiplied without end (levels past 20).
+    levels = [_segment_level(name) for name in list_files(layout.fs, folder)]
+    assert max(levels) <= 3 and len(levels) <= 16, sorted(levels)
 
 
 def _process_entry(root_url, cfg_json, folder_rel, writer, batches, queue):
