@@ -219,11 +219,13 @@ class ScoreCache:
         name = _new_segment_name(time.time_ns())
         fsutil.write_bytes_atomic(self.fs, fsutil.join(self.dir, name), _table_bytes(table))
         self._remember(table, name)  # as float32, exactly what another reader of the segment gets
-        # One listing serves compaction and eviction unless a merge changed the folder (on S3 a LIST each).
-        sizes = self._segment_sizes()
-        if self._compact(sizes):
+        # One listing serves compaction and eviction unless a merge changed the folder (on S3 a LIST each);
+        # none when both are off.
+        if self.compact_at or self.max_bytes > 0:
             sizes = self._segment_sizes()
-        self._evict(sizes)
+            if self._compact(sizes):
+                sizes = self._segment_sizes()
+            self._evict(sizes)
         return name
 
     def compact(self) -> list[str]:
