@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -214,15 +215,20 @@ def main(argv: list[str] | None = None) -> dict:
     micro = a.micro_batch or batch
     prompt_len, response_len = a.prompt_len or (256 if gpu else 16), a.response_len or (256 if gpu else 8)
     size = SIZES[a.size]
+    # A folder made here is removed afterwards (the 0.47B model is ~1.9 GB); a --work-dir is the caller's.
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="ppoflow-bench-mfu-"))
-    model_dir = build_model_dir(size, prompt_len + response_len, work)
-    data = synthetic_batch(size, batch, prompt_len, response_len)
-    cfg = make_config(model_dir, device, batch, micro, a.epochs, response_len)
-    if gpu:
-        torch.cuda.reset_peak_memory_stats()
-    ppo_s, reuse = time_ppo_update(cfg, model_dir, data, device, a.updates)
-    ppo_peak_mem = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
-    plain_s = time_plain_step(model_dir, data, device, cfg.model.autocast_dtype, a.updates)
+    try:
+        model_dir = build_model_dir(size, prompt_len + response_len, work)
+        data = synthetic_batch(size, batch, prompt_len, response_len)
+        cfg = make_config(model_dir, device, batch, micro, a.epochs, response_len)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        ppo_s, reuse = time_ppo_update(cfg, model_dir, data, device, a.updates)
+        ppo_peak_mem = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
+        plain_s = time_plain_step(model_dir, data, device, cfg.model.autocast_dtype, a.updates)
+    finally:
+        if a.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
     tokens = batch * (prompt_len + response_len)
     ppo_flops = update_flops(size, batch, prompt_len, response_len, a.epochs, reuse)
     plain_flops = plain_step_flops(size, batch, prompt_len + response_len)
