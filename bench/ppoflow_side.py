@@ -140,7 +140,7 @@ def _watch_metrics(layout, stopwatch: Stopwatch, records: list, stop: threading.
 def run_pipeline(cfg, stopwatch: Stopwatch, records: list) -> None:
     """The full pipeline: flows/training.py:ppo_training on this process's Prefect (ephemeral unless configured)."""
     from flows.training import ppo_training
-    from tasks.common import layout_for
+    from storage.layout import layout_for
 
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_metrics, args=(layout_for(cfg), stopwatch, records, stop), daemon=True)
@@ -196,7 +196,7 @@ def engine_policy_dir(loop) -> str:
 
 def final_policy_dir(cfg) -> str:
     from storage.checkpoints import latest_iteration, load_checkpoint
-    from tasks.common import layout_for
+    from storage.layout import layout_for
 
     layout = layout_for(cfg)
     return str(Path(load_checkpoint(layout, latest_iteration(layout))) / "policy")

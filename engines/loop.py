@@ -1,15 +1,11 @@
-"""The bare engine loop: one PPO iteration in memory, no Prefect, no storage.
+"""The bare engine loop: PPO iterations in memory, no Prefect, no storage.
 
-    prompts_for_iteration -> rollout (generate) -> score (rewards + reference) -> update (DeepSpeed)
-                          -> sync (the actor's weights into the rollout engine: in memory or via a saved folder)
+    sample_rollout -> score_rows -> train_on -> sync (the actor's weights into the rollout engine)
 
-Each stage is a separately callable function (`rollout_step`, `scoring_inputs`, `build_experience`,
-`sync_policy`), so the Prefect pipeline calls the same pieces stage by stage, with shards in between.
-`EngineLoop` strings them together and times each under `timing/<stage>`.
-
-Seeds: dataset row r in iteration i is sampled with `prompt_sampling_seed(run.seed, i, r)`, so an
-iteration's samples depend only on (seed, iteration, policy weights), not on what ran before in the
-process, and the pipeline (tasks/rollout.py) draws the same samples as this loop.
+The three compute steps are the stages' own (engines/stages/rollout.py, score.py, update.py): the pipeline
+runs the same functions and writes their tables to shards in between, this loop passes the tables in
+memory. `EngineLoop` strings them together and times each under `timing/<stage>`; it is the baseline the
+overhead and peer benchmarks measure the pipeline against.
 """
 from __future__ import annotations
 
@@ -19,46 +15,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from engines.data import PromptRecord, PromptSource
+from engines.data import PromptSource
 from engines.models import load_tokenizer
-from engines.rollout.base import RolloutEngine, RolloutSample, SamplingSettings, prompt_sampling_seed
-from engines.scoring.scorer import ScoreResult, Scorer, ScoringInput
-from engines.trainer.experience import ExperienceBatch
+from engines.rollout.base import RolloutEngine
+from engines.scoring.scorer import Scorer
+from engines.stages.rollout import sample_rollout
+from engines.stages.score import score_rows
+from engines.stages.update import train_on
 from engines.trainer.ppo_trainer import PPOTrainer
-
-
-def rollout_step(engine: RolloutEngine, prompt_source: PromptSource, cfg, iteration: int
-                 ) -> tuple[list[PromptRecord], list[RolloutSample]]:
-    """The iteration's prompts and n samples each, ordered by (prompt, sample)."""
-    records = prompt_source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
-    seeds = [prompt_sampling_seed(cfg.run.seed, iteration, r.index) for r in records]
-    samples = engine.generate([r.prompt_ids for r in records], SamplingSettings.from_config(cfg.rollout), seeds)
-    return records, samples
-
-
-def scoring_inputs(tokenizer, records: list[PromptRecord], samples: list[RolloutSample],
-                   iteration: int) -> list[ScoringInput]:
-    """One ScoringInput per sample; the response text is decoded without special tokens (EOS, pad)."""
-    inputs = []
-    for s in samples:
-        record = records[s.prompt_index]
-        inputs.append(ScoringInput(
-            prompt=record.text, response=tokenizer.decode(s.response_ids, skip_special_tokens=True),
-            prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids), label=record.label,
-            data_source=record.data_source,
-            sample_id=f"iter {iteration} prompt {record.index} sample {s.sample_index}"))
-    return inputs
-
-
-def build_experience(samples: list[RolloutSample], results: list[ScoreResult], pad_token_id: int) -> ExperienceBatch:
-    """Padded tensors for the update; samples of one prompt form one group (rows stay in prompt order)."""
-    if len(samples) != len(results):
-        raise ValueError(f"{len(samples)} samples but {len(results)} score results")
-    return ExperienceBatch.from_lists(
-        prompt_ids=[s.prompt_ids for s in samples], response_ids=[s.response_ids for s in samples],
-        scores=[r.reward for r in results], ref_logprobs=[r.ref_logprobs for r in results],
-        rollout_logprobs=[s.rollout_logprobs for s in samples], group_ids=[s.prompt_index for s in samples],
-        pad_token_id=pad_token_id)
 
 
 def sync_policy(trainer: PPOTrainer, engine: RolloutEngine, policy_dir: str | Path, version: int) -> None:
@@ -105,12 +69,11 @@ class EngineLoop:
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """One iteration; returns the update's metrics plus timing/* and rollout/* figures."""
         t0 = time.perf_counter()
-        records, samples = rollout_step(self.engine, self.prompt_source, self.cfg, iteration)
+        rollout = sample_rollout(self.engine, self.prompt_source, self.cfg, iteration)
         t1 = time.perf_counter()
-        results = self.scorer.score(scoring_inputs(self.tokenizer, records, samples, iteration))
+        scored, _ = score_rows(self.scorer, rollout, cache=None)
         t2 = time.perf_counter()
-        batch = build_experience(samples, results, self.tokenizer.pad_token_id)
-        update = self.trainer.update(batch)
+        update = train_on(self.trainer, scored)
         t3 = time.perf_counter()
         self.policy_version += 1
         sync_policy(self.trainer, self.engine, self.work_dir / "policy", self.policy_version)
@@ -118,7 +81,7 @@ class EngineLoop:
         metrics = dict(update.metrics)
         metrics.update({"iteration": iteration, "timing/rollout": t1 - t0, "timing/score": t2 - t1,
                         "timing/update": t3 - t2, "timing/sync": t4 - t3,
-                        "rollout/stop_fraction": sum(s.finish_reason == "stop" for s in samples) / len(samples)})
+                        "rollout/stop_fraction": rollout.column("finish_reason").to_pylist().count("stop") / rollout.num_rows})
         return metrics
 
     def save_policy(self) -> Path:

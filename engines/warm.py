@@ -1,53 +1,85 @@
-"""Process-wide cache of long-lived engines (reference model, scorer, trainer).
+"""Process-wide cache of long-lived engines: the tokenised prompts, the scorer, the score cache, the trainer.
 
-Loading a model per iteration is too slow, so a worker process keeps its engines between stage runs.
-An entry is keyed by (role, identity); `invalidate(role)` drops an entry whose in-memory state can no
-longer be trusted (e.g. a trainer whose update failed half-way: the retry must rebuild it from the last
-committed checkpoint, or resuming would not equal never crashing).
+Loading a model per iteration is too slow, so a worker process keeps its engines between stage runs. Each
+role holds at most one engine, under a `WarmKey(role, identity)`: the identity says exactly what the engine
+was built from (a config hash and file fingerprints, or for the trainer the identity of the weights it
+holds), and an engine is handed out only for the identity it was built for.
 
-The rollout engines have their own registry (engines/rollout/registry.py) because they also refresh
-weights in place.
+    get_or_build(key, build)  the held engine if built for key.identity, else build() (the old one dropped)
+    peek(key)                 the held engine if it is for key.identity, else None; keeps it
+    take(key)                 like peek, but removes whatever the role holds: the caller now owns it
+    put(key, engine)          hand an engine (back) to the role, e.g. a trainer after it saved its new state
+    invalidate(role=None)     forget a role's engine (or all)
+
+take/put is how a trainer moves through an update: taken before the update, put back under its new
+weights' identity only after they are saved, so a failure half-way leaves no trainer whose weights moved
+past the last checkpoint (the retry rebuilds from the committed checkpoint and equals a run never failed).
+
+The rollout engines have their own registry (engines/rollout/registry.py) because they refresh weights in
+place instead of being rebuilt.
 """
 from __future__ import annotations
 
+import enum
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 T = TypeVar("T")
+
+
+class Role(str, enum.Enum):
+    PROMPTS = "prompts"
+    SCORER = "scorer"
+    SCORE_CACHE = "score-cache"
+    TRAINER = "trainer"
+
+
+class WarmKey(NamedTuple):
+    role: Role
+    identity: str
+
+
 _lock = threading.Lock()
-_entries: dict[str, tuple[str, Any]] = {}
+_entries: dict[Role, tuple[str, Any]] = {}
 
 
-def get_or_build(role: str, identity: str, build: Callable[[], T]) -> T:
-    """The engine for `role` if it was built for `identity`, else a new one from `build()` (the old is dropped)."""
+def get_or_build(key: WarmKey, build: Callable[[], T]) -> T:
+    """The engine held for `key.role` if it was built for `key.identity`, else a new one from `build()`."""
     with _lock:
-        entry = _entries.get(role)
-        if entry is not None and entry[0] == identity:
+        entry = _entries.get(key.role)
+        if entry is not None and entry[0] == key.identity:
             return entry[1]
-        _entries.pop(role, None)
+        _entries.pop(key.role, None)  # dropped before the build: two models of one role never coexist
     engine = build()
     with _lock:
-        _entries[role] = (identity, engine)
+        _entries[key.role] = (key.identity, engine)
     return engine
 
 
-def peek(role: str) -> tuple[str, Any] | None:
-    """(identity, engine) held for `role`, or None."""
+def peek(key: WarmKey) -> Optional[Any]:
+    """The engine held for `key.role` if it is for `key.identity`, else None. The registry keeps it."""
     with _lock:
-        return _entries.get(role)
+        entry = _entries.get(key.role)
+    return entry[1] if entry is not None and entry[0] == key.identity else None
 
 
-def retag(role: str, identity: str) -> None:
-    """Record that the engine held for `role` now corresponds to `identity` (after it advanced its own state)."""
+def take(key: WarmKey) -> Optional[Any]:
+    """Remove the role's engine; return it if it was for `key.identity`, else None (and it is dropped)."""
     with _lock:
-        if role in _entries:
-            _entries[role] = (identity, _entries[role][1])
+        entry = _entries.pop(key.role, None)
+    return entry[1] if entry is not None and entry[0] == key.identity else None
 
 
-def invalidate(role: str | None = None) -> None:
+def put(key: WarmKey, engine: Any) -> None:
+    """Hold `engine` for `key.role` as `key.identity`, replacing whatever the role held."""
+    with _lock:
+        _entries[key.role] = (key.identity, engine)
+
+
+def invalidate(role: Optional[Role] = None) -> None:
     """Forget one role's engine (or all); the next get_or_build rebuilds it."""
     with _lock:
         if role is None:
             _entries.clear()
         else:
-            _entries.pop(role, None)
+            _entries.pop(Role(role), None)

@@ -13,19 +13,21 @@ from prefect import flow
 
 from flows.artifacts import publish_iteration_artifacts
 from flows.records import record_metrics
+from engines.stages.manifests import StageManifest
+from engines.stages.policy import policy_ref
 from flows.stages import run_stage
-from tasks.common import as_config, layout_for
-from tasks.policy import policy_ref
+from ppoflow.config import as_config
+from storage.layout import layout_for
 
 
-def iteration_metrics(iteration: int, manifests: dict[str, dict], timings: dict[str, float]) -> dict[str, Any]:
-    update = manifests["update"]["metrics"]
+def iteration_metrics(iteration: int, manifests: dict[str, StageManifest], timings: dict[str, float]) -> dict[str, Any]:
+    update = manifests["update"].metrics
     score = manifests["score"]
-    row: dict[str, Any] = {"iteration": iteration, "reward/mean": score["reward_mean"],
+    row: dict[str, Any] = {"iteration": iteration, "reward/mean": score.reward_mean,
                            "kl/mean": update.get("kl/mean"),
-                           "score/cache_hits": score["cache_hits"], "score/cache_misses": score["cache_misses"],
-                           "rollout/rows": manifests["rollout"]["rows"],
-                           "rollout/engine": manifests["rollout"].get("engine")}
+                           "score/cache_hits": score.cache_hits, "score/cache_misses": score.cache_misses,
+                           "rollout/rows": manifests["rollout"].rows,
+                           "rollout/engine": manifests["rollout"].engine}
     row.update({k: v for k, v in update.items() if k not in row})
     row.update({f"timing/{stage}": seconds for stage, seconds in timings.items()})
     row["timing/iteration"] = sum(timings.values())
@@ -38,7 +40,7 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
     """Run iteration `iteration` (1-based) of the run described by `config`; returns its metrics row."""
     cfg = as_config(config)
     policy = policy_ref(cfg, iteration)
-    manifests: dict[str, dict] = {}
+    manifests: dict[str, StageManifest] = {}
     timings: dict[str, float] = {}
     stage_inputs = {
         "rollout": lambda: {"policy": policy},
@@ -52,5 +54,5 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
         timings[stage] = time.perf_counter() - started
     row = iteration_metrics(iteration, manifests, timings)
     record_metrics(layout_for(cfg), row)
-    publish_iteration_artifacts(cfg, iteration, row, manifests)
+    publish_iteration_artifacts(cfg, iteration, row, {k: m.model_dump(mode="json") for k, m in manifests.items()})
     return row

@@ -26,7 +26,7 @@ def _fmt(row: dict[str, Any], key: str, fmt: str) -> str:
 def _watch(cfg: PPOFlowConfig, stop: threading.Event, progress: Progress, task_id, seen: list) -> None:
     """Poll metrics.jsonl and advance the bar; the flow itself stays free of display code."""
     from flows.records import read_metrics
-    from tasks.common import layout_for
+    from storage.layout import layout_for
 
     layout = layout_for(cfg)
     while not stop.wait(1.0):
@@ -52,7 +52,7 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
 def train(cfg: PPOFlowConfig, console: Console | None = None) -> dict[str, Any]:
     from flows.records import read_metrics
     from flows.training import ppo_training
-    from tasks.common import layout_for
+    from storage.layout import layout_for
 
     console = console or Console()
     seen: list = []

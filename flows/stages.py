@@ -3,7 +3,7 @@
 In-process (the default): the stage task runs inside the iteration's flow run, with retries, the stage
 cache key and results persisted under the run's storage.
 
-On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/rollout", ...}`): `run_deployment` starts the
+On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}`): `run_deployment` starts the
 stage's flow (below) on that deployment's work pool, waits for it, checks its final state, and reads the
 manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
 the same; only the process (and machine) differs.
@@ -14,74 +14,71 @@ from typing import Any
 
 from prefect import flow
 
-from ppoflow.config import PPOFlowConfig
-from tasks.checkpoint import checkpoint_task
-from tasks.common import as_config, layout_for, result_storage_for
-from tasks.rollout import rollout_task
-from tasks.score import score_task
-from tasks.update import update_task
+from engines.stages.manifests import (STAGE_MANIFESTS, CheckpointManifest, HandOff, PolicyRef, RolloutManifest,
+                                      ScoreManifest, StageManifest, UpdateManifest)
 from flows.records import read_stage_record, write_stage_record
-
-STAGE_TASKS = {"rollout": rollout_task, "score": score_task, "update": update_task, "checkpoint": checkpoint_task}
+from ppoflow.config import PPOFlowConfig, as_config
+from storage.layout import layout_for
+from tasks.results import result_storage_for
+from tasks.stages import STAGE_TASKS
 
 
 class StageFailed(RuntimeError):
     """A stage flow run on a work pool did not complete; names the stage, iteration and flow run."""
 
 
-def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: Any) -> dict[str, Any]:
+def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
     delays = [cfg.pipeline.retry_delay_s * 2 ** k for k in range(cfg.pipeline.retries)] or 0
     configured = STAGE_TASKS[stage].with_options(retries=cfg.pipeline.retries, retry_delay_seconds=delays,
                                                  result_storage=result_storage_for(cfg))
     manifest = configured(cfg, iteration, **inputs)
-    write_stage_record(layout_for(cfg), iteration, stage, manifest)
+    write_stage_record(layout_for(cfg), iteration, stage, manifest.model_dump(mode="json"))
     return manifest
 
 
 def run_stage_on_pool(cfg: PPOFlowConfig, stage: str, deployment: str, iteration: int,
-                      **inputs: Any) -> dict[str, Any]:
+                      **inputs: HandOff) -> StageManifest:
     from prefect.deployments import run_deployment
 
-    params = {"config": cfg.model_dump(mode="json"), "iteration": iteration, **inputs}
+    params = {"config": cfg.model_dump(mode="json"), "iteration": iteration,
+              **{name: value.model_dump(mode="json") for name, value in inputs.items()}}
     child = run_deployment(name=deployment, parameters=params, timeout=None,
                            flow_run_name=f"{stage}-iter-{iteration}")
     if child.state is None or not child.state.is_completed():
         state = child.state.type.value if child.state else "unknown"
         raise StageFailed(f"stage {stage} of iteration {iteration} ran as flow run {child.name} ({child.id}) "
                           f"on deployment {deployment!r} and ended {state}")
-    manifest = read_stage_record(layout_for(cfg), iteration, stage)
-    if manifest is None:
+    record = read_stage_record(layout_for(cfg), iteration, stage)
+    if record is None:
         raise StageFailed(f"stage {stage} of iteration {iteration} completed on {deployment!r} "
                           f"but wrote no stage record under the run's storage")
-    return manifest
+    return STAGE_MANIFESTS[stage].model_validate(record)
 
 
-def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: Any) -> dict[str, Any]:
+def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
     deployment = (cfg.pipeline.stage_pools or {}).get(stage)
     if deployment:
         return run_stage_on_pool(cfg, stage, deployment, iteration, **inputs)
     return run_stage_in_process(cfg, stage, iteration, **inputs)
 
 
-
-# One flow per stage, for deployments on their own pools (prefect.yaml). Explicit signatures so that
-# Prefect's parameter schema (and the UI form) names each input.
+# One flow per stage, for deployments on their own pools (prefect.yaml). Explicit, typed signatures: Prefect
+# validates the JSON parameters back into manifests, and its parameter schema (the UI form) names each input.
 @flow(name="ppo-rollout", flow_run_name="rollout-iter-{iteration}")
-def rollout_stage(config: dict[str, Any], iteration: int, policy: dict[str, Any]) -> dict[str, Any]:
+def rollout_stage(config: dict[str, Any], iteration: int, policy: PolicyRef) -> RolloutManifest:
     return run_stage_in_process(as_config(config), "rollout", iteration, policy=policy)
 
 
 @flow(name="ppo-score", flow_run_name="score-iter-{iteration}")
-def score_stage(config: dict[str, Any], iteration: int, rollout: dict[str, Any]) -> dict[str, Any]:
+def score_stage(config: dict[str, Any], iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     return run_stage_in_process(as_config(config), "score", iteration, rollout=rollout)
 
 
 @flow(name="ppo-update", flow_run_name="update-iter-{iteration}")
-def update_stage(config: dict[str, Any], iteration: int, policy: dict[str, Any],
-                 scored: dict[str, Any]) -> dict[str, Any]:
+def update_stage(config: dict[str, Any], iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
     return run_stage_in_process(as_config(config), "update", iteration, policy=policy, scored=scored)
 
 
 @flow(name="ppo-checkpoint", flow_run_name="checkpoint-iter-{iteration}")
-def checkpoint_stage(config: dict[str, Any], iteration: int, update: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_stage(config: dict[str, Any], iteration: int, update: UpdateManifest) -> CheckpointManifest:
     return run_stage_in_process(as_config(config), "checkpoint", iteration, update=update)

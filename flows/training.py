@@ -14,7 +14,8 @@ from prefect.context import SettingsContext, get_settings_context
 from flows.artifacts import start_progress, update_progress
 from flows.iteration import ppo_iteration
 from storage.checkpoints import latest_iteration
-from tasks.common import as_config, layout_for
+from ppoflow.config import as_config
+from storage.layout import layout_for
 
 
 @flow(name="ppo-training", flow_run_name="ppo-training-{config[run][name]}")

@@ -269,3 +269,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         apply_overrides(data, overrides)
         origin += " + --set"
     return build_config(data, origin)
+
+
+def as_config(config: PPOFlowConfig | dict[str, Any]) -> PPOFlowConfig:
+    """Flows receive the config as a model or as its JSON form (deployments, run_deployment): validate the latter."""
+    return config if isinstance(config, PPOFlowConfig) else PPOFlowConfig.model_validate(config)

@@ -176,3 +176,8 @@ def parse_iteration_name(name: str) -> Optional[int]:
     """3 for "iter-000003" (or a path ending in it); None for anything else."""
     match = re.fullmatch(r"iter-(\d{6,})", name.rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
+
+
+def layout_for(cfg) -> RunLayout:
+    """The layout of the run a PPOFlowConfig describes (run.root, run.name, storage settings)."""
+    return RunLayout(cfg.run.root, cfg.run.name, cfg.storage)

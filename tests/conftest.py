@@ -26,10 +26,10 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _no_warm_score_cache_across_tests():
-    """The score stage keeps its ScoreCache warm in the process (tasks/score.py), holding what it has read.
+    """The score stage keeps its ScoreCache warm in the process (engines/stages/held.py), holding what it has read.
     Tests reuse bucket and folder names on a reset server, so a cache kept from an earlier test would answer
     from entries that this test's storage never held: each test starts without one."""
     yield
     from engines import warm
 
-    warm.invalidate("score-cache")
+    warm.invalidate(warm.Role.SCORE_CACHE)

@@ -30,10 +30,13 @@ REPO = Path(__file__).resolve().parents[2]
 _DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _train(config_path: Path, **env) -> subprocess.CompletedProcess:
+def _train(config_path: Path, kill_while_saving: int | None = None) -> subprocess.CompletedProcess:
+    """`ppoflow train CONFIG` in a child process; kill_while_saving=i: the child SIGKILLs itself once
+    iteration i's checkpoint files are in scratch, before any is staged (tests/fixtures/kill_cli.py)."""
     child_env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
-    return subprocess.run([sys.executable, "-m", "flows.cli", "train", str(config_path)], cwd=REPO,
-                          env={**child_env, **env}, capture_output=True, text=True, timeout=600)
+    entry = ["flows.cli"] if kill_while_saving is None else ["tests.fixtures.kill_cli", str(kill_while_saving)]
+    return subprocess.run([sys.executable, "-m", *entry, "train", str(config_path)], cwd=REPO,
+                          env=child_env, capture_output=True, text=True, timeout=600)
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -45,8 +48,7 @@ def test_a_run_killed_while_saving_resumes_and_ends_as_if_never_killed(prefect_a
                                                                       digits_dataset_dir):
     from flows.records import read_metrics
     from storage.checkpoints import is_committed, latest_iteration
-    from tasks.common import layout_for
-    from tasks.update import KILL_ENV
+    from storage.layout import layout_for
 
     root = str(tmp_path / "runs")
     killed = small_config(root, "killed", tiny_model_dir, digits_dataset_dir, iterations=2)
@@ -55,7 +57,7 @@ def test_a_run_killed_while_saving_resumes_and_ends_as_if_never_killed(prefect_a
     layout = layout_for(killed)
     checkpoints = Path(layout.checkpoints_dir)
 
-    first = _train(config_path, **{KILL_ENV: "2"})
+    first = _train(config_path, kill_while_saving=2)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert latest_iteration(layout) == 1 and not is_committed(layout, 2)
     assert [r["iteration"] for r in read_metrics(layout)] == [1]

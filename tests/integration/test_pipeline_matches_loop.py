@@ -1,20 +1,19 @@
-"""The pipeline's stage bodies compute what the bare engine loop computes (a second implementation of the
-same iteration): same prompts, same samples, same rewards. And the worker's cached prompt set follows
-the dataset's files, not just its path."""
+"""The pipeline's stages (through shards in storage) give what the bare engine loop gets with the same
+compute passed in memory: same prompts, same samples, same rewards. And the worker's cached prompt set
+follows the dataset's files, not just its path."""
 from __future__ import annotations
 
 import json
 
-import pyarrow as pa
 
-from engines.loop import rollout_step, scoring_inputs
 from engines.rollout.registry import get_rollout_engine
 from engines.scoring.scorer import Scorer
+from engines.stages.held import prompt_source_for
+from engines.stages.policy import policy_ref
+from engines.stages.rollout import run_rollout, sample_rollout
+from engines.stages.score import run_score, score_rows
+from storage.layout import layout_for
 from storage.shards import read_shards
-from tasks.common import layout_for
-from tasks.policy import policy_ref
-from tasks.rollout import prompt_source_for, run_rollout
-from tasks.score import run_score
 from tests.integration.pipeline_helpers import small_config
 
 
@@ -29,17 +28,21 @@ def test_rollout_and_score_stages_equal_the_bare_loop(tmp_path, tiny_model_dir, 
     # agree is what the seeds and prompt selection decide.
     engine = get_rollout_engine(cfg.rollout, cfg.model, str(tiny_model_dir), 0, cfg.run.seed)
     source = prompt_source_for(cfg)
-    records, samples = rollout_step(engine, source, cfg, iteration)
-    results = Scorer(cfg).score(scoring_inputs(source.tokenizer, records, samples, iteration))
+    in_memory = sample_rollout(engine, source, cfg, iteration)
+    scored, _ = score_rows(Scorer(cfg), in_memory, cache=None)
+    records = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
 
-    assert len(samples) == rollout["rows"] == cfg.rollout.prompts_per_iteration * cfg.rollout.n_samples
-    assert shards["prompt_index"] == [records[s.prompt_index].index for s in samples]
-    assert shards["response_ids"] == [list(s.response_ids) for s in samples]
-    assert shards["reward"] == [float(pa.scalar(r.reward, pa.float32()).as_py()) for r in results]
-    assert scored_manifest["reward_mean"] == sum(shards["reward"]) / len(shards["reward"])
+    assert in_memory.num_rows == rollout.rows == cfg.rollout.prompts_per_iteration * cfg.rollout.n_samples
+    # Rows come prompt by prompt, n samples each, in the order the data cursor drew the prompts.
+    n = cfg.rollout.n_samples
+    assert shards["prompt_index"] == [r.index for r in records for _ in range(n)]
+    assert shards["sample_index"] == list(range(n)) * len(records)
+    assert shards["response_ids"] == in_memory.column("response_ids").to_pylist()
+    assert shards["reward"] == scored.column("reward").to_pylist()
+    assert scored_manifest.reward_mean == sum(shards["reward"]) / len(shards["reward"])
     # Different iterations draw different samples (the seed depends on the iteration).
-    _, other = rollout_step(engine, source, cfg, iteration + 1)
-    assert [list(s.response_ids) for s in other] != shards["response_ids"]
+    other = sample_rollout(engine, source, cfg, iteration + 1)
+    assert other.column("response_ids").to_pylist() != shards["response_ids"]
 
 
 def test_prompt_set_is_rebuilt_when_the_dataset_file_changes(tmp_path, tiny_model_dir):
@@ -56,10 +59,10 @@ def test_prompt_set_is_rebuilt_when_the_dataset_file_changes(tmp_path, tiny_mode
 
 def test_rollout_takes_the_warm_trainers_weights_and_samples_what_the_checkpoint_gives(
         tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch):
-    import tasks.rollout as rollout_stage
+    import engines.stages.rollout as rollout_stage
     from engines import warm
-    from tasks.checkpoint import run_checkpoint
-    from tasks.update import TRAINER_ROLE, run_update
+    from engines.stages.checkpoint import run_checkpoint
+    from engines.stages.update import run_update
 
     cfg = small_config(str(tmp_path / "runs"), "memory", tiny_model_dir, digits_dataset_dir,
                        model={"autocast_dtype": "bfloat16"}, score={"cache": False})
@@ -78,9 +81,9 @@ def test_rollout_takes_the_warm_trainers_weights_and_samples_what_the_checkpoint
     memory_rows = read_shards(layout.fs, layout.stage_dir(2, "rollout")).to_pydict()
     monkeypatch.undo()
     # Without a warm trainer the same stage loads the committed policy/ folder instead.
-    warm.invalidate(TRAINER_ROLE)
+    warm.invalidate(warm.Role.TRAINER)
     from_folder = run_rollout(cfg, 2, policy)
     folder_rows = read_shards(layout.fs, layout.stage_dir(2, "rollout")).to_pydict()
     assert memory_rows["response_ids"] == folder_rows["response_ids"]
     assert memory_rows["rollout_logprobs"] == folder_rows["rollout_logprobs"]
-    assert in_memory["content_hash"] == from_folder["content_hash"]
+    assert in_memory.content_hash == from_folder.content_hash

@@ -28,15 +28,18 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(prefect_api, tmp_pat
     from engines import warm
     from flows.records import read_metrics
     from flows.training import ppo_training
-    from tasks.common import STAGE_BODY_CALLS, layout_for
-    from tasks.update import FAULT_ENV
+    from storage.layout import layout_for
+    from tests.fixtures.faults import count_stage_bodies, fail_when
 
     root = str(tmp_path / "runs")
     faulty = small_config(root, "faulty", tiny_model_dir, digits_dataset_dir, iterations=2)
     params = {"config": faulty.model_dump(mode="json")}
 
-    monkeypatch.setenv(FAULT_ENV, "2")
-    state = ppo_training(**params, return_state=True)
+    # The worst moment: after iteration 2's PPO step, before its experience shards and checkpoint are written.
+    with monkeypatch.context() as faults:
+        fail_when(faults, "engines.stages.update", "write_shards",
+                  lambda fs, stage_dir, *args, **kwargs: "iter-000002" in stage_dir)
+        state = ppo_training(**params, return_state=True)
     assert state.is_failed(), state
     assert "injected fault" in str(state.message) or "injected fault" in repr(state)
     flow_run_id = state.state_details.flow_run_id
@@ -44,15 +47,13 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(prefect_api, tmp_pat
     layout = layout_for(faulty)
     assert [r["iteration"] for r in read_metrics(layout)] == [1]
 
-    monkeypatch.delenv(FAULT_ENV)
     warm.invalidate()  # a fresh worker process would hold no engines either
-    before = STAGE_BODY_CALLS.copy()
+    calls = count_stage_bodies(monkeypatch)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, AwaitingRetry(), force=True)
         flow_run = client.read_flow_run(flow_run_id)
     final = run_flow(flow=ppo_training, flow_run=flow_run, parameters=params, return_type="state")
     assert final.is_completed(), final
-    calls = STAGE_BODY_CALLS - before
     assert calls["rollout"] == 0 and calls["score"] == 0, calls   # came back from cache
     assert calls["update"] == 1 and calls["checkpoint"] == 1, calls
 

@@ -1,4 +1,4 @@
-"""The score stage (tasks.score.run_score, the Prefect task's body) on hand-made rollout shards, on a local
+"""The score stage (engines.stages.score.run_score, the Prefect task's body) on hand-made rollout shards, on a local
 root and on the moto S3 root: retries compute nothing again, duplicates are computed once, new reward-model
 weights miss, and a failing reward fails the stage naming the sample with no scored shard committed.
 
@@ -23,8 +23,10 @@ from storage.fs import list_files
 from storage.layout import RunLayout
 from storage.schema import schema_for
 from storage.shards import read_manifest, read_shards, write_shards
-from tasks.rollout import prompt_hash
-from tasks.score import run_score, scorer_for
+from engines.stages.held import scorer_for
+from engines.stages.manifests import RolloutManifest
+from engines.stages.score import run_score
+from engines.stages.tables import prompt_hash
 from tests.unit.test_score_cache_logic import (TOKENIZER, count_reference_rows, samples_scored,
                                                write_reward_file)
 
@@ -42,7 +44,7 @@ FAILING_SAMPLE = f"iter {ITERATION} prompt 2 sample 1"
 
 
 def rollout_table() -> pa.Table:
-    """GROUPS as the rollout stage writes them (tasks/rollout.py): ids from the tokenizer, response text
+    """GROUPS as the rollout stage writes them (engines/stages/tables.py): ids from the tokenizer, response text
     decoded from the response ids, the prompt hash of the prompt ids."""
     rows: dict[str, list] = {name: [] for name in schema_for("rollout").names}
     for prompt_index, (prompt, label, responses) in enumerate(GROUPS):
@@ -87,10 +89,13 @@ def stage_config(root: str, storage, model_dir, reward_file, reward_model_dir, l
     })
 
 
-def write_rollout(cfg) -> tuple[RunLayout, dict]:
+def write_rollout(cfg) -> tuple[RunLayout, RolloutManifest]:
     layout = RunLayout(cfg.run.root, cfg.run.name, cfg.storage)
-    manifest = write_shards(layout.fs, layout.stage_dir(ITERATION, "rollout"), rollout_table(), "rollout")
-    return layout, manifest.to_dict()
+    stage_dir = layout.stage_dir(ITERATION, "rollout")
+    manifest = write_shards(layout.fs, stage_dir, rollout_table(), "rollout")
+    return layout, RolloutManifest(iteration=ITERATION, uri=layout.url(stage_dir), rows=manifest.rows,
+                                   content_hash=manifest.content_hash, policy_version=0, engine="hand-made",
+                                   seconds=0.0)
 
 
 def work_counters(cfg, log):
@@ -121,19 +126,19 @@ def test_a_retried_score_stage_computes_nothing_again(storage_root, tiny_model_d
     finally:
         hook.remove()
     # Cold: each distinct pair scored once by every source and by the reference.
-    assert (cold["rows"], cold["cache_hits"], cold["cache_misses"], cold["computed"]) == (ROWS, 0, ROWS, DISTINCT_PAIRS)
+    assert (cold.rows, cold.cache_hits, cold.cache_misses, cold.computed) == (ROWS, 0, ROWS, DISTINCT_PAIRS)
     assert [b - a for a, b in zip(start, after_cold)] == [DISTINCT_PAIRS] * 3
     # Retry: every row from the cache, no engine called.
-    assert (warm["rows"], warm["cache_hits"], warm["cache_misses"], warm["computed"]) == (ROWS, ROWS, 0, 0)
+    assert (warm.rows, warm.cache_hits, warm.cache_misses, warm.computed) == (ROWS, ROWS, 0, 0)
     assert after_warm == after_cold
-    assert warm["scorer_identity"] == cold["scorer_identity"]
-    cache_files = list_files(layout.fs, layout.score_cache_dir(cold["scorer_identity"]))
+    assert warm.scorer_identity == cold.scorer_identity
+    cache_files = list_files(layout.fs, layout.score_cache_dir(cold.scorer_identity))
     assert len(cache_files) == 1 and next(iter(cache_files)).startswith("seg-")  # one batched put, on this root
 
     scored = read_shards(layout.fs, layout.stage_dir(ITERATION, "scored"))
     assert scored["score_cache_hit"].to_pylist() == [True] * ROWS
     first_columns = [n for n in scored.column_names if n != "score_cache_hit"]
-    assert warm["content_hash"] != cold["content_hash"]  # only the hit flags differ...
+    assert warm.content_hash != cold.content_hash  # only the hit flags differ...
     # ...the scores are the cold attempt's, bit for bit: recompute what the cold attempt wrote, cache off.
     uncached = build_config({**cfg.model_dump(mode="json"), "score": {"cache": False}})
     run_score(uncached, ITERATION, rollout)
@@ -163,10 +168,10 @@ def test_new_reward_model_weights_change_the_identity_and_miss(tmp_path, tiny_mo
     old_scores = read_shards(layout.fs, layout.stage_dir(ITERATION, "scored"))["reward_components"].to_pylist()
     _edit_reward_model_weights(rm_copy)
     after = run_score(cfg, ITERATION, rollout)  # same config, same path: only the weights changed
-    assert after["scorer_identity"] != before["scorer_identity"]
-    old_dir, new_dir = (layout.score_cache_dir(r["scorer_identity"]) for r in (before, after))
+    assert after.scorer_identity != before.scorer_identity
+    old_dir, new_dir = (layout.score_cache_dir(r.scorer_identity) for r in (before, after))
     assert old_dir != new_dir
-    assert (after["cache_hits"], after["computed"]) == (0, DISTINCT_PAIRS)
+    assert (after.cache_hits, after.computed) == (0, DISTINCT_PAIRS)
     assert len(list_files(layout.fs, old_dir)) == 1 and len(list_files(layout.fs, new_dir)) == 1
     new_scores = read_shards(layout.fs, layout.stage_dir(ITERATION, "scored"))["reward_components"].to_pylist()
     old_rm = [json.loads(c)["rm"] for c in old_scores]
@@ -192,7 +197,7 @@ def test_a_failing_reward_fails_the_stage_and_commits_no_scored_shard(storage_ro
 
     with pytest.raises(RewardError, match=f"{message} on {FAILING_SAMPLE}"):
         run_score(bad, ITERATION, rollout)
-    # Decision (tasks/score.py): the folder is uncommitted before scoring, so the failed attempt leaves
+    # Decision (engines/stages/score.py): the folder is uncommitted before scoring, so the failed attempt leaves
     # neither the earlier attempt's output nor a mix of both: no manifest and no part at all.
     assert read_manifest(layout.fs, scored_dir) is None
     assert list_files(layout.fs, scored_dir) == {}
@@ -202,6 +207,6 @@ def test_a_failing_reward_fails_the_stage_and_commits_no_scored_shard(storage_ro
 
     # The retry with working settings recommits, from the cache of the first attempt.
     retried = run_score(good, ITERATION, rollout)
-    assert (retried["cache_hits"], retried["computed"]) == (ROWS, 0)
-    assert retried["scorer_identity"] == committed["scorer_identity"]
+    assert (retried.cache_hits, retried.computed) == (ROWS, 0)
+    assert retried.scorer_identity == committed.scorer_identity
     assert read_manifest(layout.fs, scored_dir).rows == ROWS

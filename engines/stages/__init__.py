@@ -1,0 +1,13 @@
+"""The four stages of a PPO iteration, each ONE function, pure of Prefect:
+
+    rollout.run_rollout(cfg, i, PolicyRef)              -> RolloutManifest
+    score.run_score(cfg, i, RolloutManifest)            -> ScoreManifest
+    update.run_update(cfg, i, PolicyRef, ScoreManifest) -> UpdateManifest
+    checkpoint.run_checkpoint(cfg, i, UpdateManifest)   -> CheckpointManifest
+
+The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stages.py) and the in-process
+pipeline call exactly these; the bare loop (engines/loop.py) calls their compute halves (`sample_rollout`,
+`score_rows`, `train_on`) with the tables in memory instead of shards. This is the one place in engines/
+that reads and writes the run's storage; the hand-offs are typed (engines/stages/manifests.py) and the
+engines a worker keeps warm between stages are in engines/stages/held.py.
+"""

@@ -1,0 +1,64 @@
+"""The engines a worker process keeps between stages, each under a WarmKey that says what it was built from.
+
+    prompt_source_for(cfg)          tokenised prompt set      identity: data settings + dataset/tokenizer files
+    scorer_for(cfg)                 reward sources + reference identity: scoring settings + model files
+    score_cache_for(cfg, identity)  the score cache's reader identity: its folder URL + size cap
+    trainer_key(weights_id)         the DeepSpeed trainer      identity: the weights it holds (PolicyRef.weights_id)
+
+A file rewritten in place under the same path changes its fingerprint (ppoflow/fingerprint.py), so the
+engine built from the old file is rebuilt, never silently reused. The trainer moves with take/put (see
+engines/warm.py): the update stage takes it for the policy it starts from and puts it back under the
+identity of the checkpoint it staged; the rollout stage of the next iteration only peeks at it.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from engines import warm
+from engines.data import PromptSource
+from engines.models import load_tokenizer
+from engines.scoring.scorer import Scorer
+from ppoflow.fingerprint import folder_fingerprint
+from storage.layout import RunLayout
+from storage.score_cache import ScoreCache
+
+
+def prompt_source_for(cfg) -> PromptSource:
+    """The worker's tokenised prompt set, built once per data settings and files (tokenising the whole dataset
+    every iteration would cost more than sampling on the tiny model). The tokenizer is the initial model's:
+    checkpoints save the same tokenizer files beside the policy weights."""
+    identity = json.dumps([cfg.section_hash("data"), os.path.abspath(cfg.model.policy_path),
+                           cfg.model.apply_chat_template, _fingerprint_or_none(cfg.data.path),
+                           folder_fingerprint(cfg.model.policy_path)])
+    return warm.get_or_build(warm.WarmKey(warm.Role.PROMPTS, identity), lambda: PromptSource(
+        cfg.data, load_tokenizer(cfg.model.policy_path), cfg.model.apply_chat_template))
+
+
+def _fingerprint_or_none(path: str):
+    # A missing dataset path is PromptSource's error to report (it names the field); the key just says so.
+    return folder_fingerprint(path) if os.path.exists(path) else None
+
+
+def scorer_for(cfg) -> Scorer:
+    """The warm scorer; rebuilt when the scoring settings change, and when the files of the reference or of a
+    reward-model folder change in place (new weights under the same path). A rebuilt scorer has a new
+    identity, so a new score-cache key space: the new weights never read the old weights' scores."""
+    folders = [cfg.model.policy_path] + [s.target for s in cfg.reward.sources if s.kind == "model"]
+    identity = json.dumps([cfg.section_hash("model", "reward", "score", "rollout"),
+                           [folder_fingerprint(f) for f in folders]])
+    return warm.get_or_build(warm.WarmKey(warm.Role.SCORER, identity), lambda: Scorer(cfg))
+
+
+def score_cache_for(cfg, layout: RunLayout, scorer_identity: str) -> ScoreCache:
+    """The score cache of this scorer, kept warm between iterations: a new reader would read every segment in
+    the folder again, the warm one reads only the segments other processes wrote since it last looked."""
+    folder = layout.score_cache_dir(scorer_identity)
+    identity = json.dumps([layout.url(folder), cfg.score.cache_max_bytes])
+    return warm.get_or_build(warm.WarmKey(warm.Role.SCORE_CACHE, identity),
+                             lambda: ScoreCache(layout.fs, folder, max_bytes=cfg.score.cache_max_bytes))
+
+
+def trainer_key(weights_id: str) -> warm.WarmKey:
+    """The key of a trainer holding exactly the weights (and optimizer state) `weights_id` names."""
+    return warm.WarmKey(warm.Role.TRAINER, weights_id)

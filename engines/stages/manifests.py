@@ -1,0 +1,104 @@
+"""What the stages hand each other: small, typed, JSON-able references to what they wrote to storage.
+
+    PolicyRef           the weights an iteration samples and trains from (initial folder or a checkpoint)
+    RolloutManifest     rollout shards of an iteration        (rollout -> score)
+    ScoreManifest       scored shards                         (score -> update)
+    UpdateManifest      experience shards + staged checkpoint (update -> checkpoint)
+    CheckpointManifest  the committed checkpoint              (checkpoint -> the next iteration)
+
+Every hand-off has an `identity()`: the content hash of what it names (never a time, a path alone or a
+stat of a folder), which is all a stage's Prefect cache key takes from its inputs. They are frozen pydantic
+models: Prefect's JSON result serializer stores and restores them as these classes, `run_deployment`
+passes them as JSON (`model_dump(mode="json")`) and a stage flow's signature validates them back, and a
+stage record read from storage is validated where it is read (a malformed record is a ValidationError
+naming the field, not a KeyError three stages later).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MetricValue = Union[float, int, str, None]
+
+
+class HandOff(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def identity(self) -> str:
+        """The content hash that identifies this hand-off in cache keys."""
+        raise NotImplementedError
+
+
+class PolicyRef(HandOff):
+    """The policy iteration i starts from: version i-1 (the checkpoint iteration i-1 committed), 0 = the initial model.
+
+    weights_id: "initial-<sha256 of the folder's files>" for the initial model, "ckpt-<hash of the
+    committed files' sha256 list>" for a checkpoint (the same value the update stage computed when it staged
+    those files, so a trainer kept warm under it is found again without any re-tagging).
+    """
+
+    version: int = Field(ge=0)
+    checkpoint_iteration: Optional[int] = Field(None, ge=1)
+    uri: str
+    weights_id: str
+
+    def identity(self) -> str:
+        return self.weights_id
+
+
+class StageManifest(HandOff):
+    iteration: int = Field(ge=1)
+    seconds: float = Field(ge=0, description="wall seconds of the stage body in its worker")
+
+
+class RolloutManifest(StageManifest):
+    stage: Literal["rollout"] = "rollout"
+    uri: str
+    rows: int
+    content_hash: str
+    policy_version: int
+    engine: str
+
+    def identity(self) -> str:
+        return self.content_hash
+
+
+class ScoreManifest(StageManifest):
+    stage: Literal["score"] = "score"
+    uri: str
+    rows: int
+    content_hash: str
+    scorer_identity: str
+    cache_hits: int
+    cache_misses: int
+    computed: int
+    reward_mean: float
+
+    def identity(self) -> str:
+        return self.content_hash
+
+
+class UpdateManifest(StageManifest):
+    stage: Literal["update"] = "update"
+    checkpoint_uri: str
+    experience_uri: str
+    weights_id: str = Field(description="identity of the staged checkpoint's files (PolicyRef.weights_id once committed)")
+    experience_hash: str
+    metrics: dict[str, MetricValue]
+
+    def identity(self) -> str:
+        return self.weights_id
+
+
+class CheckpointManifest(StageManifest):
+    stage: Literal["checkpoint"] = "checkpoint"
+    uri: str
+    weights_id: str
+
+    def identity(self) -> str:
+        return self.weights_id
+
+
+STAGE_MANIFESTS: dict[str, type[StageManifest]] = {
+    "rollout": RolloutManifest, "score": ScoreManifest, "update": UpdateManifest, "checkpoint": CheckpointManifest}

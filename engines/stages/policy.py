@@ -1,0 +1,60 @@
+"""Which policy weights an iteration starts from, as a PolicyRef, and where to find them locally.
+
+Iteration i (1-based) samples and trains with the policy committed by iteration i-1; iteration 1 uses the
+initial model folder (`model.policy_path`). `PolicyRef.weights_id` feeds the rollout and update cache keys,
+so a different starting checkpoint can never reuse a stale result.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+from engines.stages.manifests import PolicyRef
+from ppoflow.fingerprint import folder_fingerprint, json_hash
+from storage.checkpoints import load_checkpoint, read_commit_marker
+from storage.layout import layout_for
+
+
+def checkpoint_weights_id(files: dict) -> str:
+    """Identity of a checkpoint's files ({relative path: {"sha256", "bytes"}}), as staged and as committed."""
+    return "ckpt-" + json_hash(files)
+
+
+def initial_policy_ref(cfg) -> PolicyRef:
+    """The initial model folder; FileNotFoundError naming model.policy_path when it holds no files."""
+    path = os.path.abspath(cfg.model.policy_path)
+    if not os.path.isdir(path) or not any(p.is_file() for p in os.scandir(path)):
+        raise FileNotFoundError(f"model.policy_path={cfg.model.policy_path!r} holds no files "
+                                f"(expected a Hugging Face model folder)")
+    return PolicyRef(version=0, checkpoint_iteration=None, uri=path,
+                     weights_id="initial-" + folder_fingerprint(path)[:20])
+
+
+def policy_ref(cfg, iteration: int) -> PolicyRef:
+    """The policy iteration `iteration` starts from; RuntimeError when iteration-1 is not committed."""
+    prev = iteration - 1
+    if prev <= 0:
+        return initial_policy_ref(cfg)
+    layout = layout_for(cfg)
+    marker = read_commit_marker(layout, prev)
+    if marker is None:
+        raise RuntimeError(f"iteration {iteration} needs the committed checkpoint of iteration {prev}, "
+                           f"but {layout.url(layout.checkpoint_dir(prev))} has no commit marker")
+    return PolicyRef(version=prev, checkpoint_iteration=prev, uri=layout.url(layout.checkpoint_dir(prev)),
+                     weights_id=checkpoint_weights_id(marker["files"]))
+
+
+def local_checkpoint_dir(cfg, ref: PolicyRef, parts: Optional[Sequence[str]] = None) -> Optional[str]:
+    """A local folder holding policy/, critic/, trainer/ of the referenced checkpoint (None = initial model).
+
+    parts: only those folders are fetched and verified (see storage.checkpoints.load_checkpoint).
+    """
+    if ref.checkpoint_iteration is None:
+        return None
+    return load_checkpoint(layout_for(cfg), ref.checkpoint_iteration, parts=parts)
+
+
+def local_policy_dir(cfg, ref: PolicyRef) -> str:
+    """The referenced policy as a local Hugging Face folder; of a checkpoint only policy/ is fetched."""
+    ckpt = local_checkpoint_dir(cfg, ref, parts=("policy",))
+    return ref.uri if ckpt is None else os.path.join(ckpt, "policy")

@@ -1,0 +1,65 @@
+"""The rollout stage: sample the iteration's prompts with the policy it starts from, write rollout shards.
+
+    sample_rollout(engine, source, cfg, iteration) -> rollout rows   (the compute, shared with engines/loop.py)
+    run_rollout(cfg, iteration, policy) -> RolloutManifest          (the stage: engine, compute, shards)
+
+Seeds: dataset row r in iteration i is sampled with `prompt_sampling_seed(run.seed, i, r)`, so an
+iteration's samples depend only on (seed, iteration, policy weights), not on what ran before in the
+process: a retried or resumed stage draws the same samples.
+"""
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from engines import warm
+from engines.data import PromptSource
+from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_sampling_seed
+from engines.rollout.registry import get_rollout_engine, serve_in_memory
+from engines.stages.held import prompt_source_for, trainer_key
+from engines.stages.manifests import PolicyRef, RolloutManifest
+from engines.stages.policy import local_policy_dir
+from engines.stages.tables import rollout_table
+from storage.layout import layout_for
+from storage.shards import write_shards
+
+
+def sample_rollout(engine: RolloutEngine, source: PromptSource, cfg, iteration: int) -> pa.Table:
+    """The iteration's prompts, n samples each, as rollout rows ordered by (prompt, sample)."""
+    records = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
+    seeds = [prompt_sampling_seed(cfg.run.seed, iteration, r.index) for r in records]
+    samples = engine.generate([r.prompt_ids for r in records], SamplingSettings.from_config(cfg.rollout), seeds)
+    return rollout_table(records, samples, source.tokenizer, iteration)
+
+
+def rollout_engine_for(cfg, policy: PolicyRef) -> RolloutEngine:
+    """This process's rollout engine, serving the weights `policy` names.
+
+    When this process's warm trainer holds exactly those weights (the update saved the checkpoint from these
+    very tensors) and the engine takes weights in memory (HF generate), they are handed over directly;
+    otherwise the checkpoint's policy/ is fetched, verified and loaded into the running engine.
+    """
+    trainer = warm.peek(trainer_key(policy.weights_id))
+    if trainer is not None and (weights := trainer.actor_weights()) is not None:
+        engine = serve_in_memory(cfg.rollout, cfg.model, weights, f"memory:{policy.weights_id}", policy.version)
+        if engine is not None:
+            return engine
+    return get_rollout_engine(cfg.rollout, cfg.model, local_policy_dir(cfg, policy), policy.version, cfg.run.seed)
+
+
+def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
+    """Generate iteration `iteration`'s samples with `policy` and write them as the iteration's rollout shards.
+
+    Writing again replaces the iteration's rollout folder (manifest last), so a retry never duplicates rows.
+    """
+    started = time.perf_counter()
+    engine = rollout_engine_for(cfg, policy)
+    table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
+    layout = layout_for(cfg)
+    stage_dir = layout.stage_dir(iteration, "rollout")
+    manifest = write_shards(layout.fs, stage_dir, table, "rollout",
+                            max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
+    return RolloutManifest(iteration=iteration, uri=layout.url(stage_dir), rows=manifest.rows,
+                           content_hash=manifest.content_hash, policy_version=policy.version, engine=engine.name,
+                           seconds=time.perf_counter() - started)

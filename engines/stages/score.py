@@ -1,0 +1,53 @@
+"""The score stage: reward and reference log-probs for every rollout row, through the prompt-hash cache.
+
+    score_rows(scorer, rollout rows, cache) -> (scored rows, CacheStats)   (the compute, shared with the loop)
+    run_score(cfg, iteration, rollout) -> ScoreManifest                   (the stage)
+
+Failure and retry (the decision for a stage that fails half-way):
+- The scored folder of the iteration is UNCOMMITTED (emptied, manifest first) before anything is scored,
+  and committed again only by the final `write_shards`. A failed attempt (a reward function raising or
+  timing out, a storage error) therefore leaves that folder uncommitted: never a previous attempt's
+  output (perhaps of other scoring settings) that could pass for this attempt's, never a mix of both.
+- Scores already computed by a previous attempt are not lost with it: they live in the score cache, so a
+  retry computes only what it has not computed before (a retry of a completed stage computes nothing).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import pyarrow as pa
+
+from engines.scoring.cached import CacheStats, ScoreCacheLike, score_with_cache
+from engines.scoring.scorer import Scorer
+from engines.stages.held import score_cache_for, scorer_for
+from engines.stages.manifests import RolloutManifest, ScoreManifest
+from engines.stages.tables import scored_table, scoring_inputs
+from storage.layout import layout_for
+from storage.shards import clear_stage_dir, read_shards, write_shards
+
+
+def score_rows(scorer: Scorer, rollout: pa.Table, cache: Optional[ScoreCacheLike]) -> tuple[pa.Table, CacheStats]:
+    """Scored rows for the rollout rows (cache None = compute every distinct pair). A reward source's error
+    propagates unchanged and names the sample."""
+    results, stats = score_with_cache(scorer, scoring_inputs(rollout), cache)
+    return scored_table(rollout, results, stats.hit_mask), stats
+
+
+def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
+    """Score the iteration's rollout shards and write its scored shards (see the module docstring on failure)."""
+    started = time.perf_counter()
+    layout = layout_for(cfg)
+    stage_dir = layout.stage_dir(iteration, "scored")
+    clear_stage_dir(layout.fs, stage_dir)  # uncommitted until this attempt succeeds: see the module docstring
+    table = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
+    scorer = scorer_for(cfg)
+    cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
+    scored, stats = score_rows(scorer, table, cache)
+    manifest = write_shards(layout.fs, stage_dir, scored, "scored",
+                            max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
+    rewards = scored.column("reward").to_pylist()
+    return ScoreManifest(iteration=iteration, uri=layout.url(stage_dir), rows=manifest.rows,
+                         content_hash=manifest.content_hash, scorer_identity=scorer.identity,
+                         cache_hits=stats.hits, cache_misses=stats.misses, computed=stats.computed,
+                         reward_mean=sum(rewards) / max(len(rewards), 1), seconds=time.perf_counter() - started)

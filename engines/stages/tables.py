@@ -1,0 +1,92 @@
+"""The one codec between what the engines produce and the Arrow rows of the shards (storage/schema.py).
+
+    rollout_table(records, samples, tokenizer, iteration)   prompts + samples        -> rollout rows
+    scoring_inputs(rollout rows)                            rollout rows             -> ScoringInput per row
+    scored_table(rollout rows, results, hit_mask)           + rewards, ref log-probs -> scored rows
+    experience_batch(scored rows, pad_token_id)             scored rows              -> padded tensors
+    experience_table(scored rows, update result)            + old log-probs, values, advantages, returns
+
+The pipeline writes these tables to shards between stages; the bare loop (engines/loop.py) passes them
+in memory. Both go through these functions, so a row means the same thing on either path.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Sequence
+
+import pyarrow as pa
+
+from engines.data import PromptRecord
+from engines.rollout.base import RolloutSample
+from engines.scoring.scorer import ScoreResult, ScoringInput
+from engines.trainer.experience import ExperienceBatch
+from storage.schema import schema_for
+
+_F32_LIST = pa.list_(pa.float32())
+
+
+def prompt_hash(prompt_ids: Sequence[int]) -> str:
+    """sha256 hex of the prompt's token ids (the shards' `prompt_hash` column)."""
+    return hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()
+
+
+def rollout_table(records: list[PromptRecord], samples: list[RolloutSample], tokenizer, iteration: int) -> pa.Table:
+    """One row per sample, in the samples' order; `records[s.prompt_index]` is the sample's prompt.
+
+    The response text is decoded without special tokens (EOS, pad): what a reward function reads.
+    """
+    rows: dict[str, list] = {name: [] for name in schema_for("rollout").names}
+    for s in samples:
+        record = records[s.prompt_index]
+        rows["iteration"].append(iteration)
+        rows["prompt_index"].append(record.index)
+        rows["sample_index"].append(s.sample_index)
+        rows["prompt_hash"].append(prompt_hash(s.prompt_ids))
+        rows["prompt"].append(record.text)
+        rows["response"].append(tokenizer.decode(s.response_ids, skip_special_tokens=True))
+        rows["prompt_ids"].append(list(s.prompt_ids))
+        rows["response_ids"].append(list(s.response_ids))
+        rows["rollout_logprobs"].append([float(x) for x in s.rollout_logprobs])
+        rows["finish_reason"].append(s.finish_reason)
+        rows["policy_version"].append(s.policy_version)
+        rows["label"].append(None if record.label is None else str(record.label))
+        rows["data_source"].append(record.data_source)
+    return pa.table(rows, schema=schema_for("rollout"))
+
+
+def scoring_inputs(table: pa.Table) -> list[ScoringInput]:
+    """One ScoringInput per rollout row; `sample_id` ("iter 3 prompt 12 sample 1") is how errors name it."""
+    cols = table.to_pydict()
+    return [ScoringInput(prompt=cols["prompt"][i], response=cols["response"][i], prompt_ids=cols["prompt_ids"][i],
+                         response_ids=cols["response_ids"][i], label=cols["label"][i],
+                         data_source=cols["data_source"][i],
+                         sample_id=f"iter {cols['iteration'][i]} prompt {cols['prompt_index'][i]} "
+                                   f"sample {cols['sample_index'][i]}")
+            for i in range(table.num_rows)]
+
+
+def scored_table(table: pa.Table, results: list[ScoreResult], hit_mask: Sequence[bool]) -> pa.Table:
+    """Rollout rows + reward, reward_components (JSON), ref_logprobs and score_cache_hit, row for row."""
+    if len(results) != table.num_rows or len(hit_mask) != table.num_rows:
+        raise ValueError(f"{table.num_rows} rollout rows but {len(results)} score results, {len(hit_mask)} flags")
+    return (table.append_column("reward", pa.array([r.reward for r in results], pa.float32()))
+            .append_column("reward_components", pa.array([json.dumps(r.components, sort_keys=True) for r in results]))
+            .append_column("ref_logprobs", pa.array([r.ref_logprobs for r in results], _F32_LIST))
+            .append_column("score_cache_hit", pa.array(list(hit_mask), pa.bool_()))).cast(schema_for("scored"))
+
+
+def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
+    """Scored rows -> padded tensors; rows of one prompt (contiguous in the shards) form one group."""
+    cols = scored.to_pydict()
+    return ExperienceBatch.from_lists(cols["prompt_ids"], cols["response_ids"], cols["reward"], cols["ref_logprobs"],
+                                      rollout_logprobs=cols["rollout_logprobs"], group_ids=cols["prompt_index"],
+                                      pad_token_id=pad_token_id)
+
+
+def experience_table(scored: pa.Table, result) -> pa.Table:
+    """Scored rows + the update's per-token old_logprobs, values, advantages and returns (UpdateResult)."""
+    return (scored.append_column("old_logprobs", pa.array(result.old_logprobs, _F32_LIST))
+            .append_column("values", pa.array(result.values, _F32_LIST))
+            .append_column("advantages", pa.array(result.advantages, _F32_LIST))
+            .append_column("returns", pa.array(result.returns, _F32_LIST))).cast(schema_for("experience"))

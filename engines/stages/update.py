@@ -1,0 +1,73 @@
+"""The update stage: the PPO update of actor (and critic) on the scored shards, a staged checkpoint out.
+
+    train_on(trainer, scored rows) -> UpdateResult                 (the compute, shared with the loop)
+    run_update(cfg, iteration, policy, scored) -> UpdateManifest         (the stage)
+
+The trainer stays warm in the worker process between iterations. It is TAKEN from the warm registry for
+the policy the iteration starts from and PUT back, under the identity of the checkpoint it staged, only
+after that checkpoint's files are saved: a failure half-way leaves no trainer whose weights moved past the
+last checkpoint, so the retry rebuilds from the committed checkpoint and equals a run that never failed.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pyarrow as pa
+
+from engines import warm
+from engines.stages.held import trainer_key
+from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
+from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
+from engines.stages.tables import experience_batch, experience_table
+from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
+from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
+from storage.layout import layout_for
+from storage.shards import read_shards, write_shards
+
+
+def train_on(trainer: PPOTrainer, scored: pa.Table) -> UpdateResult:
+    """One PPO update on the scored rows (the trainer's weights and optimizer state move); the result holds
+    the metrics and the per-token old log-probs, values, advantages and returns of every row."""
+    return trainer.update(experience_batch(scored, trainer.tokenizer.pad_token_id or 0))
+
+
+def build_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
+    """A trainer holding `policy`: the initial model folders, or the checkpoint's policy/, critic/, trainer/."""
+    ckpt = local_checkpoint_dir(cfg, policy)
+    if ckpt is None:
+        return PPOTrainer(cfg, policy_dir=policy.uri, critic_dir=cfg.model.critic_path)
+    critic = os.path.join(ckpt, "critic")
+    return PPOTrainer(cfg, policy_dir=os.path.join(ckpt, "policy"),
+                      critic_dir=critic if os.path.isdir(critic) else None,
+                      trainer_state_dir=os.path.join(ckpt, "trainer"))
+
+
+def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
+    """The warm trainer if it holds exactly `policy`'s weights, else one rebuilt from that checkpoint (a warm
+    trainer for other weights is dropped first: two trainers never hold memory at once)."""
+    trainer = warm.take(trainer_key(policy.weights_id))
+    return trainer if trainer is not None else build_trainer(cfg, policy)
+
+
+def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
+    """Train on iteration `iteration`'s scored shards starting from `policy`; stage the new checkpoint."""
+    started = time.perf_counter()
+    layout = layout_for(cfg)
+    table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
+    trainer = take_trainer(cfg, policy)
+    result = train_on(trainer, table)
+    exp_dir = layout.stage_dir(iteration, "experience")
+    exp_manifest = write_shards(layout.fs, exp_dir, experience_table(table, result), "experience",
+                                max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
+    with checkpoint_scratch(layout) as tmp:
+        hashed = trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(cfg.to_yaml())
+        staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
+    weights_id = checkpoint_weights_id(staged["files"])
+    warm.put(trainer_key(weights_id), trainer)
+    return UpdateManifest(iteration=iteration, checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
+                          experience_uri=layout.url(exp_dir), weights_id=weights_id,
+                          experience_hash=exp_manifest.content_hash, metrics=result.metrics,
+                          seconds=time.perf_counter() - started)

@@ -1,0 +1,38 @@
+"""The Prefect cache key of a stage task: run / iteration / stage / hash(inputs' identities, config sections).
+
+A retried flow run recomputes the same keys, finds the persisted results of the stages that completed,
+and resumes at the first stage without one. A changed input or setting changes the key, so a stale result
+is never reused. An input hand-off (engines/stages/manifests.py) counts by its `identity()` (a content
+hash), any other parameter by its JSON form.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engines.stages.manifests import HandOff
+from ppoflow.config import PPOFlowConfig, as_config
+from ppoflow.fingerprint import json_hash
+
+# The config sections each stage's output depends on (besides its input hand-offs).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "rollout": ("model", "data", "rollout"),
+    "score": ("model", "reward", "score", "rollout"),
+    "update": ("model", "algo", "train", "reward"),
+    "checkpoint": ("run",),
+}
+
+
+def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict[str, Any]) -> str:
+    """The key under which a stage's result is persisted; see the module docstring."""
+    identities = {k: v.identity() if isinstance(v, HandOff) else v for k, v in inputs.items()}
+    digest = json_hash({"inputs": identities, "config": cfg.section_hash(*STAGE_SECTIONS[stage]),
+                        "seed": cfg.run.seed, "root": cfg.run.root})
+    return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
+
+
+def cache_key_fn(stage: str):
+    """A Prefect cache_key_fn for a stage task whose parameters are (config, iteration, **input hand-offs)."""
+    def _key(_context, parameters: dict[str, Any]) -> str:
+        inputs = {k: v for k, v in parameters.items() if k not in ("config", "iteration")}
+        return stage_cache_key(as_config(parameters["config"]), stage, int(parameters["iteration"]), inputs)
+    return _key

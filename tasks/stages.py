@@ -1,0 +1,47 @@
+"""The four stage tasks: thin Prefect wrappers around engines/stages (one function per stage).
+
+Each task declares its cache key (tasks/cache_keys.py) and persists its result, a typed manifest, as JSON
+under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
+body validates the config and calls the stage function, looked up on its module at call time.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+
+from engines.stages import checkpoint as checkpoint_stage
+from engines.stages import rollout as rollout_stage
+from engines.stages import score as score_stage
+from engines.stages import update as update_stage
+from engines.stages.manifests import (CheckpointManifest, PolicyRef, RolloutManifest, ScoreManifest,
+                                      UpdateManifest)
+from ppoflow.config import PPOFlowConfig, as_config
+from tasks.cache_keys import cache_key_fn
+
+Config = PPOFlowConfig | dict[str, Any]
+
+
+def _stage_task(stage: str, body):
+    return task(body, name=stage, task_run_name=f"{stage}-iter-{{iteration}}", cache_key_fn=cache_key_fn(stage),
+                persist_result=True, result_serializer="json")
+
+
+def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManifest:
+    return rollout_stage.run_rollout(as_config(config), iteration, policy)
+
+
+def _score(config: Config, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
+    return score_stage.run_score(as_config(config), iteration, rollout)
+
+
+def _update(config: Config, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
+    return update_stage.run_update(as_config(config), iteration, policy, scored)
+
+
+def _checkpoint(config: Config, iteration: int, update: UpdateManifest) -> CheckpointManifest:
+    return checkpoint_stage.run_checkpoint(as_config(config), iteration, update)
+
+
+STAGE_TASKS = {"rollout": _stage_task("rollout", _rollout), "score": _stage_task("score", _score),
+               "update": _stage_task("update", _update), "checkpoint": _stage_task("checkpoint", _checkpoint)}
