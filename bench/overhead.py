@@ -45,19 +45,19 @@ WORKLOADS = {  # rollout settings per workload; everything else is shared
 def bench_config(workdir: str, run: str, iterations: int, workload: str = "tiny"):
     from engines.toy.model import ensure_tiny_llama
     from engines.toy.task import ensure_digits_dataset
-    from ppoflow.config import build_config
+    from engines.toy.run_config import toy_config
 
     model = ensure_tiny_llama(os.path.join(workdir, "model"))
     data = ensure_digits_dataset(os.path.join(workdir, "data"))
-    return build_config({
-        "run": {"name": run, "root": os.path.join(workdir, "runs"), "iterations": iterations, "seed": 0},
-        "model": {"policy_path": str(model)}, "data": {"path": str(data)},
+    return toy_config(os.path.join(workdir, "runs"), run, model, data, iterations=iterations, seed=0, sections={
+        "data": {"data_source_key": None},
         "rollout": {"engine": "hf", "max_new_tokens": 8, **WORKLOADS[workload]},
-        "algo": {"name": "ppo"}, "train": {"micro_batch_size": 32, "ppo_epochs": 2, "actor_lr": 2e-3,
-                                           "critic_lr": 2e-3},
+        "algo": {"name": "ppo", "kl_coef": 0.01},
+        "train": {"micro_batch_size": 32, "train_batch_size": None, "ppo_epochs": 2, "actor_lr": 2e-3,
+                  "critic_lr": 2e-3, "warmup_steps": 0, "lr_schedule": "constant"},
         "score": {"cache": False},  # the bare loop has no cache; keep the work identical
-        "pipeline": {"retries": 0},
-    }, "bench.overhead")
+        "pipeline": {"retries": 0, "retry_delay_s": 5.0},
+    })
 
 
 def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
