@@ -54,6 +54,11 @@ def fingerprint_component(identity: str) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
+def _in_run_dir(name: str) -> property:
+    """A read-only attribute: the path of `name` directly in the run's folder."""
+    return property(lambda self: fsutil.join(self.run_dir, name), doc=f"<root>/<run>/{name}")
+
+
 class RunLayout:
     """The paths of run `run_name` under `root_url`. Cheap to build; the filesystem is resolved lazily.
 
@@ -99,25 +104,11 @@ class RunLayout:
     def run_dir(self) -> str:
         return fsutil.join(self.root, self.run_name)
 
-    @property
-    def config_path(self) -> str:
-        return fsutil.join(self.run_dir, "config.yaml")
-
-    @property
-    def metrics_path(self) -> str:
-        return fsutil.join(self.run_dir, "metrics.jsonl")
-
-    @property
-    def latest_path(self) -> str:
-        return fsutil.join(self.run_dir, "LATEST")
-
-    @property
-    def results_dir(self) -> str:
-        return fsutil.join(self.run_dir, "_prefect_results")
-
-    @property
-    def checkpoints_dir(self) -> str:
-        return fsutil.join(self.run_dir, "checkpoints")
+    config_path = _in_run_dir("config.yaml")
+    metrics_path = _in_run_dir("metrics.jsonl")
+    latest_path = _in_run_dir("LATEST")
+    results_dir = _in_run_dir("_prefect_results")
+    checkpoints_dir = _in_run_dir("checkpoints")
 
     def iteration_dir(self, iteration: int) -> str:
         return fsutil.join(self.run_dir, iteration_name(iteration))

@@ -15,7 +15,7 @@ naming the field, not a KeyError three stages later).
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,10 +24,11 @@ MetricValue = Union[float, int, str, None]
 
 class HandOff(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+    identity_field: ClassVar[str]  # the field holding the content hash that identifies the hand-off
 
     def identity(self) -> str:
         """The content hash that identifies this hand-off in cache keys."""
-        raise NotImplementedError
+        return getattr(self, self.identity_field)
 
 
 class PolicyRef(HandOff):
@@ -38,13 +39,11 @@ class PolicyRef(HandOff):
     those files, so a trainer kept warm under it is found again without any re-tagging).
     """
 
+    identity_field = "weights_id"
     version: int = Field(ge=0)
     checkpoint_iteration: Optional[int] = Field(None, ge=1)
     uri: str
     weights_id: str
-
-    def identity(self) -> str:
-        return self.weights_id
 
 
 class StageManifest(HandOff):
@@ -52,34 +51,32 @@ class StageManifest(HandOff):
     seconds: float = Field(ge=0, description="wall seconds of the stage body in its worker")
 
 
-class RolloutManifest(StageManifest):
-    stage: Literal["rollout"] = "rollout"
+class ShardsManifest(StageManifest):
+    """A stage that wrote shards: where (uri), how many rows, and the shard manifest's content hash."""
+
+    identity_field = "content_hash"
     uri: str
     rows: int
     content_hash: str
+
+
+class RolloutManifest(ShardsManifest):
+    stage: Literal["rollout"] = "rollout"
     policy_version: int
     engine: str
 
-    def identity(self) -> str:
-        return self.content_hash
 
-
-class ScoreManifest(StageManifest):
+class ScoreManifest(ShardsManifest):
     stage: Literal["score"] = "score"
-    uri: str
-    rows: int
-    content_hash: str
     scorer_identity: str
     cache_hits: int
     cache_misses: int
     computed: int
     reward_mean: float
 
-    def identity(self) -> str:
-        return self.content_hash
-
 
 class UpdateManifest(StageManifest):
+    identity_field = "weights_id"
     stage: Literal["update"] = "update"
     checkpoint_uri: str
     experience_uri: str
@@ -87,17 +84,12 @@ class UpdateManifest(StageManifest):
     experience_hash: str
     metrics: dict[str, MetricValue]
 
-    def identity(self) -> str:
-        return self.weights_id
-
 
 class CheckpointManifest(StageManifest):
+    identity_field = "weights_id"
     stage: Literal["checkpoint"] = "checkpoint"
     uri: str
     weights_id: str
-
-    def identity(self) -> str:
-        return self.weights_id
 
 
 STAGE_MANIFESTS: dict[str, type[StageManifest]] = {

@@ -85,10 +85,9 @@ def save_model_folder(model, tokenizer, out_dir: str | Path) -> Path:
 
 def ensure_tiny_llama(out_dir: str | Path, **kwargs) -> Path:
     """Build the tiny model unless `out_dir` already holds one (config.json and weights)."""
-    out = Path(out_dir)
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
-    return build_tiny_llama(out, **kwargs)
+    from engines.toy.task import built_once
+
+    return built_once(Path(out_dir), ("config.json", "model.safetensors"), lambda out: build_tiny_llama(out, **kwargs))
 
 
 def main(argv: list[str] | None = None) -> None:

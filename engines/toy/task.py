@@ -62,11 +62,14 @@ def build_digits_dataset(out_dir: str | Path, num_rows: int = 512, seed: int = 0
     return out
 
 
+def built_once(out: Path, marker_files: tuple[str, ...], build) -> Path:
+    """`out` when it already holds every marker file (built before), else `build(out)`'s result."""
+    return out if all((out / name).exists() for name in marker_files) else build(out)
+
+
 def ensure_digits_dataset(out_dir: str | Path, **kwargs) -> Path:
-    out = Path(out_dir)
-    if (out / "dataset_info.json").exists():
-        return out
-    return build_digits_dataset(out, **kwargs)
+    """Build the digits dataset unless `out_dir` already holds one (a datasets save_to_disk folder)."""
+    return built_once(Path(out_dir), ("dataset_info.json",), lambda out: build_digits_dataset(out, **kwargs))
 
 
 def main(argv: list[str] | None = None) -> None:
