@@ -10,6 +10,7 @@ holds), and an engine is handed out only for the identity it was built for.
     take(key)                 like peek, but removes whatever the role holds: the caller now owns it
     put(key, engine)          hand an engine (back) to the role, e.g. a trainer after it saved its new state
     invalidate(role=None)     forget a role's engine (or all)
+    engine_builds()           how many engines this process has built (every role, rollout engines too)
 
 take/put is how a trainer moves through an update: taken before the update, put back under its new
 weights' identity only after they are saved, so a failure half-way leaves no trainer whose weights moved
@@ -21,7 +22,10 @@ place instead of being rebuilt.
 from __future__ import annotations
 
 import enum
+import os
+import socket
 import threading
+from collections import Counter
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 T = TypeVar("T")
@@ -41,6 +45,24 @@ class WarmKey(NamedTuple):
 
 _lock = threading.Lock()
 _entries: dict[Role, tuple[str, Any]] = {}
+_builds: Counter = Counter()  # role (or "rollout") -> engines built in this process
+
+
+def count_build(kind: str) -> None:
+    """Record that this process built an engine of `kind` (the rollout registry reports its builds here)."""
+    with _lock:
+        _builds[kind] += 1
+
+
+def engine_builds() -> int:
+    """Engines built in this process so far: a warm worker builds each once, a cold one every stage."""
+    with _lock:
+        return sum(_builds.values())
+
+
+def worker_tag() -> str:
+    """host:pid of this process, as stage manifests name the worker that ran them."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def get_or_build(key: WarmKey, build: Callable[[], T]) -> T:
@@ -53,6 +75,7 @@ def get_or_build(key: WarmKey, build: Callable[[], T]) -> T:
     engine = build()
     with _lock:
         _entries[key.role] = (key.identity, engine)
+        _builds[key.role.value] += 1
     return engine
 
 

@@ -87,6 +87,13 @@ def cmd_serve_reward(args) -> int:
     return 0
 
 
+def cmd_worker(args) -> int:
+    from flows.workers import serve_stages
+
+    serve_stages(args.stage, retries=args.retries)
+    return 0
+
+
 def cmd_config_reference(args) -> int:
     from ppoflow.reference import config_reference_markdown
 
@@ -133,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-wait-ms", type=float, default=10.0)
     serve.add_argument("--max-request-items", type=int, default=1024)
     serve.set_defaults(func=cmd_serve_reward)
+
+    worker = sub.add_parser("worker", help="a warm stage worker: runs the stage tasks of pipeline.stage_workers")
+    worker.add_argument("--stage", action="append", required=True, choices=["rollout", "score", "update", "checkpoint"])
+    worker.add_argument("--retries", type=int, default=0, help="retries of each task run on this worker")
+    worker.set_defaults(func=cmd_worker)
 
     ref = sub.add_parser("config-reference", help="print the config reference (Markdown)")
     ref.set_defaults(func=cmd_config_reference)

@@ -3,6 +3,10 @@
 Each stage is timed under `timing/<stage>` (wall time seen by the flow, orchestration included), the
 iteration's metrics go to `<root>/<run>/metrics.jsonl` and to a table artifact, and the shard URIs to a
 markdown artifact.
+
+The metrics row is written after the commit (it holds the checkpoint's timing), so a process killed
+between the two leaves a committed iteration without its row; the next start of the run rebuilds that row
+from the iteration's stage records (`recover_missing_rows`): every committed iteration has its row once.
 """
 from __future__ import annotations
 
@@ -11,16 +15,18 @@ from typing import Any
 
 from prefect import flow
 
-from flows.artifacts import publish_iteration_artifacts
-from flows.records import record_metrics
-from engines.stages.manifests import StageManifest
+from engines.stages.manifests import STAGE_MANIFESTS, StageManifest
 from engines.stages.policy import policy_ref
+from flows.artifacts import publish_iteration_artifacts
+from flows.records import read_metrics, read_stage_record, record_metrics
 from flows.stages import run_stage
 from ppoflow.config import as_config
-from storage.layout import layout_for
+from storage.layout import RunLayout, layout_for
 
 
-def iteration_metrics(iteration: int, manifests: dict[str, StageManifest], timings: dict[str, float]) -> dict[str, Any]:
+def iteration_metrics(iteration: int, manifests: dict[str, StageManifest],
+                      timings: dict[str, float] | None) -> dict[str, Any]:
+    """The metrics row of an iteration; timings None (a row rebuilt after a crash) leaves timing/* out."""
     update = manifests["update"].metrics
     score = manifests["score"]
     row: dict[str, Any] = {"iteration": iteration, "reward/mean": score.reward_mean,
@@ -29,10 +35,29 @@ def iteration_metrics(iteration: int, manifests: dict[str, StageManifest], timin
                            "rollout/rows": manifests["rollout"].rows,
                            "rollout/engine": manifests["rollout"].engine}
     row.update({k: v for k, v in update.items() if k not in row})
-    row.update({f"timing/{stage}": seconds for stage, seconds in timings.items()})
-    row["timing/iteration"] = sum(timings.values())
-    row["time/finished_unix"] = time.time()  # per-iteration wall time incl. orchestration = diff of these
+    if timings is not None:
+        row.update({f"timing/{stage}": seconds for stage, seconds in timings.items()})
+        row["timing/iteration"] = sum(timings.values())
+        row["time/finished_unix"] = time.time()  # per-iteration wall time incl. orchestration = diff of these
     return row
+
+
+def recover_missing_rows(layout: RunLayout, committed_through: int) -> list[int]:
+    """Write the rows of committed iterations 1..committed_through that metrics.jsonl lacks, rebuilt from their
+    stage records (rollout, score, update); returns their iterations. Such a row has no timing/* keys (the
+    flow's view of the stage times died with the process) and carries "record/rebuilt": true."""
+    have = {row["iteration"] for row in read_metrics(layout)}
+    rebuilt = []
+    for iteration in range(1, committed_through + 1):
+        if iteration in have:
+            continue
+        records = {stage: read_stage_record(layout, iteration, stage) for stage in ("rollout", "score", "update")}
+        if any(record is None for record in records.values()):
+            continue  # nothing to rebuild from (records removed by hand): the row stays absent, never invented
+        manifests = {stage: STAGE_MANIFESTS[stage].model_validate(record) for stage, record in records.items()}
+        record_metrics(layout, {**iteration_metrics(iteration, manifests, None), "record/rebuilt": True})
+        rebuilt.append(iteration)
+    return rebuilt
 
 
 @flow(name="ppo-iteration", flow_run_name="ppo-iter-{iteration:04d}")

@@ -1,7 +1,12 @@
-"""How ppo_iteration runs one stage: as a task in-process, or as a flow run of a stage deployment on its pool.
+"""How ppo_iteration runs one stage: as a task in-process, on a warm task worker, or as a flow run of a stage
+deployment on its pool.
 
 In-process (the default): the stage task runs inside the iteration's flow run, with retries, the stage
 cache key and results persisted under the run's storage.
+
+On a warm worker (`pipeline.stage_workers: [rollout, score, update, checkpoint]`): the same task is submitted
+with `.delay()` and runs in a long-lived `ppoflow worker` process that keeps its engine between iterations
+(flows/workers.py); the task run still belongs to the iteration's flow run, with the same cache key.
 
 On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}`): `run_deployment` starts the
 stage's flow (below) on that deployment's work pool, waits for it, checks its final state, and reads the
@@ -55,10 +60,28 @@ def run_stage_on_pool(cfg: PPOFlowConfig, stage: str, deployment: str, iteration
     return STAGE_MANIFESTS[stage].model_validate(record)
 
 
+def run_stage_on_worker(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
+    """Submit the stage task to the warm workers serving it and wait for its manifest (raises its error).
+
+    The submitting side's serializer only stores the submission (parameters and Prefect's run context, which
+    JSON cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON."""
+    submit = STAGE_TASKS[stage].with_options(result_serializer="pickle")
+    future = submit.delay(cfg.model_dump(mode="json"), iteration, **inputs)
+    # The future's own wait follows task-run events and can return before the final state is readable (seen:
+    # "has no state"); the API's view of the run is what decides.
+    while not (state := future.state).is_final():
+        future.wait(timeout=5)
+    manifest = state.result(raise_on_failure=True)
+    write_stage_record(layout_for(cfg), iteration, stage, manifest.model_dump(mode="json"))
+    return manifest
+
+
 def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
     deployment = (cfg.pipeline.stage_pools or {}).get(stage)
     if deployment:
         return run_stage_on_pool(cfg, stage, deployment, iteration, **inputs)
+    if stage in cfg.pipeline.stage_workers:
+        return run_stage_on_worker(cfg, stage, iteration, **inputs)
     return run_stage_in_process(cfg, stage, iteration, **inputs)
 
 

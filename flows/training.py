@@ -12,7 +12,7 @@ from prefect import flow, get_run_logger
 from prefect.context import SettingsContext, get_settings_context
 
 from flows.artifacts import start_progress, update_progress
-from flows.iteration import ppo_iteration
+from flows.iteration import ppo_iteration, recover_missing_rows
 from storage.checkpoints import latest_iteration
 from ppoflow.config import as_config
 from storage.layout import layout_for
@@ -26,6 +26,9 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     layout.write_config_once(cfg.to_yaml())
     start = (latest_iteration(layout) or 0) + 1
     logger = get_run_logger()
+    for iteration in recover_missing_rows(layout, start - 1):
+        logger.warning("iteration %d was committed but its metrics row was not written (the process died in "
+                       "between): rebuilt from its stage records", iteration)
     logger.info("run %s at %s: iterations %d..%d", cfg.run.name, layout.url(layout.run_dir), start,
                 cfg.run.iterations)
     progress = start_progress(cfg, start - 1)

@@ -166,6 +166,9 @@ class PipelineConfig(_Section):
     stage_pools: Optional[dict[str, str]] = Field(None, description="Stage -> deployment name ('ppo-rollout/rollout'); None = all stages in-process.")
     retries: int = Field(2, ge=0, description="Task retries for each stage.")
     retry_delay_s: float = Field(5.0, ge=0, description="First retry delay; doubles each retry.")
+    stage_workers: list[Literal["rollout", "score", "update", "checkpoint"]] = Field(
+        default_factory=list, description="Stages sent to warm Prefect task workers (`ppoflow worker --stage S`), "
+                                          "which keep their engines between iterations; [] = none.")
 
 
 class PPOFlowConfig(_Section):

@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import Optional
 
+from engines import warm
 from engines.rollout.base import RolloutEngine, SamplingSettings
 
 log = logging.getLogger("ppoflow.rollout")
@@ -101,6 +102,7 @@ def get_rollout_engine(rollout_cfg, model_cfg, policy_dir: str, version: int, se
             for other in list(_engines):
                 _engines.pop(other)[0].shutdown()
             engine = _build(kind, rollout_cfg, model_cfg, policy_dir, seed)
+            warm.count_build("rollout")
             engine.policy_version = int(version)
             _engines[identity] = (engine, str(policy_dir), int(version))
             return engine

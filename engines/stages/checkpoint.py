@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from engines.stages.manifests import CheckpointManifest, UpdateManifest
+from engines.stages.manifests import CheckpointManifest, UpdateManifest, provenance
 from storage.checkpoints import commit_checkpoint
 from storage.layout import layout_for
 
@@ -19,4 +19,4 @@ def run_checkpoint(cfg, iteration: int, update: UpdateManifest) -> CheckpointMan
                       {"iteration": iteration, "metrics": update.metrics, "weights_id": update.weights_id},
                       keep_last=cfg.run.keep_checkpoints)
     return CheckpointManifest(iteration=iteration, uri=update.checkpoint_uri, weights_id=update.weights_id,
-                              seconds=time.perf_counter() - started)
+                              **provenance(started))

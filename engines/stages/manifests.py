@@ -15,9 +15,12 @@ naming the field, not a KeyError three stages later).
 """
 from __future__ import annotations
 
+import time
 from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from engines import warm
 
 MetricValue = Union[float, int, str, None]
 
@@ -49,6 +52,8 @@ class PolicyRef(HandOff):
 class StageManifest(HandOff):
     iteration: int = Field(ge=1)
     seconds: float = Field(ge=0, description="wall seconds of the stage body in its worker")
+    worker: str = Field(description="host:pid of the process that ran the stage")
+    engine_builds: int = Field(ge=0, description="engines that process had built when the stage ended")
 
 
 class ShardsManifest(StageManifest):
@@ -90,6 +95,11 @@ class CheckpointManifest(StageManifest):
     stage: Literal["checkpoint"] = "checkpoint"
     uri: str
     weights_id: str
+
+
+def provenance(started: float) -> dict:
+    """The StageManifest fields of a stage body that started at perf_counter() == `started`, in this process."""
+    return {"seconds": time.perf_counter() - started, "worker": warm.worker_tag(), "engine_builds": warm.engine_builds()}
 
 
 STAGE_MANIFESTS: dict[str, type[StageManifest]] = {

@@ -18,7 +18,7 @@ from engines.data import PromptSource
 from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_sampling_seed
 from engines.rollout.registry import get_rollout_engine, serve_in_memory
 from engines.stages.held import prompt_source_for, trainer_key
-from engines.stages.manifests import PolicyRef, RolloutManifest
+from engines.stages.manifests import PolicyRef, RolloutManifest, provenance
 from engines.stages.policy import local_policy_dir
 from engines.stages.tables import rollout_table
 from storage.layout import layout_for
@@ -62,4 +62,4 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
                             max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
     return RolloutManifest(iteration=iteration, uri=layout.url(stage_dir), rows=manifest.rows,
                            content_hash=manifest.content_hash, policy_version=policy.version, engine=engine.name,
-                           seconds=time.perf_counter() - started)
+                           **provenance(started))

@@ -21,7 +21,7 @@ import pyarrow as pa
 from engines.scoring.cached import CacheStats, ScoreCacheLike, score_with_cache
 from engines.scoring.scorer import Scorer
 from engines.stages.held import score_cache_for, scorer_for
-from engines.stages.manifests import RolloutManifest, ScoreManifest
+from engines.stages.manifests import RolloutManifest, ScoreManifest, provenance
 from engines.stages.tables import scored_table, scoring_inputs
 from storage.layout import layout_for
 from storage.shards import clear_stage_dir, read_shards, write_shards
@@ -50,4 +50,4 @@ def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     return ScoreManifest(iteration=iteration, uri=layout.url(stage_dir), rows=manifest.rows,
                          content_hash=manifest.content_hash, scorer_identity=scorer.identity,
                          cache_hits=stats.hits, cache_misses=stats.misses, computed=stats.computed,
-                         reward_mean=sum(rewards) / max(len(rewards), 1), seconds=time.perf_counter() - started)
+                         reward_mean=sum(rewards) / max(len(rewards), 1), **provenance(started))

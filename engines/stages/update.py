@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from engines import warm
 from engines.stages.held import trainer_key
-from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
+from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest, provenance
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
@@ -47,7 +47,10 @@ def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
     """The warm trainer if it holds exactly `policy`'s weights, else one rebuilt from that checkpoint (a warm
     trainer for other weights is dropped first: two trainers never hold memory at once)."""
     trainer = warm.take(trainer_key(policy.weights_id))
-    return trainer if trainer is not None else build_trainer(cfg, policy)
+    if trainer is None:
+        trainer = build_trainer(cfg, policy)
+        warm.count_build(warm.Role.TRAINER.value)
+    return trainer
 
 
 def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
@@ -70,4 +73,4 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     return UpdateManifest(iteration=iteration, checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
                           experience_uri=layout.url(exp_dir), weights_id=weights_id,
                           experience_hash=exp_manifest.content_hash, metrics=result.metrics,
-                          seconds=time.perf_counter() - started)
+                          **provenance(started))

@@ -15,8 +15,8 @@ SMALL = {
 }
 
 
-def small_config(root: str, run: str, model_dir, data_dir, iterations: int = 2, **sections) -> PPOFlowConfig:
+def small_config(root: str, run_name: str, model_dir, data_dir, iterations: int = 2, **sections) -> PPOFlowConfig:
     merged = {name: dict(values) for name, values in SMALL.items()}
     for name, values in sections.items():
         merged.setdefault(name, {}).update(values)
-    return toy_config(root, run, model_dir, data_dir, iterations=iterations, seed=3, sections=merged)
+    return toy_config(root, run_name, model_dir, data_dir, iterations=iterations, seed=3, sections=merged)

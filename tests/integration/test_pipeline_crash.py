@@ -1,10 +1,17 @@
-"""A training process killed with SIGKILL in the middle of saving a checkpoint, then the same command again.
+"""The kill matrix: `ppoflow train` SIGKILLed at eight moments, each time started again with the same command.
 
-The kill comes after iteration 2's update wrote every checkpoint file to its scratch folder and before
-any was staged: no exception handler, `finally` or atexit hook runs (a power cut, the OOM killer). Then
-`ppoflow train` with the same config starts a new flow run, which must resume at iteration 2 (LATEST + 1),
-leave iteration 1's committed checkpoint byte for byte as it was, remove the dead process's scratch folder,
-and end with the same policy and metrics as a run that was never killed.
+One run of 3 iterations is killed (tests/fixtures/kill_cli.py: SIGKILL at the N-th call of a function; no
+exception handler, `finally` or atexit hook runs: a power cut, the OOM killer) at, in turn:
+
+    iteration 1: rollout writing shards, score writing shards, update before its PPO step, checkpoint files in
+                 scratch before staging, the commit before its marker, after the commit before the metrics row
+    iteration 3: before the iteration starts (2 is done), after the commit before retention
+
+Every start resumes (LATEST + 1, cached stages from the persisted results) and the last one finishes. Then:
+every weight file of the final checkpoint (policy, critic, trainer state with the optimizer) is byte-equal to
+a run never killed; metrics.jsonl has rows 1, 2, 3 once each, equal to the never-killed run's but for
+timings (a row lost between commit and metrics write is rebuilt from the stage records); a committed
+checkpoint is never rewritten; the dead process's scratch folder is removed by the next save.
 """
 from __future__ import annotations
 
@@ -16,7 +23,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from tests.integration.pipeline_helpers import small_config
 
@@ -24,63 +30,86 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 
-
 # Set in os.environ by DeepSpeed set-up in this test process (earlier tests): a child must pick its own
 # rendezvous port, or it would try to listen where this process already does.
 _DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+# (kill spec for one start, what must hold after it): in the order the starts run.
+KILLS = [
+    ("engines.stages.rollout:write_shards@1", "rollout"),
+    ("engines.stages.score:write_shards@1", "score"),
+    ("engines.stages.update:train_on@1", "update"),
+    ("engines.stages.update:save_checkpoint_files@1", "staging"),
+    ("storage.checkpoints:_write_marker@1", "commit"),
+    ("flows.iteration:record_metrics@1", "metrics"),
+    ("flows.training:ppo_iteration@2", "between iterations"),
+    ("storage.checkpoints:apply_retention@1", "retention"),
+]
+COMPARED = ("reward/mean", "loss/policy", "loss/value", "kl/mean", "score/cache_misses", "rollout/rows")
 
-def _train(config_path: Path, kill_while_saving: int | None = None) -> subprocess.CompletedProcess:
-    """`ppoflow train CONFIG` in a child process; kill_while_saving=i: the child SIGKILLs itself once
-    iteration i's checkpoint files are in scratch, before any is staged (tests/fixtures/kill_cli.py)."""
+
+def _train(config_path: Path, kill: str | None = None) -> subprocess.CompletedProcess:
+    """`ppoflow train CONFIG` in a child process, killed by `kill` (a kill_cli spec) when given."""
     child_env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
-    entry = ["flows.cli"] if kill_while_saving is None else ["tests.fixtures.kill_cli", str(kill_while_saving)]
+    entry = ["flows.cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
     return subprocess.run([sys.executable, "-m", *entry, "train", str(config_path)], cwd=REPO,
                           env=child_env, capture_output=True, text=True, timeout=600)
 
 
 def _digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a checkpoint's policy/, critic/ and trainer/, but the trainer's copy of the config
+    (it names the run) and its record of the process's RNG state (which other stages of the process draw from
+    too: a resumed process restores it when the trainer is built, after that iteration's rollout and score)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for part in ("policy", "critic", "trainer") for p in sorted((folder / part).rglob("*"))
+            if p.is_file() and not (part == "trainer" and (p.name == "config.json" or p.name.startswith("rng.")))}
 
 
-def test_a_run_killed_while_saving_resumes_and_ends_as_if_never_killed(prefect_api, tmp_path, tiny_model_dir,
-                                                                      digits_dataset_dir):
+def _config_file(tmp_path: Path, root: str, name: str, model_dir, data_dir) -> Path:
+    cfg = small_config(root, name, model_dir, data_dir, iterations=3, run={"keep_checkpoints": 2})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
+
+
+def test_a_run_killed_at_eight_moments_ends_as_if_never_killed(prefect_api, tmp_path, tiny_model_dir,
+                                                              digits_dataset_dir):
     from flows.records import read_metrics
-    from storage.checkpoints import is_committed, latest_iteration
-    from storage.layout import layout_for
+    from storage.checkpoints import latest_iteration
+    from storage.layout import RunLayout
 
     root = str(tmp_path / "runs")
-    killed = small_config(root, "killed", tiny_model_dir, digits_dataset_dir, iterations=2)
-    config_path = tmp_path / "killed.yaml"
-    config_path.write_text(killed.to_yaml())
-    layout = layout_for(killed)
+    killed_path = _config_file(tmp_path, root, "killed", tiny_model_dir, digits_dataset_dir)
+    layout = RunLayout(root, "killed")
     checkpoints = Path(layout.checkpoints_dir)
+    committed: dict[str, dict[str, str]] = {}
+    for spec, moment in KILLS:
+        result = _train(killed_path, kill=spec)
+        assert result.returncode == -signal.SIGKILL, (moment, result.stderr[-3000:])
+        for name, digests in committed.items():  # a committed checkpoint is never rewritten
+            if (checkpoints / name).is_dir():
+                assert _digests(checkpoints / name) == digests, (moment, name)
+        latest = latest_iteration(layout) or 0
+        committed.update({p.name: _digests(p) for p in checkpoints.glob("iter-*")
+                          if int(p.name[-6:]) <= latest and p.name not in committed})
+        if moment == "staging":  # the dead process's half-done save is left in scratch ...
+            assert any(p.name.startswith(".ppoflow-ckpt.") for p in checkpoints.iterdir())
+        rows = [r["iteration"] for r in read_metrics(layout)]
+        assert rows == sorted(set(rows)) and set(rows) <= set(range(1, latest + 1)), (moment, rows)
+    assert latest_iteration(layout) == 3
+    final = _train(killed_path)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert not any(p.name.startswith(".ppoflow-ckpt.") for p in checkpoints.iterdir())  # ... and removed
 
-    first = _train(config_path, kill_while_saving=2)
-    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    assert latest_iteration(layout) == 1 and not is_committed(layout, 2)
-    assert [r["iteration"] for r in read_metrics(layout)] == [1]
-    left = [p for p in checkpoints.iterdir() if p.name.startswith(".ppoflow-ckpt.")]
-    assert len(left) == 1 and (left[0] / "trainer").is_dir()  # the dead process's half-done save
-    iteration_1 = _digests(checkpoints / "iter-000001")
-
-    again = _train(config_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert latest_iteration(layout) == 2
-    assert _digests(checkpoints / "iter-000001") == iteration_1  # never rewritten
-    assert not any(p.name.startswith(".ppoflow-ckpt.") for p in checkpoints.iterdir())
-
-    never_killed = small_config(root, "never-killed", tiny_model_dir, digits_dataset_dir, iterations=2)
-    clean_path = tmp_path / "never-killed.yaml"
-    clean_path.write_text(never_killed.to_yaml())
+    clean_path = _config_file(tmp_path, root, "never-killed", tiny_model_dir, digits_dataset_dir)
     assert _train(clean_path).returncode == 0
-    got = load_file(str(checkpoints / "iter-000002" / "policy" / "model.safetensors"))
-    want = load_file(str(Path(layout_for(never_killed).checkpoints_dir) / "iter-000002" / "policy" / "model.safetensors"))
-    assert got.keys() == want.keys()
-    for name in want:  # same seeds, data and ops on one CPU rank, each run in a fresh process: exact
-        assert (got[name] - want[name]).abs().max().item() == 0.0, name
-    rows, clean_rows = read_metrics(layout), read_metrics(layout_for(never_killed))
-    assert [r["iteration"] for r in rows] == [1, 2]
-    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in clean_rows]
-    assert [r["loss/policy"] for r in rows] == [r["loss/policy"] for r in clean_rows]
+    clean = RunLayout(root, "never-killed")
+    # Same seeds, data and ops on one CPU rank, each start in a fresh process: every byte equal.
+    want = _digests(Path(clean.checkpoints_dir) / "iter-000003")
+    assert {k for k in want if k.endswith(".safetensors")} >= {"policy/model.safetensors", "critic/model.safetensors"}
+    assert _digests(checkpoints / "iter-000003") == want
+    rows, clean_rows = read_metrics(layout), read_metrics(clean)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for row, clean_row in zip(rows, clean_rows):
+        for key in COMPARED:
+            assert row[key] == clean_row[key], (row["iteration"], key)

@@ -95,7 +95,7 @@ def write_rollout(cfg) -> tuple[RunLayout, RolloutManifest]:
     manifest = write_shards(layout.fs, stage_dir, rollout_table(), "rollout")
     return layout, RolloutManifest(iteration=ITERATION, uri=layout.url(stage_dir), rows=manifest.rows,
                                    content_hash=manifest.content_hash, policy_version=0, engine="hand-made",
-                                   seconds=0.0)
+                                   seconds=0.0, worker="test:0", engine_builds=0)
 
 
 def work_counters(cfg, log):
