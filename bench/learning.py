@@ -38,6 +38,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench.common import emit  # noqa: E402
+from engines.ppo.algorithms import ALGO_NAMES  # noqa: E402
 
 RECIPE = {
     "rollout.prompts_per_iteration": 32, "rollout.n_samples": 4, "rollout.max_new_tokens": 8,
@@ -95,8 +96,7 @@ def run(algo: str, engine: str, iterations: int, seconds: float, overrides: list
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp",
-                                                     "reinforce_pp_baseline"])
+    p.add_argument("--algo", default="ppo", choices=ALGO_NAMES)
     p.add_argument("--engine", default="hf", choices=["hf", "vllm", "auto"])
     p.add_argument("--iterations", type=int, default=120, help="also the LR schedule's length")
     p.add_argument("--seconds", type=float, default=600.0, help="stop after this much wall time")
