@@ -111,8 +111,10 @@ class RewardSourceConfig(_Section):
 
 
 class OverlongConfig(_Section):
-    buffer: int = Field(description="Tokens before rollout.max_new_tokens where the penalty ramps up linearly (DAPO's L_cache).", ge=1)
-    penalty: float = Field(1.0, gt=0, description="Penalty at the cap: a response of max_new_tokens tokens gets reward - penalty.")
+    buffer: int = Field(ge=1, description=(
+        "Tokens before rollout.max_new_tokens where the penalty ramps up linearly (DAPO's L_cache)."))
+    penalty: float = Field(1.0, gt=0, description=(
+        "Penalty at the cap: a response of max_new_tokens tokens gets reward - penalty."))
 
 
 class RewardConfig(_Section):
@@ -121,8 +123,12 @@ class RewardConfig(_Section):
         description="Reward sources, summed with their weights.",
     )
     clip: float = Field(10.0, gt=0, description="Scalar reward clipped to [-clip, clip].")
-    overlong: Optional[OverlongConfig] = Field(None, description="{buffer, penalty}: DAPO's soft overlong punishment, added to the reward in the update: 0 up to max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens; None = off.")
-    normalize: Literal["none", "running"] = Field("none", description="running: (reward - mean) / std with the mean and std of every reward the trainer has seen (saved with the trainer state); applied before the overlong penalty and the advantages.")
+    overlong: Optional[OverlongConfig] = Field(None, description=(
+        "{buffer, penalty}: DAPO's soft overlong punishment, added to the reward in the update: 0 up to "
+        "max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens; None = off."))
+    normalize: Literal["none", "running"] = Field("none", description=(
+        "running: (reward - mean) / std with the mean and std of every reward the trainer has seen (saved with "
+        "the trainer state); applied before the overlong penalty and the advantages."))
 
 
 class ScoreConfig(_Section):
@@ -135,7 +141,9 @@ AlgoName = Literal[ALGO_NAMES]  # the registry's names (engines/ppo/algorithms.p
 
 
 class AlgoConfig(_Section):
-    name: AlgoName = Field("ppo", description="Algorithm (engines/ppo/algorithms.py): ppo = GAE with a critic; grpo, dr_grpo, rloo, reinforce_pp_baseline use groups of rollout.n_samples; none but ppo trains a critic.")
+    name: AlgoName = Field("ppo", description=(
+        "Algorithm (engines/ppo/algorithms.py): ppo = GAE with a critic; grpo, dr_grpo, rloo, "
+        "reinforce_pp_baseline use groups of rollout.n_samples; none but ppo trains a critic."))
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator against the reference.")
@@ -150,9 +158,16 @@ class AlgoConfig(_Section):
     value_clip: Optional[float] = Field(0.5, description="Value clip around old values; None = off.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Masked whitening of advantages over the batch.")
-    loss_agg: Optional[Literal[AGG_MODES]] = Field(None, description="Loss aggregation over an optimizer step: token_mean, seq_mean_token_mean (GRPO paper), seq_mean_token_sum_norm (Dr. GRPO); None = the algorithm's default (dr_grpo: seq_mean_token_sum_norm, the others: token_mean).")
-    loss_agg_norm: Optional[float] = Field(None, gt=0, description="seq_mean_token_sum_norm's constant (Dr. GRPO): token-loss sums are divided by responses * this; None = rollout.max_new_tokens.")
-    tis_cap: Optional[float] = Field(None, ge=1, description="Truncated importance sampling for the sampler/trainer mismatch: policy-gradient tokens weighted by min(exp(old_logprobs - rollout_logprobs), tis_cap) (Yao et al. 2025); None = off.")
+    loss_agg: Optional[Literal[AGG_MODES]] = Field(None, description=(
+        "Loss aggregation over an optimizer step: token_mean, seq_mean_token_mean (GRPO paper), "
+        "seq_mean_token_sum_norm (Dr. GRPO); None = the algorithm's default (dr_grpo: seq_mean_token_sum_norm, "
+        "the others: token_mean)."))
+    loss_agg_norm: Optional[float] = Field(None, gt=0, description=(
+        "seq_mean_token_sum_norm's constant (Dr. GRPO): token-loss sums are divided by responses * this; "
+        "None = rollout.max_new_tokens."))
+    tis_cap: Optional[float] = Field(None, ge=1, description=(
+        "Truncated importance sampling for the sampler/trainer mismatch: policy-gradient tokens weighted by "
+        "min(exp(old_logprobs - rollout_logprobs), tis_cap) (Yao et al. 2025); None = off."))
 
     @model_validator(mode="before")
     @classmethod
@@ -198,7 +213,9 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
     max_grad_norm: Optional[float] = Field(1.0, description="Gradient max-norm clip; None = off.")
-    mask_truncated: bool = Field(False, description="Leave samples cut off at rollout.max_new_tokens (finish_reason 'length') out of the loss (DAPO's overlong filtering); they still count in their group's baseline.")
+    mask_truncated: bool = Field(False, description=(
+        "Leave samples cut off at rollout.max_new_tokens (finish_reason 'length') out of the loss (DAPO's "
+        "overlong filtering); they still count in their group's baseline."))
     logprob_chunk: int = Field(128, ge=1, description="Token rows (over all sequences) per chunk of the selective log-softmax.")
 
 

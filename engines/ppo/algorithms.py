@@ -3,14 +3,14 @@
 Torch-free on purpose: ppoflow/config.py validates `algo.name` and `algo.loss_agg` against these tables
 before any work starts and must not import torch (engines/ppo/__init__.py imports its torch modules lazily).
 
-| name                  | advantage estimator                                  | critic | groups | default loss_agg        |
-|-----------------------|------------------------------------------------------|--------|--------|-------------------------|
-| ppo                   | GAE over token rewards (Schulman et al. 2016/2017)   | yes    | no     | token_mean              |
-| grpo                  | (s - mean_g) / std_g (Shao et al. 2024, DeepSeekMath)| no     | yes    | token_mean              |
-| dr_grpo               | s - mean_g (Liu et al. 2025, "Understanding R1-Zero")| no     | yes    | seq_mean_token_sum_norm |
-| rloo                  | s - leave-one-out mean (Ahmadian et al. 2024)        | no     | yes    | token_mean              |
-| reinforce_pp          | whitened reward-to-go (Hu 2025, REINFORCE++)         | no     | no     | token_mean              |
-| reinforce_pp_baseline | REINFORCE++ with the group mean as baseline          | no     | yes    | token_mean              |
+| name                  | advantage estimator                          | critic | groups | default loss_agg        |
+|-----------------------|----------------------------------------------|--------|--------|-------------------------|
+| ppo                   | GAE on token rewards (Schulman et al.)       | yes    | no     | token_mean              |
+| grpo                  | (s - mean_g) / std_g (Shao et al. 2024)      | no     | yes    | token_mean              |
+| dr_grpo               | s - mean_g (Liu et al. 2025, Dr. GRPO)       | no     | yes    | seq_mean_token_sum_norm |
+| rloo                  | s - leave-one-out mean (Ahmadian et al. 2024)| no     | yes    | token_mean              |
+| reinforce_pp          | whitened reward-to-go (Hu 2025, REINFORCE++) | no     | no     | token_mean              |
+| reinforce_pp_baseline | REINFORCE++, group mean as baseline          | no     | yes    | token_mean              |
 
 Loss aggregation (engines/ppo/losses.aggregate) and which paper uses which:
 - token_mean: every response token of the optimizer step weighs the same. DAPO (Yu et al. 2025) argues for

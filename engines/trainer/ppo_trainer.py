@@ -93,10 +93,11 @@ class _Sums:
 
 
 @torch.no_grad()
-def _grad_norm(module: torch.nn.Module) -> float:
-    """Global 2-norm of the module's .grad tensors (what clip_grad_norm_ measures before clipping)."""
+def _grad_norm(module: torch.nn.Module) -> Optional[float]:
+    """Global 2-norm of the module's .grad tensors (what clip_grad_norm_ measures before clipping); None when
+    no parameter holds a gradient (nothing was measured)."""
     norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
 
 
 def _ragged(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
@@ -308,7 +309,9 @@ class PPOTrainer:
     def _engine_step(self, role: str, engine) -> None:
         """engine.step(); at ZeRO stage 0, first record the pre-clip grad norm DeepSpeed will not keep."""
         if engine.zero_optimization_stage() == 0 and engine.is_gradient_accumulation_boundary():
-            self._pre_step_grad_norms[role] = _grad_norm(engine.module)
+            norm = _grad_norm(engine.module)
+            if norm is not None:
+                self._pre_step_grad_norms[role] = norm
         engine.step()
 
     def _add_optim_metrics(self, role: str, engine, sums: _Sums) -> None:
