@@ -114,7 +114,7 @@ def select_groups(groups: Sequence[SampledGroup], target_groups: int, groups_per
     ordered = sorted(groups, key=lambda g: g.round)  # stable: keeps the order within a round
     varied = [has_reward_variance(g.rewards) for g in ordered]
     if enabled:
-        kept = [g for g, v in zip(ordered, varied) if v][:target_groups]
+        kept = [g for g, v in zip(ordered, varied, strict=True) if v][:target_groups]
         if len(kept) < target_groups:
             kept = kept[:len(kept) - len(kept) % groups_per_step]
     else:
