@@ -87,7 +87,10 @@ def recipe_overrides(algo: str, pad_token_id: int) -> list[str]:
         return common + ["algo.name=ppo", "rollout.prompts_per_iteration=64", "rollout.n_samples=1",
                          "train.ppo_epochs=4", "train.micro_batch_size=64", "train.train_batch_size=64",
                          "algo.kl_coef=0.05", "algo.kl_estimator=k1", "algo.kl_in_reward=true", "algo.gamma=1.0",
-                         "algo.lam=0.95", "algo.value_clip=0.2", "algo.vf_coef=0.1", "algo.whiten_advantages=true"]
+                         "algo.lam=0.95", "algo.value_clip=0.2", "algo.whiten_advantages=true"]
+        # TRL's vf_coef=0.1 has no counterpart: TRL steps policy and value (disjoint parameters) with one
+        # AdamW, which is invariant to a constant loss weight per parameter (up to eps), and no grad clip
+        # here couples them; ppoflow's critic is its own DeepSpeed engine (critic_lr is the knob).
     if algo == "grpo":
         # TRL GRPO: beta 0.05 with the k3 estimator in the loss, one step per generation batch, group-normalised
         # advantages and no whitening over the batch

@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algorithm, resolve_loss_agg
+
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in a YAML file must not silently fall back to a default.
@@ -108,12 +110,25 @@ class RewardSourceConfig(_Section):
     quantize: Literal["none", "int8-dynamic", "bnb-8bit", "bnb-4bit"] = Field("none", description="model: int8 dynamic quantization on CPU, bitsandbytes on GPU.")
 
 
+class OverlongConfig(_Section):
+    buffer: int = Field(ge=1, description=(
+        "Tokens before rollout.max_new_tokens where the penalty ramps up linearly (DAPO's L_cache)."))
+    penalty: float = Field(1.0, gt=0, description=(
+        "Penalty at the cap: a response of max_new_tokens tokens gets reward - penalty."))
+
+
 class RewardConfig(_Section):
     sources: list[RewardSourceConfig] = Field(
         default_factory=lambda: [RewardSourceConfig(kind="function", target="engines.toy.task:reward_func")],
         description="Reward sources, summed with their weights.",
     )
     clip: float = Field(10.0, gt=0, description="Scalar reward clipped to [-clip, clip].")
+    overlong: Optional[OverlongConfig] = Field(None, description=(
+        "{buffer, penalty}: DAPO's soft overlong punishment, added to the reward in the update: 0 up to "
+        "max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens; None = off."))
+    normalize: Literal["none", "running"] = Field("none", description=(
+        "running: (reward - mean) / std with the mean and std of every reward the trainer has seen (saved with "
+        "the trainer state); applied before the overlong penalty and the advantages."))
 
 
 class ScoreConfig(_Section):
@@ -122,11 +137,13 @@ class ScoreConfig(_Section):
     cache_max_bytes: int = Field(2 * 2**30, ge=0, description="Cache size cap per scorer; oldest entries are evicted first.")
 
 
-AlgoName = Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AlgoName = Literal[ALGO_NAMES]  # the registry's names (engines/ppo/algorithms.py)
 
 
 class AlgoConfig(_Section):
-    name: AlgoName = Field("ppo", description="Advantage estimator: ppo = GAE with a critic; the others need no critic.")
+    name: AlgoName = Field("ppo", description=(
+        "Algorithm (engines/ppo/algorithms.py): ppo = GAE with a critic; grpo, dr_grpo, rloo, "
+        "reinforce_pp_baseline use groups of rollout.n_samples; none but ppo trains a critic."))
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator against the reference.")
@@ -139,13 +156,50 @@ class AlgoConfig(_Section):
     clip_high: float = Field(0.2, ge=0, description="Policy ratio clip above 1 (DAPO's clip-higher when larger).")
     dual_clip: Optional[float] = Field(None, description="Dual-clip constant c > 1 for negative advantages; None = off.")
     value_clip: Optional[float] = Field(0.5, description="Value clip around old values; None = off.")
-    vf_coef: float = Field(0.5, ge=0, description="Value loss coefficient (used when actor and critic share a step).")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Masked whitening of advantages over the batch.")
+    loss_agg: Optional[Literal[AGG_MODES]] = Field(None, description=(
+        "Loss aggregation over an optimizer step: token_mean, seq_mean_token_mean (GRPO paper), "
+        "seq_mean_token_sum_norm (Dr. GRPO); None = the algorithm's default (dr_grpo: seq_mean_token_sum_norm, "
+        "the others: token_mean)."))
+    loss_agg_norm: Optional[float] = Field(None, gt=0, description=(
+        "seq_mean_token_sum_norm's constant (Dr. GRPO): token-loss sums are divided by responses * this; "
+        "None = rollout.max_new_tokens."))
+    tis_cap: Optional[float] = Field(None, ge=1, description=(
+        "Truncated importance sampling for the sampler/trainer mismatch: policy-gradient tokens weighted by "
+        "min(exp(old_logprobs - rollout_logprobs), tis_cap) (Yao et al. 2025); None = off."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "vf_coef" in data:
+            raise ValueError("algo.vf_coef was removed: actor and critic are separate DeepSpeed engines, each with "
+                             "its own AdamW and grad clip, so a value-loss weight would only rescale the critic's "
+                             "loss (Adam undoes that); tune train.critic_lr instead")
+        return data
+
+    @model_validator(mode="after")
+    def _check_group_discount(self) -> "AlgoConfig":
+        if get_algorithm(self.name).needs_groups and self.gamma != 1.0:
+            raise ValueError(f"algo.gamma={self.gamma} with algo.name={self.name!r}: the group algorithms "
+                             f"{GROUP_ALGOS} give one score per response, so they need algo.gamma = 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_loss_agg_norm(self) -> "AlgoConfig":
+        if self.loss_agg_norm is not None and self.resolved_loss_agg != "seq_mean_token_sum_norm":
+            raise ValueError(f"algo.loss_agg_norm={self.loss_agg_norm} is only used by loss_agg "
+                             f"seq_mean_token_sum_norm, but algo.loss_agg resolves to {self.resolved_loss_agg!r}")
+        return self
 
     @property
     def uses_critic(self) -> bool:
-        return self.name == "ppo"
+        return get_algorithm(self.name).uses_critic
+
+    @property
+    def resolved_loss_agg(self) -> str:
+        """algo.loss_agg, or the algorithm's default when it is None."""
+        return resolve_loss_agg(self.name, self.loss_agg)
 
 
 class TrainConfig(_Section):
@@ -159,6 +213,9 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
     max_grad_norm: Optional[float] = Field(1.0, description="Gradient max-norm clip; None = off.")
+    mask_truncated: bool = Field(False, description=(
+        "Leave samples cut off at rollout.max_new_tokens (finish_reason 'length') out of the loss (DAPO's "
+        "overlong filtering); they still count in their group's baseline."))
     logprob_chunk: int = Field(128, ge=1, description="Token rows (over all sequences) per chunk of the selective log-softmax.")
 
 
@@ -185,15 +242,23 @@ class PPOFlowConfig(_Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PPOFlowConfig":
-        group_algos = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
-        if self.algo.name in group_algos and self.rollout.n_samples < 2:
+        if get_algorithm(self.algo.name).needs_groups and self.rollout.n_samples < 2:
             raise ValueError(f"algo.name={self.algo.name!r} needs rollout.n_samples >= 2 (got {self.rollout.n_samples})")
         batch = self.rollout_batch_size
         tbs = self.train.train_batch_size
         if tbs is not None and (tbs > batch or batch % tbs):
             raise ValueError(f"train.train_batch_size={tbs} must divide the rollout batch "
                              f"(rollout.prompts_per_iteration * rollout.n_samples = {batch})")
+        overlong = self.reward.overlong
+        if overlong is not None and overlong.buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"reward.overlong.buffer={overlong.buffer} must be <= rollout.max_new_tokens="
+                             f"{self.rollout.max_new_tokens} (the penalty ramps up over the last buffer tokens)")
         return self
+
+    @property
+    def loss_agg_norm(self) -> float:
+        """seq_mean_token_sum_norm's constant: algo.loss_agg_norm, else the generation budget max_new_tokens."""
+        return float(self.algo.loss_agg_norm or self.rollout.max_new_tokens)
 
     # Derived values, computed from the fields and never stored.
     @property

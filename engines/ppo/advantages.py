@@ -18,18 +18,19 @@ compute_advantages, by algo (A = advantages, R = returns):
 """
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from engines.ppo._checks import check_batch_of_rows, check_rank, check_same_shape
+from engines.ppo.algorithms import ALGO_NAMES, GROUP_ALGOS, get_algorithm
 from engines.ppo.masked import masked_mean, masked_var
 from engines.ppo.rewards import clip_scores, last_response_index
 
-GroupEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-ALGOS: tuple[str, ...] = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GroupEstimator = str  # one of GROUP_ESTIMATORS (the registry's group algorithms)
+GROUP_ESTIMATORS: tuple[str, ...] = GROUP_ALGOS
+ALGOS: tuple[str, ...] = ALGO_NAMES
 
 
 class AdvantageReturns(NamedTuple):
@@ -194,7 +195,8 @@ def compute_advantages(algo: str, *, scores: Tensor, token_rewards: Tensor, resp
     """Advantages and returns for one rollout batch, by algorithm.
 
     Args:
-        algo: one of ALGOS (ppoflow.config.AlgoConfig.name).
+        algo: one of ALGOS (ppoflow.config.AlgoConfig.name); its registry entry
+            (engines/ppo/algorithms.py) says which estimator runs.
         scores: Shape (B,), scalar reward of each response.
         token_rewards: Shape (B, T), token_level_rewards(scores, kl, response_mask, kl_coef,
             reward_clip): the KL penalty is in it when the KL goes in the reward (kl_coef > 0), and it
@@ -219,25 +221,24 @@ def compute_advantages(algo: str, *, scores: Tensor, token_rewards: Tensor, resp
         ValueError for an unknown algo, "ppo" without values, or shape / group errors (see the
         functions called).
     """
-    if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    kind = get_algorithm(algo).advantage
     check_rank("token_rewards", token_rewards, 2, "(B, T)")
     check_same_shape("token_rewards", token_rewards, response_mask=response_mask)
     check_batch_of_rows("scores", scores, "token_rewards", token_rewards)
-    if algo == "ppo":
+    if kind == "gae":
         if values is None:
             raise ValueError("algo 'ppo' needs values (B, T) from the critic; got None")
         advantages, returns = gae(token_rewards, values, response_mask, gamma, lam)
         if whiten:
             advantages = masked_whiten(advantages, response_mask)
         return AdvantageReturns(advantages, returns)
-    if algo == "reinforce_pp":
+    if kind == "reinforce":
         returns = discounted_returns(token_rewards, response_mask, gamma)
         advantages = masked_whiten(returns, response_mask) if whiten else returns
         return AdvantageReturns(advantages, returns)
     kl_part = kl_token_rewards(token_rewards, scores, response_mask, reward_clip)
     shaped_scores = group_advantages(clip_scores(scores, reward_clip), group_size, algo)
-    if algo == "reinforce_pp_baseline":
+    if kind == "reinforce_group_baseline":
         shaped_rewards = kl_part + _place_at_last_token(shaped_scores, response_mask)
         returns = discounted_returns(shaped_rewards, response_mask, gamma)
         advantages = masked_whiten(returns, response_mask) if whiten else returns

@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from engines.ppo._checks import check_rank, check_same_shape
+from engines.ppo.algorithms import AGG_MODES
 from engines.ppo.kl import KLEstimator, kl_penalty
 from engines.ppo.masked import masked_mean, masked_sum
 
-AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]  # = AGG_MODES
 # exp(20) = 4.9e8 is far outside any clip range, so where this binds the clipped branch already
 # decides the loss; it only stops exp() overflowing to inf and inf * 0 = NaN gradients (as veRL does).
 _MAX_LOG_RATIO = 20.0
@@ -52,6 +52,70 @@ def _positive(name: str, value: Optional[float]) -> float:
     if value is None or not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     return float(value)
+
+
+class StepNorm(NamedTuple):
+    """The denominators of one optimizer step, passed to aggregate for each of its micro-batches.
+
+    num_tokens: response tokens of the whole step; num_seqs: responses of the whole step with at least one
+    counted token (a sample masked out of the loss, train.mask_truncated, is not a response of the step);
+    max_len: Dr. GRPO's constant (a float; `algo.loss_agg_norm`, default rollout.max_new_tokens).
+    """
+
+    num_tokens: float
+    num_seqs: float
+    max_len: float
+
+
+def step_norm(step_mask: Tensor, max_len: float) -> StepNorm:
+    """StepNorm of one optimizer step from the loss mask of ALL its rows. Shape: step_mask (B_step, T).
+
+    With these denominators every mode of `aggregate` is a sum over rows (token_mean: of masked token
+    sums / num_tokens; seq_mean_token_mean: of row token means / num_seqs; seq_mean_token_sum_norm: of
+    masked token sums / (num_seqs * max_len)), so the micro-batch losses of a step add up to the loss of
+    the whole step's batch at once, however the rows are split and padded. num_tokens and num_seqs are
+    at least 1 (a step whose rows are all masked has loss 0). ValueError when max_len <= 0.
+    """
+    check_rank("step_mask", step_mask, 2, "(B, T)")
+    counted = step_mask != 0
+    return StepNorm(float(counted.sum().clamp(min=1)), float(counted.any(dim=-1).sum().clamp(min=1)),
+                    _positive("max_len", max_len))
+
+
+def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor,
+                         cap: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Truncated importance sampling (TIS) weights for the sampler/trainer log-prob mismatch.
+
+    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training": the tokens
+    were sampled by the inference engine's policy pi_sampler (vLLM kernels), but PPO's ratio is taken
+    against the trainer's pi_old (same weights, training kernels). The policy-gradient term of each token
+    is multiplied by the detached weight
+        w_t = min(pi_old(y_t) / pi_sampler(y_t), C) = min(exp(old_logprobs_t - rollout_logprobs_t), C)
+    i.e. loss_t = w_t * max(-A_t * ratio_t, -A_t * clip(ratio_t)), as veRL (`tis_imp_ratio_cap`) and
+    OpenRLHF (`vllm_is_truncated_threshold`) apply it. Truncating at C bounds the variance.
+
+    Args:
+        old_logprobs: Shape (B, T), the trainer's log-probs before the update (no grad).
+        rollout_logprobs: Shape (B, T), the sampler's log-probs of the same tokens.
+        response_mask: Shape (B, T), 1 = response token.
+        cap: C >= 1 (a cap below 1 would cut on-policy tokens' weight 1).
+
+    Returns:
+        (weights (B, T) detached, 0 at padding; weight_mean = masked mean of the truncated weights;
+        clipfrac = share of response tokens whose raw weight exceeded C).
+
+    Raises:
+        ValueError for shape mismatch or cap < 1.
+    """
+    check_rank("old_logprobs", old_logprobs, 2, "(B, T)")
+    check_same_shape("old_logprobs", old_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    if not cap >= 1.0:
+        raise ValueError(f"algo.tis_cap must be >= 1, got {cap!r}")
+    with torch.no_grad():
+        log_weight = (old_logprobs.float() - rollout_logprobs.float()).clamp(max=_MAX_LOG_RATIO)
+        raw = torch.exp(log_weight)
+        weights = torch.where(response_mask != 0, raw.clamp(max=cap), torch.zeros_like(raw))
+        return weights, masked_mean(weights, response_mask), masked_mean((raw > cap).float(), response_mask)
 
 
 def aggregate(loss: Tensor, mask: Tensor, mode: AggMode = "token_mean", num_tokens: Optional[float] = None,
@@ -95,7 +159,8 @@ def aggregate(loss: Tensor, mask: Tensor, mode: AggMode = "token_mean", num_toke
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None,
                 agg_mode: AggMode = "token_mean", num_tokens: Optional[float] = None,
-                num_seqs: Optional[float] = None, max_len: Optional[int] = None) -> PolicyLossOutput:
+                num_seqs: Optional[float] = None, max_len: Optional[int] = None,
+                token_weights: Optional[Tensor] = None) -> PolicyLossOutput:
     """PPO's clipped surrogate, per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
 
     Args:
@@ -107,6 +172,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
         dual_clip: c > 1 (Ye et al. 2020): where A < 0 the per-token loss is capped at -c * A, so a huge
             ratio on a bad token cannot dominate the batch. None = off.
         agg_mode, num_tokens, num_seqs, max_len: see aggregate.
+        token_weights: Shape (B, T), detached per-token weights multiplying the clipped loss before
+            aggregation (truncated_is_weights); None = all 1.
 
     Returns:
         PolicyLossOutput. Metrics are plain masked means over THIS batch's response tokens:
@@ -135,6 +202,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     if dual_clip is not None:
         capped = torch.minimum(per_token, -dual_clip * advantages)
         per_token = torch.where(advantages < 0, capped, per_token)
+    if token_weights is not None:
+        check_same_shape("logprobs", logprobs, token_weights=token_weights)
+        per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, response_mask, agg_mode, num_tokens, num_seqs, max_len)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask)

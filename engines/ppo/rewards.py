@@ -76,3 +76,24 @@ def token_level_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, kl_co
     last_index, has_response = last_response_index(response_mask)
     placed = clip_scores(scores.to(kl.dtype), reward_clip) * has_response.to(kl.dtype)
     return rewards.scatter_add(-1, last_index[:, None], placed[:, None])
+
+
+def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty`. Shape (B,) -> (B,).
+
+    With L_max = max_new_tokens, L_cache = buffer and |y| the response length in tokens (EOS included, as
+    the sampler returned it):
+        0                                          if |y| <= L_max - L_cache
+        -penalty * (|y| - (L_max - L_cache)) / L_cache   if L_max - L_cache < |y| <= L_max
+        -penalty                                   if |y| > L_max
+    Added to the scalar reward: a response that runs into the cap loses up to `penalty`.
+
+    Raises ValueError for buffer < 1, buffer > max_new_tokens or penalty <= 0.
+    """
+    check_rank("response_lengths", response_lengths, 1, "(B,)")
+    if not 1 <= buffer <= max_new_tokens:
+        raise ValueError(f"reward.overlong.buffer must be in [1, max_new_tokens={max_new_tokens}], got {buffer!r}")
+    if not penalty > 0:
+        raise ValueError(f"reward.overlong.penalty must be > 0, got {penalty!r}")
+    exceed = (response_lengths.float() - (max_new_tokens - buffer)).clamp(min=0.0)
+    return -(exceed / buffer * penalty).clamp(max=penalty)

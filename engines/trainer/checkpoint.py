@@ -3,8 +3,9 @@
     out_dir/policy/   HF folder (save_pretrained, safetensors) + tokenizer: from_pretrained and vLLM load it
     out_dir/critic/   ValueHeadModel.save: backbone + value_head.safetensors + critic.json (algo "ppo" only)
     out_dir/trainer/  actor_optimizer.{safetensors,json}, critic_optimizer.{...}, rng.{...},
-                      trainer.json (update count, KL controller, LR schedulers, engine step counters,
-                      extra_state such as the data cursor), config.json (the resolved run config)
+                      trainer.json (update count, KL controller, LR schedulers, engine step counters, the
+                      running reward moments of reward.normalize=running, extra_state such as the data
+                      cursor), config.json (the resolved run config)
 
 Optimizer state: DeepSpeed's ZeRO optimizer `state_dict()` holds tensors (the torch AdamW state of the flat
 fp32 partitions, and the fp32 master partitions) plus bookkeeping. Tensors and JSON values are saved; the
@@ -112,6 +113,8 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
     extra = dict(trainer.extra_state, **(extra_state or {}))
     meta = {"update_count": trainer.update_count, "kl_controller": trainer.kl_controller.state_dict(),
             "engines": engines, "extra_state": extra}
+    if trainer.reward_normalizer is not None:  # reward.normalize=running: the running moments (three floats)
+        meta["reward_normalizer"] = trainer.reward_normalizer.state_dict()
     (state_dir / _TRAINER_FILE).write_text(json.dumps(meta, indent=1))
     (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
     hashed.update(_under("trainer", hashes))
@@ -144,6 +147,8 @@ def load_trainer_state(trainer, state_dir: str) -> None:
         load_optimizer(trainer.critic, folder, "critic_optimizer")
         _set_engine_counters(trainer.critic, meta["engines"]["critic"])
     trainer.kl_controller.load_state_dict(meta["kl_controller"])
+    if trainer.reward_normalizer is not None and "reward_normalizer" in meta:
+        trainer.reward_normalizer.load_state_dict(meta["reward_normalizer"])
     trainer.update_count = int(meta["update_count"])
     trainer.extra_state = dict(meta.get("extra_state") or {})
     set_rng_state(load_nested(folder, "rng"))

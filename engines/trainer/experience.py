@@ -9,9 +9,12 @@ columns, so every response starts at column P of the concatenated (B, P + R) seq
     response_mask   (B, R) float  1 = response token, 0 = right padding
     scores          (B,)   float  scalar reward per response (weighted sum of sources, clipped)
     ref_logprobs    (B, R) float  reference log-probs of the response tokens (0 at padding)
-    rollout_logprobs(B, R) float  the sampler's log-probs (0 at padding); metrics only
+    rollout_logprobs(B, R) float  the sampler's log-probs (0 at padding), or None when the sampler gave
+                                  none; the mismatch metric and truncated importance sampling (algo.tis_cap)
     group_ids       (B,)   long   rows with the same id are samples of the same prompt; rows come group by
                                   group (contiguous), as the group estimators need
+    truncated       (B,)   bool   True = the response hit max_new_tokens (finish_reason "length"), or None
+                                  when the finish reasons were not given; read by train.mask_truncated
 """
 from __future__ import annotations
 
@@ -51,30 +54,41 @@ class ExperienceBatch:
     response_mask: torch.Tensor
     scores: torch.Tensor
     ref_logprobs: torch.Tensor
-    rollout_logprobs: torch.Tensor
+    rollout_logprobs: Optional[torch.Tensor]
     group_ids: torch.Tensor
+    truncated: Optional[torch.Tensor] = None
 
     @classmethod
     def from_lists(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                    scores: Sequence[float], ref_logprobs: Sequence[Sequence[float]],
                    rollout_logprobs: Optional[Sequence[Sequence[float]]] = None,
-                   group_ids: Optional[Sequence[int]] = None, pad_token_id: int = 0) -> "ExperienceBatch":
-        """Pad ragged lists. Raises ValueError naming the row when lengths disagree or groups are not contiguous."""
+                   group_ids: Optional[Sequence[int]] = None, pad_token_id: int = 0,
+                   finish_reasons: Optional[Sequence[str]] = None) -> "ExperienceBatch":
+        """Pad ragged lists (the scored shards' columns of the same names; finish_reasons = `finish_reason`).
+
+        rollout_logprobs None -> the batch has none (no mismatch metric; algo.tis_cap refuses it).
+        finish_reasons None -> `truncated` is None (train.mask_truncated refuses it).
+        Raises ValueError naming the row when lengths disagree, groups are not contiguous, or a finish
+        reason is not "stop" or "length".
+        """
         n = len(prompt_ids)
         for name, seq in (("response_ids", response_ids), ("scores", scores), ("ref_logprobs", ref_logprobs)):
             if len(seq) != n:
                 raise ValueError(f"{name} has {len(seq)} rows, prompt_ids has {n}")
         if n == 0:
             raise ValueError("an experience batch needs at least one sample")
-        rollout_logprobs = rollout_logprobs if rollout_logprobs is not None else [[0.0] * len(r) for r in response_ids]
         group_ids = list(group_ids) if group_ids is not None else list(range(n))
         for b in range(n):
             if len(prompt_ids[b]) == 0:
                 raise ValueError(f"row {b}: empty prompt")
-            for name, seq in (("ref_logprobs", ref_logprobs[b]), ("rollout_logprobs", rollout_logprobs[b])):
+            per_token = [("ref_logprobs", ref_logprobs[b])]
+            if rollout_logprobs is not None:
+                per_token.append(("rollout_logprobs", rollout_logprobs[b]))
+            for name, seq in per_token:
                 if len(seq) != len(response_ids[b]):
                     raise ValueError(f"row {b}: {name} has {len(seq)} values for {len(response_ids[b])} response tokens")
         _check_contiguous_groups(group_ids)
+        truncated = None if finish_reasons is None else _truncated(finish_reasons, n)
         width_p = max(len(p) for p in prompt_ids)
         width_r = max(1, max(len(r) for r in response_ids))  # >= 1 column even if every response is empty
         prompt, prompt_mask = left_pad(prompt_ids, width_p, pad_token_id)
@@ -83,8 +97,9 @@ class ExperienceBatch:
                    response_mask=right_pad([[1.0] * len(r) for r in response_ids], width_r, 0.0, torch.float32),
                    scores=torch.tensor(list(scores), dtype=torch.float32),
                    ref_logprobs=right_pad(ref_logprobs, width_r, 0.0, torch.float32),
-                   rollout_logprobs=right_pad(rollout_logprobs, width_r, 0.0, torch.float32),
-                   group_ids=torch.tensor(group_ids, dtype=torch.long))
+                   rollout_logprobs=(right_pad(rollout_logprobs, width_r, 0.0, torch.float32)
+                                     if rollout_logprobs is not None else None),
+                   group_ids=torch.tensor(group_ids, dtype=torch.long), truncated=truncated)
 
     def __len__(self) -> int:
         return self.scores.shape[0]
@@ -99,10 +114,33 @@ class ExperienceBatch:
 
     def select(self, rows: torch.Tensor) -> "ExperienceBatch":
         """The sub-batch of `rows` (B',) indices, every field sliced the same way."""
-        return ExperienceBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        return ExperienceBatch(**{f.name: _maybe(getattr(self, f.name), lambda t: t[rows]) for f in fields(self)})
 
     def to(self, device: torch.device | str) -> "ExperienceBatch":
-        return ExperienceBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return ExperienceBatch(**{f.name: _maybe(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
+
+    def loss_mask(self, mask_truncated: bool) -> torch.Tensor:
+        """(B, R) float, 1 = the token counts in the loss: response_mask, with truncated rows zeroed when
+        mask_truncated (DAPO's overlong filtering). ValueError when asked to mask without finish reasons."""
+        if not mask_truncated:
+            return self.response_mask
+        if self.truncated is None:
+            raise ValueError("train.mask_truncated needs each sample's finish_reason; this batch was built "
+                             "without finish_reasons (ExperienceBatch.from_lists(..., finish_reasons=...))")
+        return self.response_mask * (~self.truncated).to(self.response_mask.dtype)[:, None]
+
+
+def _maybe(value: Optional[torch.Tensor], fn) -> Optional[torch.Tensor]:
+    return None if value is None else fn(value)
+
+
+def _truncated(finish_reasons: Sequence[str], n: int) -> torch.Tensor:
+    if len(finish_reasons) != n:
+        raise ValueError(f"finish_reasons has {len(finish_reasons)} rows, prompt_ids has {n}")
+    for b, reason in enumerate(finish_reasons):
+        if reason not in ("stop", "length"):
+            raise ValueError(f"row {b}: finish_reason {reason!r} is not 'stop' or 'length'")
+    return torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)
 
 
 def _check_contiguous_groups(group_ids: Sequence[int]) -> None:

@@ -4,18 +4,26 @@ An update reads as its stages in order:
   1. old log-probs (actor) and old values (critic), no grad, in micro-batches -- or, when the whole batch
      is one optimizer step of one micro-batch (the common single-minibatch recipe), taken from the first
      epoch's own forward pass, which runs before any weight moves (see `_first_forward`);
-  2. per-token KL to the reference (algo.kl_estimator); token rewards (KL folded in when algo.kl_in_reward);
-  3. advantages and returns (engines.ppo.compute_advantages);
+  2. the scalar reward shaped (engines.ppo.reward_shaping: reward.normalize, then reward.overlong);
+     per-token KL to the reference (algo.kl_estimator); token rewards (KL folded in when algo.kl_in_reward);
+  3. advantages and returns (engines.ppo.compute_advantages, the estimator of algo.name's registry entry);
   4. algo.ppo_epochs passes; each shuffles the rows (seeded by run.seed and the update count, so a resumed
      run shuffles exactly like an uninterrupted one) and cuts them into optimizer steps of
      train.train_batch_size rows, each accumulated over micro-batches of train.micro_batch_size;
   5. the KL controller sees the batch's mean KL per sequence (each response's KL summed over its tokens,
      averaged over responses: the unit of Ziegler et al.'s target, `algo.kl_target`).
 
-Loss scale: every micro-batch loss is divided by the response tokens of its whole optimizer step
-(`num_tokens`) and DeepSpeed's own 1/accumulation scaling is switched off (`scale_wrt_gas=False`), so the
-accumulated gradient is the gradient of the step's token-mean loss however the step is split.
-(With several data-parallel ranks DeepSpeed averages ranks; `num_tokens` is then the local step's tokens.)
+Loss scale: every micro-batch loss is aggregated (algo.loss_agg, engines/ppo/algorithms.py) with the
+denominators of its whole optimizer step (`losses.step_norm`: the step's response tokens, responses, and
+Dr. GRPO's constant) and DeepSpeed's own 1/accumulation scaling is switched off (`scale_wrt_gas=False`), so
+the accumulated gradient is the gradient of the step's aggregated loss however the step is split.
+(With several data-parallel ranks DeepSpeed averages ranks; the denominators are then the local step's.)
+The loss mask is the response mask, without truncated samples when train.mask_truncated is on; with
+algo.tis_cap the policy-gradient tokens carry truncated importance weights (losses.truncated_is_weights).
+
+Grad norms: `optim/*_grad_norm` is the pre-clip global norm of the step's gradient. ZeRO stages 1-3 report
+it (DeepSpeed's optimizer computes it to clip); at stage 0 DeepSpeed clips without keeping it, so the
+trainer computes it from the accumulated .grad tensors just before the step.
 
 Precision: model.autocast_dtype ("bfloat16") runs every actor/critic forward (and so its backward) under
 torch.autocast; weights, gradients and AdamW state stay float32, log-probs and values come out float32.
@@ -24,6 +32,7 @@ Checkpoints: see engines/trainer/checkpoint.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
@@ -32,17 +41,19 @@ import torch
 
 from engines.models import autocast, load_critic, load_policy, load_tokenizer
 from engines.ppo import advantages as ppo_advantages
+from engines.ppo.algorithms import get_algorithm
 from engines.ppo.kl import kl_penalty
 from engines.ppo.kl_controller import make_kl_controller
-from engines.ppo.losses import entropy_loss, kl_loss, policy_loss, value_loss
+from engines.ppo.losses import StepNorm, entropy_loss, kl_loss, policy_loss, step_norm, truncated_is_weights, value_loss
 from engines.ppo.masked import masked_mean, masked_sum
+from engines.ppo.reward_norm import RunningMoments
+from engines.ppo.reward_shaping import shape_scores
 from engines.ppo.rewards import token_level_rewards
 from engines.trainer import checkpoint
 from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 
-GROUP_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 KL_CLAMP = 10.0  # log-ratio clamp for every KL estimate (see engines.ppo.kl)
 
 
@@ -81,6 +92,14 @@ class _Sums:
         return {k: self.totals[k] / self.weights[k] for k in self.totals if self.weights[k] > 0}
 
 
+@torch.no_grad()
+def _grad_norm(module: torch.nn.Module) -> Optional[float]:
+    """Global 2-norm of the module's .grad tensors (what clip_grad_norm_ measures before clipping); None when
+    no parameter holds a gradient (nothing was measured)."""
+    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
+
+
 def _ragged(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
     lengths = mask.sum(dim=1).long().tolist()
     return [tensor[b, :n].tolist() for b, n in enumerate(lengths)]
@@ -117,6 +136,9 @@ class PPOTrainer:
             self.critic = make_engine(critic, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size,
                                                                cfg.train.critic_lr), factor)
         self.kl_controller = make_kl_controller(cfg.algo)
+        self.loss_agg = cfg.algo.resolved_loss_agg
+        self.reward_normalizer = RunningMoments() if cfg.reward.normalize == "running" else None
+        self._pre_step_grad_norms: dict[str, float] = {}
         self.update_count = 0
         self.extra_state: dict = {}
         if trainer_state_dir is not None:
@@ -191,7 +213,7 @@ class PPOTrainer:
         mask = batch.response_mask
         reward_kl_coef = self.kl_controller.value if algo.kl_in_reward else 0.0
         token_rewards = token_level_rewards(batch.scores, kl, mask, reward_kl_coef, self.cfg.reward.clip)
-        group_size = batch.group_size if algo.name in GROUP_ALGOS else 1
+        group_size = batch.group_size if get_algorithm(algo.name).needs_groups else 1
         return ppo_advantages.compute_advantages(
             algo.name, scores=batch.scores, token_rewards=token_rewards, response_mask=mask, values=values,
             group_size=group_size, gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
@@ -201,11 +223,23 @@ class PPOTrainer:
         if len(batch) % self.train_batch_size:
             raise ValueError(f"update batch has {len(batch)} samples, not a multiple of the train batch "
                              f"{self.train_batch_size} (train.train_batch_size)")
+        if self.cfg.algo.tis_cap is not None and batch.rollout_logprobs is None:
+            raise ValueError("algo.tis_cap needs the sampler's log-probs, but this batch has no rollout_logprobs")
+        batch.loss_mask(self.cfg.train.mask_truncated)  # raises when truncation is asked for but unknown
+
+    def _shaped(self, batch: ExperienceBatch) -> tuple[ExperienceBatch, dict[str, float]]:
+        """The batch with its scores shaped (reward.normalize, reward.overlong), and the shaping metrics."""
+        overlong = self.cfg.reward.overlong
+        scores, metrics = shape_scores(batch.scores, batch.response_mask, self.reward_normalizer,
+                                       (overlong.buffer, overlong.penalty) if overlong is not None else None,
+                                       self.cfg.rollout.max_new_tokens)
+        return dataclasses.replace(batch, scores=scores), metrics
 
     def update(self, batch: ExperienceBatch) -> UpdateResult:
         """One PPO update on `batch` (see the module docstring for the stages). Returns metrics and per-sample lists."""
         self._check_batch(batch)
-        batch = batch.to(self.device)
+        raw = batch.to(self.device)
+        batch, shaping_metrics = self._shaped(raw)
         mask = batch.response_mask
         first = self._first_forward(batch) if self._old_from_first_forward(batch) else None
         if first is not None:
@@ -230,7 +264,8 @@ class PPOTrainer:
                 self._optimizer_step(batch, rows, old_logprobs, values, adv, sums)
         kl_mean = float(masked_mean(kl, mask))
         kl_per_sequence = float(masked_sum(kl, mask, dim=-1).mean())
-        metrics = self._batch_metrics(batch, old_logprobs, values, adv, kl_mean)
+        metrics = self._batch_metrics(raw, old_logprobs, values, adv, kl_mean)
+        metrics.update(shaping_metrics)
         metrics["kl/sequence_mean"] = kl_per_sequence
         metrics.update(sums.means())
         # Per sequence, not per token: a target of 6 nats means 6 nats per response, as in the paper (a
@@ -251,68 +286,107 @@ class PPOTrainer:
         """One optimizer step over `rows`; `first` (only with rows = the whole batch in order, one micro-batch)
         supplies the forward outputs instead of new forward passes."""
         micro = self.actor.train_micro_batch_size_per_gpu()
-        num_tokens = float(batch.response_mask[rows].sum().clamp(min=1))
+        mask_truncated = self.cfg.train.mask_truncated
+        norm = step_norm(batch.select(rows).loss_mask(mask_truncated), self.cfg.loss_agg_norm)
+        step_losses = {"loss/policy": 0.0, "loss/value": 0.0}
         for start in range(0, len(rows), micro):
             r = rows[start:start + micro]
             mb = batch.select(r)
-            weight = float(mb.response_mask.sum())
-            self._actor_micro_step(mb, old_logprobs[r], adv.advantages[r], num_tokens, weight, sums,
-                                   first.policy if first is not None else None)
+            loss_mask = mb.loss_mask(mask_truncated)
+            step_losses["loss/policy"] += self._actor_micro_step(
+                mb, loss_mask, old_logprobs[r], adv.advantages[r], norm, sums,
+                first.policy if first is not None else None)
             if self.critic is not None:
-                self._critic_micro_step(mb, values[r], adv.returns[r], num_tokens, weight, sums,
-                                        first.values if first is not None else None)
-        sums.add("optim/actor_grad_norm", float(self.actor.get_global_grad_norm() or 0.0))
-        sums.add("optim/actor_lr", self.actor.get_lr()[0])
+                step_losses["loss/value"] += self._critic_micro_step(
+                    mb, loss_mask, values[r], adv.returns[r], norm, sums, first.values if first is not None else None)
+        # The step's loss is the sum of its micro-batch shares (each aggregated with the step's denominators).
+        sums.add("loss/policy", step_losses["loss/policy"])
+        self._add_optim_metrics("actor", self.actor, sums)
         if self.critic is not None:
-            sums.add("optim/critic_grad_norm", float(self.critic.get_global_grad_norm() or 0.0))
-            sums.add("optim/critic_lr", self.critic.get_lr()[0])
+            sums.add("loss/value", step_losses["loss/value"])
+            self._add_optim_metrics("critic", self.critic, sums)
 
-    def _actor_micro_step(self, mb: ExperienceBatch, old_logprobs, advantages, num_tokens, weight, sums,
-                          out: Optional[PolicyOutput] = None) -> None:
-        """Loss, backward and (at the step's boundary) optimizer step; `out`: this micro-batch's forward, taken already."""
+    def _engine_step(self, role: str, engine) -> None:
+        """engine.step(); at ZeRO stage 0, first record the pre-clip grad norm DeepSpeed will not keep."""
+        if engine.zero_optimization_stage() == 0 and engine.is_gradient_accumulation_boundary():
+            norm = _grad_norm(engine.module)
+            if norm is not None:
+                self._pre_step_grad_norms[role] = norm
+        engine.step()
+
+    def _add_optim_metrics(self, role: str, engine, sums: _Sums) -> None:
+        """optim/<role>_grad_norm (left out when DeepSpeed kept no norm) and optim/<role>_lr after a step."""
+        if engine.zero_optimization_stage() == 0:
+            norm = self._pre_step_grad_norms.pop(role, None)
+        else:
+            norm = engine.get_global_grad_norm()
+        if norm is not None:
+            sums.add(f"optim/{role}_grad_norm", float(norm))
+        sums.add(f"optim/{role}_lr", engine.get_lr()[0])
+
+    def _actor_micro_step(self, mb: ExperienceBatch, loss_mask, old_logprobs, advantages, norm: StepNorm, sums,
+                          out: Optional[PolicyOutput] = None) -> float:
+        """Loss, backward and (at the step's boundary) optimizer step; `out`: this micro-batch's forward, taken
+        already. loss_mask (b, R): 1 = the token counts. Returns this micro-batch's share of the step's loss."""
         algo = self.cfg.algo
         if out is None:
             out = self._policy_forward(mb, with_entropy=True)
-        pl = policy_loss(out.logprobs, old_logprobs, advantages, mb.response_mask, algo.clip_low, algo.clip_high,
-                         algo.dual_clip, num_tokens=num_tokens)
+        agg = dict(agg_mode=self.loss_agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs, max_len=norm.max_len)
+        weight = float(loss_mask.sum())
+        tis_weights = None
+        if algo.tis_cap is not None:
+            tis_weights, tis_mean, tis_clipfrac = truncated_is_weights(old_logprobs, mb.rollout_logprobs, loss_mask,
+                                                                       algo.tis_cap)
+            sums.add("tis/weight_mean", tis_mean, weight)
+            sums.add("tis/clipfrac", tis_clipfrac, weight)
+        pl = policy_loss(out.logprobs, old_logprobs, advantages, loss_mask, algo.clip_low, algo.clip_high,
+                         algo.dual_clip, token_weights=tis_weights, **agg)
         loss = pl.loss
         if algo.entropy_coef != 0:
-            loss = loss + algo.entropy_coef * entropy_loss(out.entropy, mb.response_mask, num_tokens=num_tokens)
+            loss = loss + algo.entropy_coef * entropy_loss(out.entropy, loss_mask, **agg)
         if not algo.kl_in_reward and self.kl_controller.value > 0:
-            loss = loss + self.kl_controller.value * kl_loss(out.logprobs, mb.ref_logprobs, mb.response_mask,
-                                                             algo.kl_estimator, KL_CLAMP, num_tokens=num_tokens)
+            loss = loss + self.kl_controller.value * kl_loss(out.logprobs, mb.ref_logprobs, loss_mask,
+                                                             algo.kl_estimator, KL_CLAMP, **agg)
         self.actor.backward(loss, scale_wrt_gas=False)
-        self.actor.step()
-        # loss is this micro-batch's share of the step's token mean: summing shares gives the step's loss.
-        sums.add("loss/policy", float(loss.detach()) * num_tokens / max(weight, 1.0), weight)
-        sums.add("policy/clipfrac", pl.clipfrac, weight)
-        sums.add("policy/approx_kl", pl.approx_kl, weight)
-        sums.add("policy/ratio_mean", pl.ratio_mean, weight)
-        sums.add("policy/entropy", masked_mean(out.entropy.detach(), mb.response_mask), weight)
+        self._engine_step("actor", self.actor)
+        if weight > 0:  # a micro-batch of masked samples only has no tokens to average diagnostics over
+            sums.add("policy/clipfrac", pl.clipfrac, weight)
+            sums.add("policy/approx_kl", pl.approx_kl, weight)
+            sums.add("policy/ratio_mean", pl.ratio_mean, weight)
+            sums.add("policy/entropy", masked_mean(out.entropy.detach(), loss_mask), weight)
+        return float(loss.detach())
 
-    def _critic_micro_step(self, mb: ExperienceBatch, old_values, returns, num_tokens, weight, sums,
-                           values: Optional[torch.Tensor] = None) -> None:
+    def _critic_micro_step(self, mb: ExperienceBatch, loss_mask, old_values, returns, norm: StepNorm, sums,
+                           values: Optional[torch.Tensor] = None) -> float:
         if values is None:
             values = self._critic_forward(mb)
-        vl = value_loss(values, old_values, returns, mb.response_mask, self.cfg.algo.value_clip, num_tokens=num_tokens)
+        vl = value_loss(values, old_values, returns, loss_mask, self.cfg.algo.value_clip, agg_mode=self.loss_agg,
+                        num_tokens=norm.num_tokens, num_seqs=norm.num_seqs, max_len=norm.max_len)
         self.critic.backward(vl.loss, scale_wrt_gas=False)
-        self.critic.step()
-        sums.add("loss/value", float(vl.loss.detach()) * num_tokens / max(weight, 1.0), weight)
-        sums.add("value/clipfrac", vl.clipfrac, weight)
+        self._engine_step("critic", self.critic)
+        weight = float(loss_mask.sum())
+        if self.cfg.algo.value_clip is not None and weight > 0:  # without a clip there is no clip fraction
+            sums.add("value/clipfrac", vl.clipfrac, weight)
+        return float(vl.loss.detach())
 
     def _batch_metrics(self, batch, old_logprobs, values, adv, kl_mean: float) -> dict[str, float]:
         mask = batch.response_mask
         metrics = {
             "reward/mean": float(batch.scores.mean()),
-            "reward/std": float(batch.scores.std()) if len(batch) > 1 else 0.0,
             "kl/mean": kl_mean,
             "kl/coef": float(self.kl_controller.value),
             "response/length_mean": float(mask.sum(dim=1).mean()),
             "advantages/mean": float(masked_mean(adv.advantages, mask)),
             "returns/mean": float(masked_mean(adv.returns, mask)),
-            # How far the sampler's log-probs are from the trainer's for the same weights (should be ~0).
-            "rollout/logprob_abs_diff": float(masked_mean((batch.rollout_logprobs - old_logprobs).abs(), mask)),
         }
+        if len(batch) > 1:  # one sample has no spread (std would be NaN; 0 would be made up)
+            metrics["reward/std"] = float(batch.scores.std())
+        if batch.rollout_logprobs is not None:
+            # How far the sampler's log-probs are from the trainer's for the same weights (should be ~0).
+            metrics["rollout/logprob_abs_diff"] = float(masked_mean((batch.rollout_logprobs - old_logprobs).abs(),
+                                                                    mask))
+        if batch.truncated is not None:
+            metrics["response/truncated_fraction"] = float(batch.truncated.float().mean())
         if values is not None:
             metrics["values/mean"] = float(masked_mean(values, mask))
         return metrics

@@ -223,7 +223,7 @@ class TestRecipeMirror:
         assert (cfg.train.actor_lr, cfg.train.critic_lr, cfg.train.lr_schedule) == (1e-3, 1e-3, "constant")
         a = cfg.algo
         assert (a.name, a.kl_coef, a.kl_estimator, a.kl_in_reward, a.kl_target) == ("ppo", 0.05, "k1", True, None)
-        assert (a.gamma, a.lam, a.clip_low, a.clip_high, a.value_clip, a.vf_coef) == (1.0, 0.95, 0.2, 0.2, 0.2, 0.1)
+        assert (a.gamma, a.lam, a.clip_low, a.clip_high, a.value_clip) == (1.0, 0.95, 0.2, 0.2, 0.2)
         assert a.whiten_advantages
 
     def test_grpo_recipe(self):

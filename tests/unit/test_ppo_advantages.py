@@ -187,6 +187,6 @@ class TestComputeAdvantages:
         torch.testing.assert_close(out.advantages, torch.tensor([[lo, lo, lo, 0], [hi, hi, 0, 0]]))
 
     def test_unknown_algo(self):
-        with pytest.raises(ValueError, match="algo must be one of"):
+        with pytest.raises(ValueError, match="algo.name=.a2c. is not a known algorithm"):
             compute_advantages("a2c", scores=torch.zeros(2), token_rewards=torch.zeros(2, 4),
                                response_mask=self.mask)

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.ppo.losses import aggregate, entropy_loss, kl_loss, policy_loss, value_loss
+from engines.ppo.losses import (aggregate, entropy_loss, kl_loss, policy_loss, step_norm, truncated_is_weights,
+                                value_loss)
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -65,6 +66,88 @@ class TestAggregate:
             aggregate(self.loss, self.mask, num_tokens=0)
         with pytest.raises(ValueError, match="mask has shape"):
             aggregate(self.loss, self.mask[:, :2])
+
+
+class TestStepNorm:
+    """The trainer's accumulation: micro-batches of one optimizer step, each padded to its own width and
+    aggregated with step_norm of the whole step, add up to the aggregate of the whole step at once."""
+
+    # step of 4 rows: lengths 1, 3 | 2, 4 (two micro-batches of unequal padded widths 3 and 4)
+    mb1 = torch.tensor([[2.0, 0.0, 0.0], [1.0, 2.0, 3.0]]), torch.tensor([[1, 0, 0], [1, 1, 1]])
+    mb2 = (torch.tensor([[4.0, 6.0, 0.0, 0.0], [1.0, 1.0, 1.0, 5.0]]),
+           torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
+
+    def _full(self):
+        pad = torch.zeros(2, 1)
+        return (torch.cat([torch.cat([self.mb1[0], pad], 1), self.mb2[0]]),
+                torch.cat([torch.cat([self.mb1[1], pad.long()], 1), self.mb2[1]]))
+
+    @pytest.mark.parametrize("mode, expected", [
+        # token sums 2, 6, 10, 8 = 26 over 10 tokens
+        ("token_mean", 26 / 10),
+        # row means 2, 2, 5, 2 -> 11 / 4 rows
+        ("seq_mean_token_mean", 11 / 4),
+        # 26 / (4 rows * constant 8)
+        ("seq_mean_token_sum_norm", 26 / 32),
+    ])
+    def test_two_unequal_micro_batches_add_up_to_the_step(self, mode, expected):
+        full_loss, full_mask = self._full()
+        norm = step_norm(full_mask, max_len=8)
+        assert (norm.num_tokens, norm.num_seqs, norm.max_len) == (10.0, 4.0, 8.0)
+        parts = [torch.tensor(v, requires_grad=True) for v in (self.mb1[0].tolist(), self.mb2[0].tolist())]
+        summed = sum(aggregate(x, m, mode, *norm) for x, m in zip(parts, (self.mb1[1], self.mb2[1])))
+        full = full_loss.clone().requires_grad_(True)
+        at_once = aggregate(full, full_mask, mode, *norm)
+        assert summed.item() == pytest.approx(expected) and at_once.item() == pytest.approx(expected)
+        summed.backward()
+        at_once.backward()
+        torch.testing.assert_close(torch.cat([parts[0].grad, torch.zeros(2, 1)], 1), full.grad[:2])
+        torch.testing.assert_close(parts[1].grad, full.grad[2:])
+
+    def test_own_denominators_would_differ(self):
+        # each micro-batch's own token mean, averaged (DeepSpeed's 1/accumulation): (8/4 + 18/6) / 2 = 2.5,
+        # not the step's 26/10: a token of the short micro-batch would weigh more
+        own = (aggregate(*self.mb1, "token_mean") + aggregate(*self.mb2, "token_mean")) / 2
+        assert own.item() == pytest.approx(2.5) != pytest.approx(26 / 10)
+
+    def test_masked_rows_are_not_responses_of_the_step(self):
+        # train.mask_truncated zeroes a row's loss mask: it counts neither as tokens nor as a response
+        mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+        assert tuple(step_norm(mask, 4.0)) == (3.0, 2.0, 4.0)
+        assert tuple(step_norm(torch.zeros(2, 3), 4.0)) == (1.0, 1.0, 4.0)  # nothing counted: loss 0, no 0/0
+        with pytest.raises(ValueError, match="max_len must be > 0"):
+            step_norm(mask, 0.0)
+
+
+class TestTruncatedImportanceSampling:
+    def test_by_hand(self):
+        # log w = old - rollout = [0.5, -1.0 | 2.0, (pad)]; w = [1.6487, 0.3679 | 7.389]; cap 1.5:
+        # truncated = [1.5, 0.3679 | 1.5]; mean over 3 tokens = 1.1226; 2 of 3 tokens above the cap
+        old = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+        rollout = torch.tensor([[-1.5, -1.0], [-2.5, 0.0]])
+        mask = torch.tensor([[1, 1], [1, 0]])
+        weights, mean, clipfrac = truncated_is_weights(old, rollout, mask, cap=1.5)
+        torch.testing.assert_close(weights, torch.tensor([[1.5, math.exp(-1.0)], [1.5, 0.0]]))
+        assert mean.item() == pytest.approx((3.0 + math.exp(-1.0)) / 3)
+        assert clipfrac.item() == pytest.approx(2 / 3)
+
+    def test_weights_multiply_the_clipped_token_loss(self):
+        # ratio 1 (logprobs = old): per token -A * w; A = [2, -1], w = [1.5, e^-1] -> mean(-3, e^-1)
+        logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        weights, _, _ = truncated_is_weights(logprobs.detach(), torch.tensor([[-1.5, -1.0]]),
+                                             torch.ones(1, 2), cap=1.5)
+        out = policy_loss(logprobs, logprobs.detach(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2),
+                          token_weights=weights)
+        assert out.loss.item() == pytest.approx((-3.0 + math.exp(-1.0)) / 2)
+        out.loss.backward()  # d/dlogp of -A * w * exp(logp - old) at ratio 1 = -A * w / 2 tokens
+        torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.5, math.exp(-1.0) / 2]]))
+
+    def test_on_policy_weights_are_one_and_bad_cap(self):
+        lp = torch.tensor([[-0.3, -1.2, 0.0]])
+        weights, mean, clipfrac = truncated_is_weights(lp, lp, torch.tensor([[1, 1, 0]]), cap=2.0)
+        assert weights.tolist() == [[1.0, 1.0, 0.0]] and mean.item() == 1.0 and clipfrac.item() == 0.0
+        with pytest.raises(ValueError, match="algo.tis_cap must be >= 1"):
+            truncated_is_weights(lp, lp, torch.ones(1, 3), cap=0.9)
 
 
 class TestPolicyLoss:

@@ -1,0 +1,69 @@
+"""The algorithm registry and the config checks that read it."""
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, ALGORITHMS, GROUP_ALGOS, get_algorithm, resolve_loss_agg
+from ppoflow.config import AlgoConfig, ConfigError, load_config
+
+
+def test_the_config_allows_exactly_the_registry_names():
+    allowed = typing.get_args(AlgoConfig.model_fields["name"].annotation)
+    assert allowed == ALGO_NAMES == ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def test_registry_entries():
+    # written out from the papers (see the module docstring), not read back from the table
+    assert [a for a in ALGO_NAMES if ALGORITHMS[a].uses_critic] == ["ppo"]
+    assert GROUP_ALGOS == ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+    assert {a: ALGORITHMS[a].default_loss_agg for a in ALGO_NAMES} == {
+        "ppo": "token_mean", "grpo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm", "rloo": "token_mean",
+        "reinforce_pp": "token_mean", "reinforce_pp_baseline": "token_mean"}
+    with pytest.raises(ValueError, match="algo.name='a2c' is not a known algorithm"):
+        get_algorithm("a2c")
+    with pytest.raises(ValueError, match="algo.loss_agg='sum'"):
+        resolve_loss_agg("ppo", "sum")
+    assert resolve_loss_agg("dr_grpo", "token_mean") == "token_mean"
+    assert set(AGG_MODES) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"}
+
+
+def test_config_module_does_not_import_torch():
+    code = "import sys, ppoflow.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("algo", GROUP_ALGOS)
+def test_group_algorithms_refuse_discounting(algo):
+    with pytest.raises(ConfigError, match=rf"algo.gamma=0.99 with algo.name='{algo}'"):
+        load_config(None, [f"algo.name={algo}", "algo.gamma=0.99"])
+    with pytest.raises(ConfigError, match=rf"algo.name='{algo}' needs rollout.n_samples >= 2"):
+        load_config(None, [f"algo.name={algo}", "rollout.n_samples=1"])
+
+
+@pytest.mark.parametrize("algo", ["ppo", "reinforce_pp"])
+def test_other_algorithms_accept_discounting_and_single_samples(algo):
+    cfg = load_config(None, [f"algo.name={algo}", "algo.gamma=0.99", "rollout.n_samples=1"])
+    assert cfg.algo.gamma == 0.99
+
+
+def test_loss_agg_defaults_and_norm():
+    assert load_config(None, []).algo.resolved_loss_agg == "token_mean"
+    cfg = load_config(None, ["algo.name=dr_grpo", "rollout.max_new_tokens=24"])
+    assert (cfg.algo.resolved_loss_agg, cfg.loss_agg_norm) == ("seq_mean_token_sum_norm", 24.0)
+    cfg = load_config(None, ["algo.name=grpo", "algo.loss_agg=seq_mean_token_sum_norm", "algo.loss_agg_norm=100"])
+    assert cfg.loss_agg_norm == 100.0
+    with pytest.raises(ConfigError, match="algo.loss_agg_norm=100.0 is only used by"):
+        load_config(None, ["algo.name=grpo", "algo.loss_agg_norm=100"])
+
+
+def test_removed_and_bounded_fields_name_themselves():
+    with pytest.raises(ConfigError, match="algo.vf_coef was removed"):
+        load_config(None, ["algo.vf_coef=0.5"])
+    with pytest.raises(ConfigError, match="algo.tis_cap"):
+        load_config(None, ["algo.tis_cap=0.5"])
+    with pytest.raises(ConfigError, match=r"reward.overlong.buffer=20 must be <= rollout.max_new_tokens=16"):
+        load_config(None, ["reward.overlong={buffer: 20}"])
+    cfg = load_config(None, ["reward.overlong={buffer: 4, penalty: 0.5}", "reward.normalize=running"])
+    assert (cfg.reward.overlong.buffer, cfg.reward.overlong.penalty, cfg.reward.normalize) == (4, 0.5, "running")
