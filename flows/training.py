@@ -44,7 +44,8 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
             row = ppo_iteration(cfg_json, iteration)
         rows.append(row)
         update_progress(progress, cfg, iteration)
-        logger.info("iteration %d: reward %.3f kl %.4f (%.1f s)", iteration, row["reward/mean"],
-                    row.get("kl/mean") or 0.0, row["timing/iteration"])
+        kl = row.get("kl/mean")
+        logger.info("iteration %d: reward %.3f kl %s (%.1f s)", iteration, row["reward/mean"],
+                    "-" if kl is None else f"{kl:.4f}", row["timing/iteration"])
     return {"run_uri": layout.url(layout.run_dir), "first_iteration": start,
             "last_iteration": cfg.run.iterations, "iterations": rows}

@@ -81,7 +81,7 @@ def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
     cols = scored.to_pydict()
     return ExperienceBatch.from_lists(cols["prompt_ids"], cols["response_ids"], cols["reward"], cols["ref_logprobs"],
                                       rollout_logprobs=cols["rollout_logprobs"], group_ids=cols["prompt_index"],
-                                      pad_token_id=pad_token_id)
+                                      finish_reasons=cols["finish_reason"], pad_token_id=pad_token_id)
 
 
 def experience_table(scored: pa.Table, result) -> pa.Table:
