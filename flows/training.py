@@ -13,6 +13,7 @@ from prefect.context import SettingsContext, get_settings_context
 
 from flows.artifacts import start_progress, update_progress
 from flows.iteration import ppo_iteration, recover_missing_rows
+from flows.stale_runs import claim_run, is_dead_here, mark_crashed
 from storage.checkpoints import latest_iteration
 from ppoflow.config import as_config
 from storage.layout import layout_for
@@ -26,6 +27,7 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     layout.write_config_once(cfg.to_yaml())
     start = (latest_iteration(layout) or 0) + 1
     logger = get_run_logger()
+    _crash_stale_run(cfg, layout, logger)
     for iteration in recover_missing_rows(layout, start - 1):
         logger.warning("iteration %d was committed but its metrics row was not written (the process died in "
                        "between): rebuilt from its stage records", iteration)
@@ -49,3 +51,26 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
                     "-" if kl is None else f"{kl:.4f}", row["timing/iteration"])
     return {"run_uri": layout.url(layout.run_dir), "first_iteration": start,
             "last_iteration": cfg.run.iterations, "iterations": rows}
+
+
+def _crash_stale_run(cfg, layout, logger) -> None:
+    """Mark the flow run of this run's previous start Crashed in Prefect when its process died (flows/stale_runs.py)."""
+    from prefect.runtime import flow_run
+
+    current = str(flow_run.id) if flow_run.id else None
+    previous = claim_run(layout, current)
+    if not previous or not previous.get("flow_run_id") or previous["flow_run_id"] == current:
+        return
+    if not is_dead_here(previous):
+        return
+    message = (f"the process that ran it (pid {previous['pid']} on {previous['host']}) died; found by the next "
+               f"start of run {cfg.run.name!r} (flow run {current}), which resumed from the last commit")
+    try:
+        marked = mark_crashed(previous["flow_run_id"], message)
+    except Exception as e:  # an unknown flow run (another Prefect server, a wiped database): nothing to mark
+        logger.warning("could not mark the previous flow run %s Crashed: %s", previous["flow_run_id"], e)
+        return
+    if marked:
+        logger.warning("marked %d runs of the dead process Crashed (%s); retry them with `prefect flow-run retry "
+                       "%s --entrypoint flows/training.py:ppo_training`", len(marked), ", ".join(marked[:4]),
+                       previous["flow_run_id"])

@@ -91,7 +91,7 @@ def _host_tag() -> str:
     return "".join(c if c.isalnum() else "-" for c in socket.gethostname()) or "host"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -119,7 +119,7 @@ def remove_stale_scratch(parent: str) -> list[str]:
         parts = name[len(_SCRATCH_PREFIX):].split(".") if name.startswith(_SCRATCH_PREFIX) else []
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
             continue
-        if int(parts[1]) == os.getpid() or _pid_alive(int(parts[1])):
+        if int(parts[1]) == os.getpid() or pid_alive(int(parts[1])):
             continue
         path = os.path.join(parent, name)
         shutil.rmtree(path, ignore_errors=True)
