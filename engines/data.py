@@ -12,6 +12,8 @@ expensive work starts.
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,120 @@ class PromptRecord:
     data_source: Optional[str]
 
 
+class DataError(ValueError):
+    """A dataset that cannot be trained on; the message names the file and the line or row."""
+
+
+def _jsonl_problem(path: Path, keys: list[tuple[str, str]], parse: bool = True) -> tuple[int, Optional[str]]:
+    """(rows, the first problem or None) of a .jsonl file, read as a stream (memory stays flat).
+
+    A problem names the file and the 1-based line: bytes that are not UTF-8, a line that is not a JSON
+    object, a missing key (`keys` holds (config field, key)), a prompt that is not a string. Blank lines
+    are skipped (datasets skips them too). parse=False checks the UTF-8 only (about 10x cheaper).
+    """
+    rows = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"dataset {str(path)!r} line {number}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return rows, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line)"
+            if not text.strip():
+                continue
+            if not parse:
+                rows += 1
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                return rows, f"{where}: not JSON ({e.msg} at column {e.colno})"
+            if not isinstance(record, dict):
+                return rows, f"{where}: a JSON {type(record).__name__}, expected an object with the columns"
+            for role, key in keys:
+                if key not in record:
+                    return rows, f"{where}: no key {key!r} ({role}); keys present: {sorted(record)}"
+            if keys and not isinstance(record[keys[0][1]], str):
+                return rows, (f"{where}: the prompt ({keys[0][0]}={keys[0][1]!r}) is a "
+                              f"{type(record[keys[0][1]]).__name__}, expected text")
+            rows += 1
+    return rows, None
+
+
+def _column_keys(data_cfg) -> list[tuple[str, str]]:
+    """(config field, column) for the columns the config names; the prompt first."""
+    keys = [("data.prompt_key", data_cfg.prompt_key), ("data.label_key", data_cfg.label_key),
+            ("data.data_source_key", data_cfg.data_source_key)]
+    return [(role, key) for role, key in keys if key is not None]
+
+
+def check_dataset(data_cfg) -> int:
+    """Check that `data_cfg.path` can be trained on, without tokenising it; return its row count.
+
+    Cheap by format: a .jsonl is streamed once (UTF-8, JSON, keys on every line: datasets fills a key a line
+    lacks with null, which would reach the reward function as a missing label); a .parquet file and a
+    datasets folder are checked from their schema and row count (metadata, no rows read). Prompt lengths
+    are PromptSource's job (it tokenises once and names the row).
+
+    Raises DataError naming the file, and the line for a .jsonl: missing or unreadable path, unsupported
+    type, bytes that are not UTF-8, a line that is not a JSON object, a missing column, a prompt column
+    that is not text, no rows.
+    """
+    path = Path(data_cfg.path).expanduser()
+    keys = _column_keys(data_cfg)
+    if not path.exists():
+        raise DataError(f"dataset {data_cfg.path!r} not found (data.path: a datasets folder, .jsonl or .parquet)")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"dataset {data_cfg.path!r} is not readable by this user (data.path)")
+    if path.is_dir():
+        columns, types, rows = _folder_schema(path)
+    elif path.suffix == ".jsonl":
+        rows, problem = _jsonl_problem(path, keys)
+        if problem:
+            raise DataError(problem)
+        if rows == 0:
+            raise DataError(f"dataset {data_cfg.path!r} is empty: no JSON lines (data.path)")
+        return rows
+    elif path.suffix == ".parquet":
+        columns, types, rows = _parquet_schema(path)
+    else:
+        raise DataError(f"dataset {data_cfg.path!r}: unsupported file type {path.suffix!r} "
+                        f"(data.path: a datasets folder, .jsonl or .parquet)")
+    for role, key in keys:
+        if key not in columns:
+            raise DataError(f"dataset {data_cfg.path!r} has no column {key!r} ({role}); columns present: {columns}")
+    prompt_type = types[columns.index(keys[0][1])]
+    if prompt_type not in ("string", "large_string"):
+        raise DataError(f"dataset {data_cfg.path!r}: the prompt column {keys[0][1]!r} holds {prompt_type}, "
+                        f"expected text (data.prompt_key)")
+    if rows == 0:
+        raise DataError(f"dataset {data_cfg.path!r} has no rows (data.path)")
+    return rows
+
+
+def _parquet_schema(path: Path) -> tuple[list[str], list[str], int]:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # pyarrow names neither the file nor the column: say which file
+        raise DataError(f"dataset {str(path)!r} is not a readable Parquet file: {e}") from None
+    schema = meta.schema.to_arrow_schema()
+    return list(schema.names), [str(t) for t in schema.types], meta.num_rows
+
+
+def _folder_schema(path: Path) -> tuple[list[str], list[str], int]:
+    try:
+        rows = _load_rows(str(path))  # memory-mapped Arrow: the schema and length, no rows read
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"dataset folder {str(path)!r} cannot be opened with datasets.load_from_disk: "
+                        f"{type(e).__name__}: {e}") from None
+    schema = rows.data.schema
+    return list(schema.names), [str(t) for t in schema.types], len(rows)
+
+
 def _load_rows(path: str) -> Any:
     """A `datasets.Dataset` from a save_to_disk folder, a .jsonl or a .parquet file."""
     import datasets
@@ -38,16 +154,28 @@ def _load_rows(path: str) -> Any:
         loaded = datasets.load_from_disk(str(p))
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
-                raise ValueError(f"dataset {path!r} is a DatasetDict without a 'train' split (has {list(loaded)})")
+                raise DataError(f"dataset {path!r} is a DatasetDict without a 'train' split (has {list(loaded)})")
             loaded = loaded["train"]
         return loaded
     if not p.is_file():
         raise FileNotFoundError(f"dataset {path!r} not found (data.path: a datasets folder, .jsonl or .parquet)")
     if p.suffix == ".jsonl":
-        return datasets.Dataset.from_json(str(p))
+        # datasets replaces bytes that are not UTF-8 without a word (a label would silently change): refuse.
+        rows, problem = _jsonl_problem(p, [], parse=False)
+        if problem or rows == 0:
+            raise DataError(problem or f"dataset {path!r} is empty: no JSON lines (data.path)")
+        try:
+            return datasets.Dataset.from_json(str(p))
+        except Exception:
+            # datasets' own error names neither the file nor the line: find the first bad line ourselves
+            # (only on failure, so a good file is read once).
+            rows, problem = _jsonl_problem(p, [])
+            if problem or rows == 0:
+                raise DataError(problem or f"dataset {path!r} is empty: no JSON lines (data.path)") from None
+            raise
     if p.suffix == ".parquet":
         return datasets.Dataset.from_parquet(str(p))
-    raise ValueError(f"dataset {path!r}: unsupported file type {p.suffix!r} (use a datasets folder, .jsonl or .parquet)")
+    raise DataError(f"dataset {path!r}: unsupported file type {p.suffix!r} (use a datasets folder, .jsonl or .parquet)")
 
 
 def epoch_permutation(num_rows: int, seed: int, epoch: int) -> list[int]:

@@ -13,6 +13,7 @@ from prefect.context import SettingsContext, get_settings_context
 
 from flows.artifacts import start_progress, update_progress
 from flows.iteration import ppo_iteration
+from flows.preflight import preflight
 from storage.checkpoints import latest_iteration
 from tasks.common import as_config, layout_for
 
@@ -21,6 +22,7 @@ from tasks.common import as_config, layout_for
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""
     cfg = as_config(config)
+    preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
     layout.write_config_once(cfg.to_yaml())
     start = (latest_iteration(layout) or 0) + 1
