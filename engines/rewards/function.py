@@ -102,6 +102,8 @@ def function_identity(spec: str, fn: Callable) -> str:
 class FunctionRewardSource:
     """RewardSource over a Python function. See the module docstring for the contracts and errors."""
 
+    reward_inputs = ("label", "data_source")  # both contracts pass them to the function
+
     def __init__(self, spec: str, timeout_s: float = 60.0, batch_size: int = 64, name: Optional[str] = None,
                  isolation: Literal["thread", "process"] = "thread"):
         if batch_size < 1 or not timeout_s > 0:
