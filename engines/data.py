@@ -35,12 +35,60 @@ class DataError(ValueError):
     """A dataset that cannot be trained on; the message names the file and the line or row."""
 
 
-def _jsonl_problem(path: Path, keys: list[tuple[str, str]], parse: bool = True) -> tuple[int, Optional[str]]:
+_BLOCK_BYTES = 16 * 2**20
+
+
+def _utf8_problem(path: Path) -> Optional[str]:
+    """The first bytes of a file that are not UTF-8, named by line and byte; None when it all decodes.
+
+    Read in blocks of whole lines (~0.25 s for 50 MB): datasets and pyarrow both replace such bytes without
+    a word, so a label could silently change.
+    """
+    line = 1
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK_BYTES):
+            block += f.readline()  # end the block at a line end, so no character is cut in two
+            try:
+                block.decode("utf-8")
+            except UnicodeDecodeError as e:
+                before = block[:e.start]
+                column = e.start - (before.rfind(b"\n") + 1)
+                line += before.count(b"\n")
+                return (f"dataset {str(path)!r} line {line}: not UTF-8 "
+                        f"(byte 0x{block[e.start]:02x} at byte {column} of the line)")
+            line += block.count(b"\n")
+    return None
+
+
+def _arrow_rows(path: Path, keys: list[tuple[str, str]]) -> Optional[int]:
+    """Rows of a .jsonl file parsed by pyarrow's streaming reader (C++, memory flat; ~1.7 s for 1M rows
+    where json.loads per line took ~9 s), or None when anything looks wrong: then `_jsonl_problem` reads it
+    line by line to name the line. Looks wrong: a parse error, a column missing or null somewhere, a prompt
+    column that is not text."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    rows = 0
+    try:
+        for batch in pj.open_json(path):
+            for i, (_role, key) in enumerate(keys):
+                column = batch.schema.field(key) if key in batch.schema.names else None
+                if column is None or batch.column(key).null_count:
+                    return None
+                if i == 0 and not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+                    return None
+            rows += batch.num_rows
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError):
+        return None
+    return rows
+
+
+def _jsonl_problem(path: Path, keys: list[tuple[str, str]]) -> tuple[int, Optional[str]]:
     """(rows, the first problem or None) of a .jsonl file, read as a stream (memory stays flat).
 
     A problem names the file and the 1-based line: bytes that are not UTF-8, a line that is not a JSON
     object, a missing key (`keys` holds (config field, key)), a prompt that is not a string. Blank lines
-    are skipped (datasets skips them too). parse=False checks the UTF-8 only (about 10x cheaper).
+    are skipped (datasets skips them too). The slow, exact reader: used when a fast check found something.
     """
     rows = 0
     with open(path, "rb") as f:
@@ -51,9 +99,6 @@ def _jsonl_problem(path: Path, keys: list[tuple[str, str]], parse: bool = True) 
             except UnicodeDecodeError as e:
                 return rows, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line)"
             if not text.strip():
-                continue
-            if not parse:
-                rows += 1
                 continue
             try:
                 record = json.loads(text)
@@ -81,10 +126,12 @@ def _column_keys(data_cfg) -> list[tuple[str, str]]:
 def check_dataset(data_cfg) -> int:
     """Check that `data_cfg.path` can be trained on, without tokenising it; return its row count.
 
-    Cheap by format: a .jsonl is streamed once (UTF-8, JSON, keys on every line: datasets fills a key a line
-    lacks with null, which would reach the reward function as a missing label); a .parquet file and a
-    datasets folder are checked from their schema and row count (metadata, no rows read). Prompt lengths
-    are PromptSource's job (it tokenises once and names the row).
+    Cheap by format: a .jsonl is checked for UTF-8 in blocks, then parsed by pyarrow's streaming reader
+    (keys on every line: datasets fills a key a line lacks with null, which would reach the reward function
+    as a missing label); only when that finds something is it read line by line, to name the line (1M
+    rows: ~2 s, against ~9 s for json.loads per line). A .parquet file and a datasets folder are checked
+    from their schema and row count (metadata, no rows read). Prompt lengths are PromptSource's job (it
+    tokenises once and names the row).
 
     Raises DataError naming the file, and the line for a .jsonl: missing or unreadable path, unsupported
     type, bytes that are not UTF-8, a line that is not a JSON object, a missing column, a prompt column
@@ -99,7 +146,10 @@ def check_dataset(data_cfg) -> int:
     if path.is_dir():
         columns, types, rows = _folder_schema(path)
     elif path.suffix == ".jsonl":
-        rows, problem = _jsonl_problem(path, keys)
+        problem = _utf8_problem(path)
+        rows = None if problem else _arrow_rows(path, keys)
+        if rows is None and problem is None:
+            rows, problem = _jsonl_problem(path, keys)
         if problem:
             raise DataError(problem)
         if rows == 0:
@@ -161,9 +211,9 @@ def _load_rows(path: str) -> Any:
         raise FileNotFoundError(f"dataset {path!r} not found (data.path: a datasets folder, .jsonl or .parquet)")
     if p.suffix == ".jsonl":
         # datasets replaces bytes that are not UTF-8 without a word (a label would silently change): refuse.
-        rows, problem = _jsonl_problem(p, [], parse=False)
-        if problem or rows == 0:
-            raise DataError(problem or f"dataset {path!r} is empty: no JSON lines (data.path)")
+        problem = _utf8_problem(p)
+        if problem:
+            raise DataError(problem)
         try:
             return datasets.Dataset.from_json(str(p))
         except Exception:

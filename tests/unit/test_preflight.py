@@ -30,6 +30,17 @@ class TestCheckDataset:
         with pytest.raises(DataError, match=r"d.jsonl' line 2: not UTF-8 \(byte 0xff at byte 12"):
             check_dataset(_data(path))
 
+    def test_non_utf8_line_is_counted_across_read_blocks(self, tmp_path, monkeypatch):
+        import engines.data
+
+        monkeypatch.setattr(engines.data, "_BLOCK_BYTES", 64)  # ~2 lines per block instead of 16 MiB
+        good = '{"prompt": "a", "label": "1"}\n'.encode()
+        path = tmp_path / "d.jsonl"
+        # 40 good lines, then line 41 with 0xe9 (latin-1 e-acute) after '{"prompt": "caf' (15 bytes).
+        path.write_bytes(good * 40 + b'{"prompt": "caf\xe9", "label": "2"}\n' + good)
+        with pytest.raises(DataError, match=r"line 41: not UTF-8 \(byte 0xe9 at byte 15 of the line\)"):
+            check_dataset(_data(path))
+
     def test_empty_file(self, tmp_path):
         path = tmp_path / "d.jsonl"
         path.write_text("\n \n")
