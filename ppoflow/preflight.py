@@ -9,6 +9,7 @@ What is checked (`static_problems`), in the order a run would meet it:
   config.json parses, tokenizer files are there (policy and reward models), every weights file is listed
   and each safetensors file's header is read and checked against the file's size (a truncated download
   names the file). Headers only: the 8-byte length, the JSON header and the file size; never the tensors;
+- `rollout.stop_token_ids` inside the policy's vocabulary;
 - function reward sources: the file exists, or the module can be found (nothing is imported or run).
 
 Nothing here writes, so a refused start leaves an existing run's files as they were. The Prefect part
@@ -101,6 +102,20 @@ def model_folder_problems(path: str, field: str, need_tokenizer: bool = True) ->
     return [f"{field}: {p}" for p in problems]
 
 
+def stop_token_problem(cfg: PPOFlowConfig) -> Optional[str]:
+    """A `rollout.stop_token_ids` entry outside the policy's vocabulary (config.json's vocab_size): it could
+    never be sampled, so the stop it asks for would silently never happen."""
+    try:
+        vocab = json.loads((Path(cfg.model.policy_path).expanduser() / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the folder's own check reports it
+    outside = [t for t in cfg.rollout.stop_token_ids if isinstance(vocab, int) and t >= vocab]
+    if outside:
+        return (f"rollout.stop_token_ids: {outside} not below the policy's vocab_size {vocab} "
+                f"({cfg.model.policy_path}/config.json)")
+    return None
+
+
 def function_source_problem(spec: str, field: str) -> Optional[str]:
     """A function spec whose file is missing or whose module cannot be found (without importing it)."""
     where = spec.rpartition(":")[0]
@@ -153,6 +168,7 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
     except DataError as e:
         problems.append(f"data.path: {e}")
     problems += model_folder_problems(cfg.model.policy_path, "model.policy_path")
+    problems += [p for p in [stop_token_problem(cfg)] if p]
     if cfg.algo.uses_critic and cfg.model.critic_path:
         problems += model_folder_problems(cfg.model.critic_path, "model.critic_path", need_tokenizer=False)
     for i, source in enumerate(cfg.reward.sources):

@@ -120,6 +120,8 @@ PREFLIGHT_CASES = [
      ["model.policy_path", "no-config-model/config.json is missing"]),
     ("policy-no-tokenizer", ["model.policy_path={bad}/no-tokenizer-model"],
      ["model.policy_path", "no-tokenizer-model: no tokenizer files"]),
+    ("stop-token-outside-vocab", ["rollout.stop_token_ids=[2, 64]"],
+     ["rollout.stop_token_ids", "[64]", "vocab_size 64"]),  # the tiny Llama's ids are 0..63
     ("critic-truncated", ["model.critic_path={bad}/truncated-model"], ["model.critic_path", "(truncated)"]),
     ("reward-file-missing", ["reward.sources=[{kind: function, target: '{bad}/rewards.py:score'}]"],
      ["reward.sources.0.target", "rewards.py' not found"]),
