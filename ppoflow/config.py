@@ -30,7 +30,8 @@ RESERVED_RUN_NAMES = (".", "..", "cache")
 
 def _takes_float(annotation: Any) -> bool:
     """True for `float` and `Optional[float]` field annotations."""
-    return annotation is float or (typing.get_origin(annotation) is typing.Union and float in typing.get_args(annotation))
+    union = typing.get_origin(annotation) is typing.Union
+    return annotation is float or (union and float in typing.get_args(annotation))
 
 
 class _Section(BaseModel):
