@@ -150,12 +150,16 @@ def storage_problem(cfg: PPOFlowConfig) -> Optional[str]:
         return None
     bucket = root.split("/", 1)[0]
     endpoint = cfg.storage.endpoint_url or "AWS"
+    # HEAD on the bucket, not fs.exists: s3fs's exists answers False for an endpoint that does not answer too.
     try:
-        if fs.exists(bucket):
-            return None
-    except Exception as e:  # credentials, an endpoint that does not answer: say which bucket and endpoint
+        fs.call_s3("head_bucket", Bucket=bucket)
+        return None
+    except FileNotFoundError:
+        return f"run.root={cfg.run.root!r}: bucket {bucket!r} does not exist at {endpoint} (create it first)"
+    except PermissionError as e:
+        return f"run.root={cfg.run.root!r}: access to bucket {bucket!r} at {endpoint} denied ({e}); check credentials"
+    except Exception as e:  # an endpoint that does not answer, bad credentials: say which bucket and endpoint
         return f"run.root={cfg.run.root!r}: cannot reach bucket {bucket!r} at {endpoint}: {type(e).__name__}: {e}"
-    return f"run.root={cfg.run.root!r}: bucket {bucket!r} does not exist at {endpoint} (create it first)"
 
 
 def static_problems(cfg: PPOFlowConfig) -> list[str]:
