@@ -12,6 +12,8 @@ expensive work starts.
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,170 @@ class PromptRecord:
     data_source: Optional[str]
 
 
+class DataError(ValueError):
+    """A dataset that cannot be trained on; the message names the file and the line or row."""
+
+
+_BLOCK_BYTES = 16 * 2**20
+
+
+def _utf8_problem(path: Path) -> Optional[str]:
+    """The first bytes of a file that are not UTF-8, named by line and byte; None when it all decodes.
+
+    Read in blocks of whole lines (~0.25 s for 50 MB): datasets and pyarrow both replace such bytes without
+    a word, so a label could silently change.
+    """
+    line = 1
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK_BYTES):
+            block += f.readline()  # end the block at a line end, so no character is cut in two
+            try:
+                block.decode("utf-8")
+            except UnicodeDecodeError as e:
+                before = block[:e.start]
+                column = e.start - (before.rfind(b"\n") + 1)
+                line += before.count(b"\n")
+                return (f"dataset {str(path)!r} line {line}: not UTF-8 "
+                        f"(byte 0x{block[e.start]:02x} at byte {column} of the line)")
+            line += block.count(b"\n")
+    return None
+
+
+def _arrow_rows(path: Path, keys: list[tuple[str, str]]) -> Optional[int]:
+    """Rows of a .jsonl file parsed by pyarrow's streaming reader (C++, memory flat; ~1.7 s for 1M rows
+    where json.loads per line took ~9 s), or None when anything looks wrong: then `_jsonl_problem` reads it
+    line by line to name the line. Looks wrong: a parse error, a column missing or null somewhere, a prompt
+    column that is not text."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    rows = 0
+    try:
+        for batch in pj.open_json(path):
+            for i, (_role, key) in enumerate(keys):
+                column = batch.schema.field(key) if key in batch.schema.names else None
+                if column is None or batch.column(key).null_count:
+                    return None
+                if i == 0 and not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+                    return None
+            rows += batch.num_rows
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError):
+        return None
+    return rows
+
+
+def _jsonl_problem(path: Path, keys: list[tuple[str, str]]) -> tuple[int, Optional[str]]:
+    """(rows, the first problem or None) of a .jsonl file, read as a stream (memory stays flat).
+
+    A problem names the file and the 1-based line: bytes that are not UTF-8, a line that is not a JSON
+    object, a missing key (`keys` holds (config field, key)), a prompt that is not a string. Blank lines
+    are skipped (datasets skips them too). The slow, exact reader: used when a fast check found something.
+    """
+    rows = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"dataset {str(path)!r} line {number}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return rows, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line)"
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                return rows, f"{where}: not JSON ({e.msg} at column {e.colno})"
+            if not isinstance(record, dict):
+                return rows, f"{where}: a JSON {type(record).__name__}, expected an object with the columns"
+            for role, key in keys:
+                if key not in record:
+                    return rows, f"{where}: no key {key!r} ({role}); keys present: {sorted(record)}"
+            if keys and not isinstance(record[keys[0][1]], str):
+                return rows, (f"{where}: the prompt ({keys[0][0]}={keys[0][1]!r}) is a "
+                              f"{type(record[keys[0][1]]).__name__}, expected text")
+            rows += 1
+    return rows, None
+
+
+def _column_keys(data_cfg) -> list[tuple[str, str]]:
+    """(config field, column) for the columns the config names; the prompt first."""
+    keys = [("data.prompt_key", data_cfg.prompt_key), ("data.label_key", data_cfg.label_key),
+            ("data.data_source_key", data_cfg.data_source_key)]
+    return [(role, key) for role, key in keys if key is not None]
+
+
+def check_dataset(data_cfg) -> int:
+    """Check that `data_cfg.path` can be trained on, without tokenising it; return its row count.
+
+    Cheap by format: a .jsonl is checked for UTF-8 in blocks, then parsed by pyarrow's streaming reader
+    (keys on every line: datasets fills a key a line lacks with null, which would reach the reward function
+    as a missing label); only when that finds something is it read line by line, to name the line (1M
+    rows: ~2 s, against ~9 s for json.loads per line). A .parquet file and a datasets folder are checked
+    from their schema and row count (metadata, no rows read). Prompt lengths are PromptSource's job (it
+    tokenises once and names the row).
+
+    Raises DataError naming the file, and the line for a .jsonl: missing or unreadable path, unsupported
+    type, bytes that are not UTF-8, a line that is not a JSON object, a missing column, a prompt column
+    that is not text, no rows.
+    """
+    path = Path(data_cfg.path).expanduser()
+    keys = _column_keys(data_cfg)
+    if not path.exists():
+        raise DataError(f"dataset {data_cfg.path!r} not found (data.path: a datasets folder, .jsonl or .parquet)")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"dataset {data_cfg.path!r} is not readable by this user (data.path)")
+    if path.is_dir():
+        columns, types, rows = _folder_schema(path)
+    elif path.suffix == ".jsonl":
+        problem = _utf8_problem(path)
+        rows = None if problem else _arrow_rows(path, keys)
+        if rows is None and problem is None:
+            rows, problem = _jsonl_problem(path, keys)
+        if problem:
+            raise DataError(problem)
+        if rows == 0:
+            raise DataError(f"dataset {data_cfg.path!r} is empty: no JSON lines (data.path)")
+        return rows
+    elif path.suffix == ".parquet":
+        columns, types, rows = _parquet_schema(path)
+    else:
+        raise DataError(f"dataset {data_cfg.path!r}: unsupported file type {path.suffix!r} "
+                        f"(data.path: a datasets folder, .jsonl or .parquet)")
+    for role, key in keys:
+        if key not in columns:
+            raise DataError(f"dataset {data_cfg.path!r} has no column {key!r} ({role}); columns present: {columns}")
+    prompt_type = types[columns.index(keys[0][1])]
+    if prompt_type not in ("string", "large_string"):
+        raise DataError(f"dataset {data_cfg.path!r}: the prompt column {keys[0][1]!r} holds {prompt_type}, "
+                        f"expected text (data.prompt_key)")
+    if rows == 0:
+        raise DataError(f"dataset {data_cfg.path!r} has no rows (data.path)")
+    return rows
+
+
+def _parquet_schema(path: Path) -> tuple[list[str], list[str], int]:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # pyarrow names neither the file nor the column: say which file
+        raise DataError(f"dataset {str(path)!r} is not a readable Parquet file: {e}") from None
+    schema = meta.schema.to_arrow_schema()
+    return list(schema.names), [str(t) for t in schema.types], meta.num_rows
+
+
+def _folder_schema(path: Path) -> tuple[list[str], list[str], int]:
+    try:
+        rows = _load_rows(str(path))  # memory-mapped Arrow: the schema and length, no rows read
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"dataset folder {str(path)!r} cannot be opened with datasets.load_from_disk: "
+                        f"{type(e).__name__}: {e}") from None
+    schema = rows.data.schema
+    return list(schema.names), [str(t) for t in schema.types], len(rows)
+
+
 def _load_rows(path: str) -> Any:
     """A `datasets.Dataset` from a save_to_disk folder, a .jsonl or a .parquet file."""
     import datasets
@@ -38,16 +204,28 @@ def _load_rows(path: str) -> Any:
         loaded = datasets.load_from_disk(str(p))
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
-                raise ValueError(f"dataset {path!r} is a DatasetDict without a 'train' split (has {list(loaded)})")
+                raise DataError(f"dataset {path!r} is a DatasetDict without a 'train' split (has {list(loaded)})")
             loaded = loaded["train"]
         return loaded
     if not p.is_file():
         raise FileNotFoundError(f"dataset {path!r} not found (data.path: a datasets folder, .jsonl or .parquet)")
     if p.suffix == ".jsonl":
-        return datasets.Dataset.from_json(str(p))
+        # datasets replaces bytes that are not UTF-8 without a word (a label would silently change): refuse.
+        problem = _utf8_problem(p)
+        if problem:
+            raise DataError(problem)
+        try:
+            return datasets.Dataset.from_json(str(p))
+        except Exception:
+            # datasets' own error names neither the file nor the line: find the first bad line ourselves
+            # (only on failure, so a good file is read once).
+            rows, problem = _jsonl_problem(p, [])
+            if problem or rows == 0:
+                raise DataError(problem or f"dataset {path!r} is empty: no JSON lines (data.path)") from None
+            raise
     if p.suffix == ".parquet":
         return datasets.Dataset.from_parquet(str(p))
-    raise ValueError(f"dataset {path!r}: unsupported file type {p.suffix!r} (use a datasets folder, .jsonl or .parquet)")
+    raise DataError(f"dataset {path!r}: unsupported file type {p.suffix!r} (use a datasets folder, .jsonl or .parquet)")
 
 
 def epoch_permutation(num_rows: int, seed: int, epoch: int) -> list[int]:

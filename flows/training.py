@@ -13,6 +13,7 @@ from prefect.context import SettingsContext, get_settings_context
 
 from flows.artifacts import start_progress, update_progress
 from flows.iteration import ppo_iteration, recover_missing_rows
+from flows.preflight import preflight
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
 from storage.checkpoints import latest_iteration
 from ppoflow.config import as_config
@@ -23,6 +24,7 @@ from storage.layout import layout_for
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""
     cfg = as_config(config)
+    preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
     layout.write_config_once(cfg.to_yaml())
     start = (latest_iteration(layout) or 0) + 1

@@ -14,18 +14,50 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# The stages an iteration runs, in order; `pipeline.stage_pools` keys must be among them.
+PIPELINE_STAGES = ("rollout", "score", "update", "checkpoint")
+# Run names that would put a run where it does not belong: `.` is the root itself (the run would mix with the
+# shared score cache under <root>/cache), `..` its parent, `cache` the shared score cache folder.
+RESERVED_RUN_NAMES = (".", "..", "cache")
+
+
+def _takes_float(annotation: Any) -> bool:
+    """True for `float` and `Optional[float]` field annotations."""
+    union = typing.get_origin(annotation) is typing.Union
+    return annotation is float or (union and float in typing.get_args(annotation))
 
 from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algorithm, resolve_loss_agg
 
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in a YAML file must not silently fall back to a default.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no silent coercion (`n_samples: true` is not 1, `"3"` is not 3); ints are still accepted for
+    # float fields. allow_inf_nan=False: a NaN weight or an infinite coefficient is refused, not trained on.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _floats_written_as_text(cls, data: Any) -> Any:
+        # PyYAML reads YAML 1.1, where `1e-5` (no dot) is a string; a float field takes it as the number the
+        # user meant. Only float fields, and only text that parses as a number ("nan" is then refused).
+        if not isinstance(data, dict):
+            return data
+        fixed = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if field is not None and isinstance(value, str) and _takes_float(field.annotation):
+                try:
+                    fixed[name] = float(value)
+                except ValueError:
+                    pass
+        return fixed
 
 
 class RunConfig(_Section):
@@ -34,6 +66,15 @@ class RunConfig(_Section):
     iterations: int = Field(10, ge=1, description="Total PPO iterations; a resumed run continues from LATEST + 1.")
     seed: int = Field(0, description="Seed for sampling, initialisation and data order.")
     keep_checkpoints: int = Field(2, ge=1, description="Committed checkpoints kept; the latest is never removed.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if name in RESERVED_RUN_NAMES or len(name) > 64:
+            raise ValueError(f"must be a plain folder name of 1-64 characters [A-Za-z0-9._-], not one of "
+                             f"{', '.join(repr(n) for n in RESERVED_RUN_NAMES)} (they name the root, its parent "
+                             f"or the shared score cache)")
+        return name
 
 
 class StorageConfig(_Section):
@@ -85,16 +126,23 @@ class RolloutConfig(_Section):
     n_samples: int = Field(4, ge=1, description="Responses sampled per prompt (GRPO/RLOO groups).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are taken at the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 = off.")
     max_new_tokens: int = Field(16, ge=1, description="Response length cap.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
     # vLLM engine settings
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPU).")
     gpu_memory_utilization: float = Field(0.1, gt=0, le=1, description="vLLM memory fraction; on CPU the share of host RAM reserved for KV cache.")
-    max_model_len: Optional[int] = Field(None, description="vLLM context length; None = the model's.")
+    max_model_len: Optional[int] = Field(None, ge=1, description="vLLM context length; None = the model's.")
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in vLLM (always on CPU).")
     kv_cache_space_gib: Optional[float] = Field(None, gt=0, description="vLLM on CPU: GiB of host RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE); None = gpu_memory_utilization's share.")
     sleep_between_iterations: bool = Field(False, description="GPU only: vLLM sleep/wake around the update when it shares a GPU with training.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off_or_positive(cls, top_k: int) -> int:
+        if top_k == 0:
+            raise ValueError("must be -1 (off) or >= 1 (0 would keep no token)")
+        return top_k
 
 
 class RewardSourceConfig(_Section):
@@ -109,6 +157,20 @@ class RewardSourceConfig(_Section):
     max_retries: int = Field(3, ge=0, description="remote: retries with exponential backoff on 5xx, timeouts and connection errors; 4xx fails at once.")
     quantize: Literal["none", "int8-dynamic", "bnb-8bit", "bnb-4bit"] = Field("none", description="model: int8 dynamic quantization on CPU, bitsandbytes on GPU.")
 
+    @model_validator(mode="after")
+    def _target_fits_kind(self) -> "RewardSourceConfig":
+        # The shape of the target only; preflight checks that the file, folder or module is there.
+        if self.kind == "function":
+            where, _, fn = self.target.rpartition(":")
+            if not where or not fn:
+                raise ValueError(f"target={self.target!r}: a function source needs 'path/to/file.py:fn' or "
+                                 f"'pkg.module:fn'")
+        elif self.kind == "remote" and not self.target.startswith(("http://", "https://")):
+            raise ValueError(f"target={self.target!r}: a remote source needs an http:// or https:// URL")
+        elif not self.target:
+            raise ValueError("target='': a model source needs a reward-model folder")
+        return self
+
 
 class OverlongConfig(_Section):
     buffer: int = Field(ge=1, description=(
@@ -120,6 +182,7 @@ class OverlongConfig(_Section):
 class RewardConfig(_Section):
     sources: list[RewardSourceConfig] = Field(
         default_factory=lambda: [RewardSourceConfig(kind="function", target="engines.toy.task:reward_func")],
+        min_length=1,
         description="Reward sources, summed with their weights.",
     )
     clip: float = Field(10.0, gt=0, description="Scalar reward clipped to [-clip, clip].")
@@ -149,13 +212,13 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator against the reference.")
     kl_in_reward: bool = Field(True, description="Fold the KL penalty into token rewards (PPO); else add it to the loss (GRPO style).")
     kl_coef: float = Field(0.01, ge=0, description="Initial KL coefficient.")
-    kl_target: Optional[float] = Field(None, description="Adaptive KL controller target: mean KL per response "
+    kl_target: Optional[float] = Field(None, gt=0, description="Adaptive KL controller target: mean KL per response "
                                        "(summed over its tokens), nats; None = fixed coefficient.")
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon (samples).")
-    clip_low: float = Field(0.2, ge=0, description="Policy ratio clip below 1.")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="Policy ratio clip below 1.")
     clip_high: float = Field(0.2, ge=0, description="Policy ratio clip above 1 (DAPO's clip-higher when larger).")
-    dual_clip: Optional[float] = Field(None, description="Dual-clip constant c > 1 for negative advantages; None = off.")
-    value_clip: Optional[float] = Field(0.5, description="Value clip around old values; None = off.")
+    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off.")
+    value_clip: Optional[float] = Field(0.5, gt=0, description="Value clip around old values; None = off.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Masked whitening of advantages over the batch.")
     loss_agg: Optional[Literal[AGG_MODES]] = Field(None, description=(
@@ -205,14 +268,14 @@ class AlgoConfig(_Section):
 class TrainConfig(_Section):
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
-    train_batch_size: Optional[int] = Field(None, description="Samples per optimizer step over all ranks; None = the whole rollout batch.")
+    train_batch_size: Optional[int] = Field(None, ge=1, description="Samples per optimizer step over all ranks; None = the whole rollout batch.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     actor_lr: float = Field(1e-5, gt=0, description="Actor learning rate.")
     critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
-    max_grad_norm: Optional[float] = Field(1.0, description="Gradient max-norm clip; None = off.")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Gradient max-norm clip; None = off.")
     mask_truncated: bool = Field(False, description=(
         "Leave samples cut off at rollout.max_new_tokens (finish_reason 'length') out of the loss (DAPO's "
         "overlong filtering); they still count in their group's baseline."))
@@ -226,6 +289,20 @@ class PipelineConfig(_Section):
     stage_workers: list[Literal["rollout", "score", "update", "checkpoint"]] = Field(
         default_factory=list, description="Stages sent to warm Prefect task workers (`ppoflow worker --stage S`), "
                                           "which keep their engines between iterations; [] = none.")
+
+    @field_validator("stage_pools")
+    @classmethod
+    def _known_stages(cls, pools: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        # A typo in a key used to run that stage in-process without a word; preflight checks that the named
+        # deployments exist on the Prefect server.
+        for stage, deployment in (pools or {}).items():
+            if stage not in PIPELINE_STAGES:
+                raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
+            flow_name, _, name = deployment.partition("/")
+            if not flow_name or not name or "/" in name:
+                raise ValueError(f"stage {stage!r}: deployment {deployment!r} must be 'flow-name/deployment-name' "
+                                 f"(e.g. 'ppo-{stage}/ppo-{stage}')")
+        return pools
 
 
 class PPOFlowConfig(_Section):
@@ -253,6 +330,13 @@ class PPOFlowConfig(_Section):
         if overlong is not None and overlong.buffer > self.rollout.max_new_tokens:
             raise ValueError(f"reward.overlong.buffer={overlong.buffer} must be <= rollout.max_new_tokens="
                              f"{self.rollout.max_new_tokens} (the penalty ramps up over the last buffer tokens)")
+        # The trainer's rule (engines/trainer/deepspeed_setup.py) for one rank: micro-batches of
+        # min(micro_batch_size, train batch) must tile the train batch. More ranks are checked at the update.
+        step_batch = tbs or batch
+        micro = min(self.train.micro_batch_size, step_batch)
+        if step_batch % micro:
+            raise ValueError(f"train.micro_batch_size={self.train.micro_batch_size} must divide the train batch of "
+                             f"{step_batch} samples (train.train_batch_size, else the rollout batch), or be larger")
         return self
 
     @property
@@ -279,12 +363,19 @@ class ConfigError(ValueError):
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:
+    """One line per problem: `field = value (type): what is allowed`; checks across fields name their own."""
     lines = [f"invalid config ({origin}):"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        field = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
         given = e.get("input")
-        given_s = json.dumps(given, default=str) if not isinstance(given, dict) else "{...}"
-        lines.append(f"  {field} = {given_s[:80]}: {e['msg']}")
+        if not field or isinstance(given, dict):  # a check over a whole section: its message names the fields
+            lines.append(f"  {field + ': ' if field else ''}{msg}")
+            continue
+        given_s = json.dumps(given, default=str)[:80]
+        if e["type"].endswith("_type") or e["type"] == "finite_number":
+            given_s += f" ({type(given).__name__})"  # `true` for an int, NaN for a float: say what was given
+        lines.append(f"  {field} = {given_s}: {msg}")
     return "\n".join(lines)
 
 

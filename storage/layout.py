@@ -28,6 +28,12 @@ STAGES = ("rollout", "scored", "experience")
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
+# Keys that say where a run is, not what it is: a run folder copied to another root, bucket or endpoint
+# resumes there (config.yaml is rewritten with the new values), and so does a run extended to more iterations.
+LOCATION_KEYS = ("run.root", "run.iterations", "storage.endpoint_url", "storage.region", "storage.profile",
+                 "storage.local_cache_dir")
+
+
 class ConfigConflictError(ValueError):
     """The run folder already holds a different config; the message names both hashes and the keys."""
 
@@ -128,10 +134,11 @@ class RunLayout:
     def write_config_once(self, cfg_yaml: str) -> None:
         """Save the resolved config; on a resumed run, check that it is the same config.
 
-        The first call writes config.yaml. Later calls accept the same config; when the only difference
-        is `run.iterations` (a run extended to more iterations), config.yaml is rewritten with the new
-        value. Any other difference raises ConfigConflictError naming both hashes and the dotted keys
-        that differ: resuming a run under another config would mix two experiments in one folder.
+        The first call writes config.yaml. Later calls accept the same config; when the only differences
+        are among LOCATION_KEYS (the run folder moved to another root or bucket, a run extended to more
+        iterations), config.yaml is rewritten with the new values. Any other difference raises
+        ConfigConflictError naming both hashes and the dotted keys that differ: resuming a run under
+        another config would mix two experiments in one folder.
         """
         new = yaml.safe_load(cfg_yaml)
         old_text = None
@@ -144,11 +151,12 @@ class RunLayout:
             if old == new:
                 return
             changed = _differences(old, new)
-            if changed != ["run.iterations"]:
+            if any(key not in LOCATION_KEYS for key in changed):
                 raise ConfigConflictError(
                     f"{self.url(self.config_path)} holds another config (hash {_config_hash(old)}) than this "
                     f"run's (hash {_config_hash(new)}); differing keys: {', '.join(changed)}. Use a new "
-                    f"run.name, or restore the saved config (only run.iterations may change on resume).")
+                    f"run.name, or restore the saved config (only {', '.join(LOCATION_KEYS)} may change on "
+                    f"resume).")
         fsutil.write_bytes_atomic(self.fs, self.config_path, cfg_yaml.encode())
 
 

@@ -25,8 +25,10 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict[str, Any]) -> str:
     """The key under which a stage's result is persisted; see the module docstring."""
     identities = {k: v.identity() if isinstance(v, HandOff) else v for k, v in inputs.items()}
+    # Not the storage root: results persist under the run's own folder, so a run moved to another root or
+    # bucket finds its completed stages again (the root is where the run is, not what it computes).
     digest = json_hash({"inputs": identities, "config": cfg.section_hash(*STAGE_SECTIONS[stage]),
-                        "seed": cfg.run.seed, "root": cfg.run.root})
+                        "seed": cfg.run.seed})
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
 
 

@@ -41,6 +41,9 @@ class RewardSource(Protocol):
 
     name: str
     identity: str
+    # The batch fields beyond the tokens and texts its scores depend on ("label", "data_source"); the score
+    # cache keys on them. A source without this attribute is taken to read both.
+    reward_inputs: tuple[str, ...]
 
     def score(self, batch: RewardBatch) -> list[float]:
         """Return B floats. Raises RewardError naming the sample; never returns a silent default."""

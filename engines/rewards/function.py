@@ -9,8 +9,9 @@ A function is named by a spec: `path/to/file.py:fn` (a file, imported under a pr
   called once per sample (solution_str = response text).
 
 `async def` functions are awaited. Every call has a timeout. Where the function runs (`isolation`):
-- "thread" (default): a worker thread of this process; cheapest, but a thread cannot be killed, so a
-  timed-out call is abandoned (it runs on) and a fresh thread serves the next call;
+- "thread" (default): a daemon worker thread of this process (engines/rewards/threaded.py); cheapest, but a
+  thread cannot be killed, so a timed-out call is abandoned (it runs on; the process can still exit, and a
+  retried stage does not wait for it) and a fresh thread serves the next call;
 - "process": a worker process (engines/rewards/isolated.py), killed on a timeout and replaced at the next
   call; for functions that may hang (running generated code, say).
 A wrong number of rewards, a non-finite reward, an exception or a timeout is a RewardError naming the
@@ -18,8 +19,6 @@ source and the sample, never a silent zero.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import hashlib
 import importlib
 import importlib.util
@@ -30,6 +29,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from engines.rewards.base import RewardBatch, RewardError
 from engines.rewards.isolated import FunctionRaised, ProcessCaller, WorkerFailed, WorkerTimeout
+from engines.rewards.threaded import CallTimedOut, ThreadCaller
 
 Contract = Literal["openrlhf", "verl"]
 
@@ -102,6 +102,8 @@ def function_identity(spec: str, fn: Callable) -> str:
 class FunctionRewardSource:
     """RewardSource over a Python function. See the module docstring for the contracts and errors."""
 
+    reward_inputs = ("label", "data_source")  # both contracts pass them to the function
+
     def __init__(self, spec: str, timeout_s: float = 60.0, batch_size: int = 64, name: Optional[str] = None,
                  isolation: Literal["thread", "process"] = "thread"):
         if batch_size < 1 or not timeout_s > 0:
@@ -118,18 +120,14 @@ class FunctionRewardSource:
         self.identity = function_identity(spec, self.fn)
         self.isolation = isolation
         self._process = ProcessCaller(spec) if isolation == "process" else None
-        self._executor = None if self._process is not None else self._new_executor()
-
-    @staticmethod
-    def _new_executor() -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-fn")
+        self._thread = ThreadCaller(self.fn, f"reward-fn-{self.name}") if self._process is None else None
 
     def close(self) -> None:
         """Stop the worker process (isolation "process") or let the worker thread end; idempotent."""
         if self._process is not None:
             self._process.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        if self._thread is not None:
+            self._thread.close()
 
     def score(self, batch: RewardBatch) -> list[float]:
         rewards: list[float] = []
@@ -149,19 +147,11 @@ class FunctionRewardSource:
         if self._process is not None:
             return self._call_in_process(what, *args, **kwargs)
         try:
-            if inspect.iscoroutinefunction(self.fn):
-                return asyncio.run(asyncio.wait_for(self.fn(*args, **kwargs), self.timeout_s))
-            future = self._executor.submit(self.fn, *args, **kwargs)
-            try:
-                return future.result(timeout=self.timeout_s)
-            except concurrent.futures.TimeoutError:
-                # The stuck thread cannot be stopped: abandon it, serve later calls from a new one.
-                self._executor.shutdown(wait=False)
-                self._executor = self._new_executor()
-                raise
-        except (concurrent.futures.TimeoutError, asyncio.TimeoutError):
+            return self._thread.call(self.timeout_s, *args, **kwargs)
+        except CallTimedOut:
             raise RewardError(f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s "
-                              f"on {what}") from None
+                              f"on {what} (the call was abandoned and may still run in a thread: "
+                              f"isolation: process kills it instead)") from None
         except Exception as e:
             raise RewardError(f"reward source {self.name!r} ({self.spec}) raised {type(e).__name__}: {e} "
                               f"on {what}") from e

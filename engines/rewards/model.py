@@ -130,6 +130,8 @@ class RewardModelSource:
     Raises RewardError naming the folder for a folder that is not a one-label classifier.
     """
 
+    reward_inputs: tuple[str, ...] = ()  # the model reads the text only
+
     def __init__(self, path: str | Path, *, name: str = "model", batch_size: int = 64, dtype: str = "float32",
                  quantize: str = "none", device: Optional[str] = None, max_length: Optional[int] = None,
                  token_budget: Optional[int] = None):

@@ -46,6 +46,8 @@ class RemoteRewardSource:
     Counters: `http_calls` (attempts made) and `retries` (attempts after a retryable failure).
     """
 
+    reward_inputs = ("label",)  # the request carries the labels, not the data_source
+
     def __init__(self, url: str, *, name: str = "remote", token: Optional[str] = None, timeout_s: float = 60.0,
                  batch_size: int = 64, max_retries: int = 3, backoff_s: float = 0.5):
         if batch_size < 1 or max_retries < 0 or timeout_s <= 0:

@@ -1,8 +1,12 @@
 """Scoring through a content-addressed cache: never compute the same (scorer, prompt, response) twice.
 
-Key = sha256(scorer identity, prompt token ids, response token ids). The scorer identity covers the
-reference and reward-model weights, the reward sources' names/versions/weights and the scoring settings,
-so a changed scorer is a new key space: a miss, never a stale hit.
+Key = sha256(scorer identity, prompt token ids, response token ids, and the reward inputs beyond the
+tokens that the scorer's sources read: the label / ground truth and the data_source). The scorer identity
+covers the reference and reward-model weights, the reward sources' names/versions/weights and the scoring
+settings, so a changed scorer is a new key space: a miss, never a stale hit. The label is in the key
+because a function reward reads it: two datasets with the same prompt and different labels must not share
+a score. A scorer whose sources read only tokens (reward models) keeps label-free keys, so its hits are
+shared across datasets; a scorer that does not say what it reads (`reward_inputs`) gets both in its keys.
 
 Per call:
 1. keys for all rows; 2. one batched cache lookup; 3. the missing keys are de-duplicated (GRPO's repeated
@@ -18,6 +22,7 @@ is what the reference returns too, so they round-trip exactly).
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
@@ -35,12 +40,32 @@ class CacheStats:
     hit_mask: list[bool] = field(default_factory=list)  # (B,) True where the row came from the cache
 
 
-def score_key(scorer_identity: str, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> str:
+# What a scorer's rewards may depend on besides the tokens, when it does not say (see score_inputs_read).
+ALL_REWARD_INPUTS = ("label", "data_source")
+
+
+def score_key(scorer_identity: str, prompt_ids: Sequence[int], response_ids: Sequence[int],
+              extra: Optional[dict[str, Any]] = None) -> str:
+    """sha256 hex of the scorer identity, the token ids and `extra` ({"label": ..., "data_source": ...},
+    only the inputs the scorer reads; None or {} gives the key of tokens alone)."""
     h = hashlib.sha256()
     h.update(scorer_identity.encode())
     h.update(b"|p:" + ",".join(map(str, prompt_ids)).encode())
     h.update(b"|r:" + ",".join(map(str, response_ids)).encode())
+    if extra:
+        h.update(b"|x:" + json.dumps(extra, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+def score_inputs_read(scorer) -> tuple[str, ...]:
+    """The reward inputs beyond the tokens that `scorer`'s keys must hold: its `reward_inputs` when it
+    declares them (Scorer: the union over its sources), else all of ALL_REWARD_INPUTS."""
+    declared = getattr(scorer, "reward_inputs", None)
+    return ALL_REWARD_INPUTS if declared is None else tuple(x for x in ALL_REWARD_INPUTS if x in declared)
+
+
+def _key_of(scorer_identity: str, reads: tuple[str, ...], x) -> str:
+    return score_key(scorer_identity, x.prompt_ids, x.response_ids, {name: getattr(x, name) for name in reads})
 
 
 def _entry(result) -> dict[str, Any]:
@@ -73,7 +98,8 @@ def score_with_cache(scorer, inputs: list, cache: Optional[ScoreCacheLike]) -> t
     """
     from engines.scoring.scorer import ScoreResult
 
-    keys = [score_key(scorer.identity, x.prompt_ids, x.response_ids) for x in inputs]
+    identity, reads = scorer.identity, score_inputs_read(scorer)
+    keys = [_key_of(identity, reads, x) for x in inputs]
     found = cache.get_many(sorted(set(keys))) if cache is not None else {}
     todo: dict[str, int] = {}  # key -> index of the first row that needs it
     for i, k in enumerate(keys):

@@ -94,6 +94,15 @@ class Scorer:
         self.token_budget = cfg.score.token_budget
 
     @property
+    def reward_inputs(self) -> tuple[str, ...]:
+        """The inputs beyond the tokens any source reads ("label", "data_source"): part of the cache key. A
+        source that does not declare `reward_inputs` is taken to read both."""
+        read = set()
+        for source in self.sources:
+            read.update(getattr(source, "reward_inputs", ("label", "data_source")))
+        return tuple(sorted(read))
+
+    @property
     def identity(self) -> str:
         payload = {"sources": [[s.name, s.identity] for s in self.sources], "weights": self.weights,
                    "clip": self.clip, "reference": getattr(self.reference, "fingerprint", None),

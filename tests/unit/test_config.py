@@ -57,3 +57,91 @@ def test_section_hash_tracks_only_its_sections():
     a, b = PPOFlowConfig(), load_config(None, ["train.actor_lr=0.5"])
     assert a.section_hash("rollout") == b.section_hash("rollout")
     assert a.section_hash("train") != b.section_hash("train")
+
+
+# Each bad value of issue 19's list (and a few more), with the field the error must name and a word of what
+# is allowed. The bounds come from the math: a ratio clip below 1 must stay in [0, 1) or the clipped ratio
+# can reach 0 or below; dual clip only bites above 1; a top-k of 0 keeps no token.
+BAD_VALUES = [
+    ("algo.kl_coef=.nan", "algo.kl_coef", "finite"),
+    ("algo.kl_coef=.inf", "algo.kl_coef", "finite"),
+    ("algo.entropy_coef=nan", "algo.entropy_coef", "finite"),
+    ("train.actor_lr=.inf", "train.actor_lr", "finite"),
+    ("reward.sources=[{kind: function, target: 'engines.toy.task:reward_func', weight: .nan}]",
+     "reward.sources.0.weight", "finite"),
+    ("reward.clip=.inf", "reward.clip", "finite"),
+    ("reward.sources=[]", "reward.sources", "at least 1"),
+    ("run.name=..", "run.name", "plain folder name"),
+    ("run.name=.", "run.name", "plain folder name"),
+    ("run.name=cache", "run.name", "score cache"),
+    ("rollout.top_k=-7", "rollout.top_k", "-1"),
+    ("rollout.top_k=0", "rollout.top_k", ">= 1"),
+    ("rollout.max_model_len=-3", "rollout.max_model_len", "greater than or equal to 1"),
+    ("train.max_grad_norm=-1", "train.max_grad_norm", "greater than 0"),
+    ("algo.dual_clip=0.5", "algo.dual_clip", "greater than 1"),
+    ("algo.clip_low=5", "algo.clip_low", "less than 1"),
+    ("algo.clip_high=-0.1", "algo.clip_high", "greater than or equal to 0"),
+    ("algo.value_clip=0", "algo.value_clip", "greater than 0"),
+    ("algo.kl_target=-1", "algo.kl_target", "greater than 0"),
+    ("rollout.stop_token_ids=[-5]", "rollout.stop_token_ids.0", "greater than or equal to 0"),
+    ("rollout.n_samples=true", "rollout.n_samples", "valid integer"),
+    ("train.ppo_epochs=2.0", "train.ppo_epochs", "valid integer"),
+    ("algo.gamma=true", "algo.gamma", "valid number"),
+    ("run.seed='3'", "run.seed", "valid integer"),
+    ("train.train_batch_size=0", "train.train_batch_size", "greater than or equal to 1"),
+    ("train.train_batch_size=-4", "train.train_batch_size", "greater than or equal to 1"),
+    ("pipeline.stage_pools={rollut: ppo-rollout/ppo-rollout}", "rollut", "rollout, score, update, checkpoint"),
+    ("pipeline.stage_pools={score: ppo-score}", "pipeline.stage_pools", "flow-name/deployment-name"),
+    ("reward.sources=[{kind: remote, target: 'localhost:8000'}]", "reward.sources.0", "http://"),
+    ("reward.sources=[{kind: function, target: 'engines/toy/task.py'}]", "reward.sources.0", "file.py:fn"),
+]
+
+
+@pytest.mark.parametrize("override, field, allowed", BAD_VALUES, ids=[b[0][:40] for b in BAD_VALUES])
+def test_bad_value_names_field_and_what_is_allowed(override, field, allowed):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert field in str(err.value) and allowed in str(err.value)
+
+
+def test_a_bool_for_an_int_says_it_was_a_bool():
+    with pytest.raises(ConfigError, match=r"rollout.n_samples = true \(bool\)"):
+        load_config(None, ["rollout.n_samples=true"])
+
+
+def test_yaml_1_1_exponent_text_is_a_float_but_only_for_float_fields(tmp_path):
+    # PyYAML reads `1e-5` as the string "1e-5" (YAML 1.1 floats need a dot); users mean the number.
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {actor_lr: 1e-5, critic_lr: 2e-4}\nrun: {name: 1e5}\n")
+    cfg = load_config(path)
+    assert (cfg.train.actor_lr, cfg.train.critic_lr, cfg.run.name) == (0.00001, 0.0002, "1e5")
+    with pytest.raises(ConfigError, match="train.actor_lr"):
+        load_config(None, ["train.actor_lr=fast"])
+
+
+def test_ints_are_fine_for_float_fields_and_null_for_optionals():
+    cfg = load_config(None, ["algo.kl_coef=0", "reward.clip=5", "train.max_grad_norm=null", "algo.value_clip=null"])
+    assert cfg.algo.kl_coef == 0.0 and cfg.reward.clip == 5.0
+    assert cfg.train.max_grad_norm is None and cfg.algo.value_clip is None
+
+
+def test_micro_batch_must_tile_the_train_batch():
+    # 4 prompts x 4 samples = 16 rows; micro 6 leaves 16 % 6 = 4 rows over; micro 8 tiles it (2 x 8); micro 32 > 16
+    # is cut to 16 by the trainer (one micro-batch).
+    base = ["rollout.prompts_per_iteration=4", "rollout.n_samples=4"]
+    with pytest.raises(ConfigError, match="train.micro_batch_size=6"):
+        load_config(None, base + ["train.micro_batch_size=6"])
+    load_config(None, base + ["train.micro_batch_size=8"])
+    load_config(None, base + ["train.micro_batch_size=32"])
+
+
+def test_stage_pools_accept_the_four_stages():
+    pools = {s: f"ppo-{s}/ppo-{s}" for s in ("rollout", "score", "update", "checkpoint")}
+    cfg = load_config(None, [f"pipeline.stage_pools={pools}"])
+    assert cfg.pipeline.stage_pools == pools
+
+
+def test_every_error_of_a_config_is_listed_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.top_k=-7", "algo.dual_clip=0.5"])
+    assert "rollout.top_k" in str(err.value) and "algo.dual_clip" in str(err.value)

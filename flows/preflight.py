@@ -1,0 +1,62 @@
+"""The checks a run passes before its first iteration: `preflight(cfg)`, called at the top of ppo_training.
+
+1. ppoflow.preflight.static_problems: storage root (S3 bucket), data file, model folders, reward sources;
+2. the deployments named in `pipeline.stage_pools` exist on the Prefect server (the error lists the ones
+   that do, so a misspelt name is seen at once instead of as `ObjectNotFound: None` inside iteration 1);
+3. prompt lengths, when the rollout runs in this process: the rollout stage's own PromptSource is built
+   now (engines/stages/held.py `prompt_source_for`, kept warm in this process), so the dataset is tokenised once
+   for both the check and the training, and an over-long prompt is named by its row before any work.
+   When the rollout runs on a pool, its worker tokenises the data; tokenising a large dataset here too
+   would pay that cost twice, so the lengths are then checked by the worker (first rollout, same error).
+
+Problems of steps 1 and 2 are gathered and raised as one PreflightError (a ConfigError, which the CLI prints
+as a message, not a traceback). Nothing here writes to the run's storage.
+"""
+from __future__ import annotations
+
+from ppoflow.config import PPOFlowConfig
+from ppoflow.preflight import PreflightError, format_problems, static_problems
+
+
+def deployment_problems(cfg: PPOFlowConfig) -> list[str]:
+    """One problem per deployment of `pipeline.stage_pools` that the Prefect server does not know."""
+    pools = cfg.pipeline.stage_pools or {}
+    if not pools:
+        return []
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    missing = []
+    with get_client(sync_client=True) as client:
+        for stage, name in pools.items():
+            try:
+                client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                missing.append((stage, name))
+        if not missing:
+            return []
+        flows = {f.id: f.name for f in client.read_flows()}
+        existing = sorted(f"{flows.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
+        api = client.api_url
+    known = ", ".join(existing) if existing else "none"
+    return [f"pipeline.stage_pools.{stage}: deployment {name!r} does not exist on the Prefect server at {api} "
+            f"(deployments there: {known}; `prefect deploy --all` creates ppoflow's)" for stage, name in missing]
+
+
+def check_prompt_lengths(cfg: PPOFlowConfig) -> None:
+    """Tokenise the dataset through the rollout stage's warm PromptSource (see the module docstring)."""
+    from engines.stages.held import prompt_source_for
+
+    try:
+        prompt_source_for(cfg)
+    except (KeyError, ValueError) as e:  # PromptSource names the file and the row
+        raise PreflightError(format_problems(cfg, [f"data.path: {e.args[0] if e.args else e}"])) from None
+
+
+def preflight(cfg: PPOFlowConfig) -> None:
+    """Raise PreflightError naming every problem found before the first iteration; see the module docstring."""
+    problems = static_problems(cfg) + deployment_problems(cfg)
+    if problems:
+        raise PreflightError(format_problems(cfg, problems))
+    if "rollout" not in (cfg.pipeline.stage_pools or {}):
+        check_prompt_lengths(cfg)

@@ -1,0 +1,196 @@
+"""Checks of a run's inputs before its first iteration: cheap, read-only, each error naming the file or bucket.
+
+What is checked (`static_problems`), in the order a run would meet it:
+- storage: a local `run.root` is (or can become) a folder; an S3 root's bucket exists (named, with the
+  endpoint);
+- data: engines.data.check_dataset (path, readable, UTF-8 and JSON line by line for .jsonl, columns,
+  non-empty) -- not the prompt lengths, which need the tokenizer (flows/preflight.py);
+- model folders: the policy, the critic backbone (algorithms with a critic) and every reward-model source:
+  config.json parses, tokenizer files are there (policy and reward models), every weights file is listed
+  and each safetensors file's header is read and checked against the file's size (a truncated download
+  names the file). Headers only: the 8-byte length, the JSON header and the file size; never the tensors;
+- `rollout.stop_token_ids` inside the policy's vocabulary;
+- function reward sources: the file exists, or the module can be found (nothing is imported or run).
+
+Nothing here writes, so a refused start leaves an existing run's files as they were. The Prefect part
+(deployments named in `pipeline.stage_pools`) and the tokenised prompt lengths are in flows/preflight.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from ppoflow.config import ConfigError, PPOFlowConfig
+
+# The largest safetensors header we accept (the format's own reader refuses more than 100 MB).
+_MAX_HEADER_BYTES = 100 * 2**20
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+class PreflightError(ConfigError):
+    """The run cannot start; one line per problem, each naming the field and the file, row or bucket."""
+
+
+def safetensors_problem(path: str) -> Optional[str]:
+    """None when `path`'s header parses and the tensors it describes end exactly at the file's end.
+
+    Layout (safetensors): 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape,
+    data_offsets: [begin, end]}, "__metadata__": {...}}, then the tensor bytes; the largest `end` plus 8 + N
+    is the file's size. A shorter file is truncated, a longer one has trailing bytes.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path}: {size} bytes, too short for a safetensors header (truncated?)"
+        header_len = int.from_bytes(head, "little")
+        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            return f"{path}: header length {header_len} bytes does not fit the file's {size} bytes (truncated?)"
+        try:
+            header = json.loads(f.read(header_len))
+            ends = [int(info["data_offsets"][1]) for name, info in header.items() if name != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            return f"{path}: the safetensors header is not valid ({type(e).__name__}: {e})"
+    expected = 8 + header_len + max(ends, default=0)
+    if expected != size:
+        what = "truncated" if size < expected else "longer than its header says"
+        return f"{path}: {size} bytes but its header describes {expected} bytes ({what})"
+    return None
+
+
+def _weight_files(folder: Path) -> tuple[list[Path], Optional[str]]:
+    """The safetensors files a folder's weights consist of, or a problem: none at all, a shard the index
+    lists missing. A folder with only pytorch_model.bin passes with nothing to check (no header to read)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            return [], f"{index}: not a safetensors index ({type(e).__name__}: {e})"
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            return [], f"{index} lists shards that are missing: {missing}"
+        return [folder / s for s in shards], None
+    found = sorted(folder.glob("*.safetensors"))
+    if found or (folder / "pytorch_model.bin").is_file():
+        return found, None
+    return [], f"{folder}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
+
+
+def model_folder_problems(path: str, field: str, need_tokenizer: bool = True) -> list[str]:
+    """Problems of a Hugging Face model folder, each prefixed with the config field that names it."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return [f"{field}: model folder {path!r} not found"]
+    problems = []
+    config = folder / "config.json"
+    try:
+        if not isinstance(json.loads(config.read_text()), dict):
+            problems.append(f"{config}: not a JSON object")
+    except FileNotFoundError:
+        problems.append(f"{config} is missing (a Hugging Face model folder has one)")
+    except (ValueError, UnicodeDecodeError) as e:
+        problems.append(f"{config}: not valid JSON ({e})")
+    if need_tokenizer and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        problems.append(f"{folder}: no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
+    files, problem = _weight_files(folder)
+    problems += [problem] if problem else []
+    problems += [p for p in map(safetensors_problem, map(str, files)) if p]
+    return [f"{field}: {p}" for p in problems]
+
+
+def stop_token_problem(cfg: PPOFlowConfig) -> Optional[str]:
+    """A `rollout.stop_token_ids` entry outside the policy's vocabulary (config.json's vocab_size): it could
+    never be sampled, so the stop it asks for would silently never happen."""
+    try:
+        vocab = json.loads((Path(cfg.model.policy_path).expanduser() / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the folder's own check reports it
+    outside = [t for t in cfg.rollout.stop_token_ids if isinstance(vocab, int) and t >= vocab]
+    if outside:
+        return (f"rollout.stop_token_ids: {outside} not below the policy's vocab_size {vocab} "
+                f"({cfg.model.policy_path}/config.json)")
+    return None
+
+
+def function_source_problem(spec: str, field: str) -> Optional[str]:
+    """A function spec whose file is missing or whose module cannot be found (without importing it)."""
+    where = spec.rpartition(":")[0]
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        if not Path(where).expanduser().is_file():
+            return f"{field}: reward function file {where!r} not found (target {spec!r})"
+        return None
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError) as e:  # a parent package is missing or fails to import
+        return f"{field}: reward function module {where!r} cannot be found (target {spec!r}): {e}"
+    return None if found else f"{field}: reward function module {where!r} cannot be found (target {spec!r})"
+
+
+def storage_problem(cfg: PPOFlowConfig) -> Optional[str]:
+    """A root that cannot hold the run: a local path that is a file or under a read-only folder, or an S3
+    root whose bucket does not exist or cannot be reached (named with the endpoint)."""
+    from storage import fs as fsutil
+
+    try:
+        fs, root = fsutil.resolve(cfg.run.root, cfg.storage)
+    except (ValueError, ImportError) as e:
+        return f"run.root={cfg.run.root!r}: {e}"
+    if fsutil.is_local(fs):
+        existing = Path(root)
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            return f"run.root={cfg.run.root!r}: {existing} is a file, not a folder"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return f"run.root={cfg.run.root!r}: {existing} is not writable by this user"
+        return None
+    bucket = root.split("/", 1)[0]
+    endpoint = cfg.storage.endpoint_url or "AWS"
+    # HEAD on the bucket, not fs.exists: s3fs's exists answers False for an endpoint that does not answer too.
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+        return None
+    except FileNotFoundError:
+        return f"run.root={cfg.run.root!r}: bucket {bucket!r} does not exist at {endpoint} (create it first)"
+    except PermissionError as e:
+        return f"run.root={cfg.run.root!r}: access to bucket {bucket!r} at {endpoint} denied ({e}); check credentials"
+    except Exception as e:  # an endpoint that does not answer, bad credentials: say which bucket and endpoint
+        return f"run.root={cfg.run.root!r}: cannot reach bucket {bucket!r} at {endpoint}: {type(e).__name__}: {e}"
+
+
+def static_problems(cfg: PPOFlowConfig) -> list[str]:
+    """Every problem of the storage root, the data, the model folders and the reward sources (see module doc)."""
+    from engines.data import DataError, check_dataset
+
+    problems = [p for p in [storage_problem(cfg)] if p]
+    try:
+        check_dataset(cfg.data)
+    except DataError as e:
+        problems.append(f"data.path: {e}")
+    problems += model_folder_problems(cfg.model.policy_path, "model.policy_path")
+    problems += [p for p in [stop_token_problem(cfg)] if p]
+    if cfg.algo.uses_critic and cfg.model.critic_path:
+        problems += model_folder_problems(cfg.model.critic_path, "model.critic_path", need_tokenizer=False)
+    for i, source in enumerate(cfg.reward.sources):
+        field = f"reward.sources.{i}.target"
+        if source.kind == "model":
+            problems += model_folder_problems(source.target, field)
+        elif source.kind == "function":
+            problems += [p for p in [function_source_problem(source.target, field)] if p]
+    return problems
+
+
+def check_static(cfg: PPOFlowConfig) -> None:
+    """Raise PreflightError listing every problem `static_problems` finds; return quietly otherwise."""
+    problems = static_problems(cfg)
+    if problems:
+        raise PreflightError(format_problems(cfg, problems))
+
+
+def format_problems(cfg: PPOFlowConfig, problems: list[str]) -> str:
+    lines = "\n".join(f"  {p}" for p in problems)
+    return f"run {cfg.run.name!r} cannot start ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n{lines}"

@@ -1,0 +1,145 @@
+"""Preflight's pure checks: data files named with the line, model folders with the file, read-only."""
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engines.data import DataError, PromptSource, check_dataset
+from engines.models import load_tokenizer
+from ppoflow.config import DataConfig, load_config
+from ppoflow.preflight import (PreflightError, check_static, model_folder_problems, safetensors_problem,
+                               static_problems)
+
+
+def _data(path, **kw) -> DataConfig:
+    return DataConfig(path=str(path), **kw)
+
+
+class TestCheckDataset:
+    def test_good_jsonl_counts_rows_and_skips_blank_lines(self, tmp_path):
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"prompt": "a", "label": "1"}\n\n{"prompt": "b", "label": "2"}\n')
+        assert check_dataset(_data(path)) == 2
+
+    def test_non_utf8_names_file_line_and_byte(self, tmp_path):
+        path = tmp_path / "d.jsonl"
+        # Line 2 holds 0xff at byte 12 of the line: '{"prompt": "' is 12 bytes (0..11).
+        path.write_bytes(b'{"prompt": "a", "label": "1"}\n{"prompt": "\xff", "label": "2"}\n')
+        with pytest.raises(DataError, match=r"d.jsonl' line 2: not UTF-8 \(byte 0xff at byte 12"):
+            check_dataset(_data(path))
+
+    def test_non_utf8_line_is_counted_across_read_blocks(self, tmp_path, monkeypatch):
+        import engines.data
+
+        monkeypatch.setattr(engines.data, "_BLOCK_BYTES", 64)  # ~2 lines per block instead of 16 MiB
+        good = '{"prompt": "a", "label": "1"}\n'.encode()
+        path = tmp_path / "d.jsonl"
+        # 40 good lines, then line 41 with 0xe9 (latin-1 e-acute) after '{"prompt": "caf' (15 bytes).
+        path.write_bytes(good * 40 + b'{"prompt": "caf\xe9", "label": "2"}\n' + good)
+        with pytest.raises(DataError, match=r"line 41: not UTF-8 \(byte 0xe9 at byte 15 of the line\)"):
+            check_dataset(_data(path))
+
+    def test_empty_file(self, tmp_path):
+        path = tmp_path / "d.jsonl"
+        path.write_text("\n \n")
+        with pytest.raises(DataError, match=r"d.jsonl' is empty"):
+            check_dataset(_data(path))
+
+    @pytest.mark.parametrize("line, message", [
+        ('{"prompt": "b"', r"line 2: not JSON"),
+        ('["b", "2"]', r"line 2: a JSON list"),
+        ('{"prompt": "b"}', r"line 2: no key 'label' \(data.label_key\)"),
+        ('{"prompt": 7, "label": "2"}', r"line 2: the prompt \(data.prompt_key='prompt'\) is a int"),
+    ])
+    def test_bad_second_line_is_named(self, tmp_path, line, message):
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"prompt": "a", "label": "1"}\n' + line + "\n")
+        with pytest.raises(DataError, match=message):
+            check_dataset(_data(path))
+
+    def test_parquet_columns_type_and_rows_from_metadata(self, tmp_path):
+        path = tmp_path / "d.parquet"
+        pq.write_table(pa.table({"question": ["a"], "label": ["1"]}), path)
+        with pytest.raises(DataError, match=r"no column 'prompt' \(data.prompt_key\).*\['question', 'label'\]"):
+            check_dataset(_data(path))
+        pq.write_table(pa.table({"prompt": [1, 2], "label": ["1", "2"]}), path)
+        with pytest.raises(DataError, match=r"prompt column 'prompt' holds int64"):
+            check_dataset(_data(path))
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "label": pa.array([], pa.string())}), path)
+        with pytest.raises(DataError, match="has no rows"):
+            check_dataset(_data(path))
+        path.write_bytes(b"PAR1 not really")
+        with pytest.raises(DataError, match=r"d.parquet' is not a readable Parquet file"):
+            check_dataset(_data(path))
+
+    def test_datasets_folder_and_missing_path(self, digits_dataset_dir, tmp_path):
+        assert check_dataset(_data(digits_dataset_dir, data_source_key="data_source")) == 256
+        with pytest.raises(DataError, match="no column 'answer'"):
+            check_dataset(_data(digits_dataset_dir, label_key="answer"))
+        with pytest.raises(DataError, match=r"nope.jsonl' not found"):
+            check_dataset(_data(tmp_path / "nope.jsonl"))
+
+    def test_prompt_source_names_the_line_of_a_bad_jsonl_too(self, tmp_path, tiny_model_dir):
+        # A pool worker builds PromptSource without preflight: datasets' own error names no line, ours does.
+        path = tmp_path / "d.jsonl"
+        path.write_bytes(b'{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": "\xfe"}\n')
+        with pytest.raises(DataError, match=r"d.jsonl' line 2: not UTF-8"):
+            PromptSource(_data(path), load_tokenizer(tiny_model_dir))
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path):
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+class TestModelFolders:
+    def test_the_tiny_model_passes(self, tiny_model_dir):
+        assert model_folder_problems(str(tiny_model_dir), "model.policy_path") == []
+
+    def test_truncated_safetensors_names_the_file_and_sizes(self, model_copy):
+        weights = model_copy / "model.safetensors"
+        full = weights.stat().st_size
+        with open(weights, "r+b") as f:
+            f.truncate(full - 100)
+        problem = safetensors_problem(str(weights))
+        # The header still describes the untruncated file: it ends at `full`, 100 bytes more than is there.
+        assert problem == f"{weights}: {full - 100} bytes but its header describes {full} bytes (truncated)"
+        with open(weights, "r+b") as f:
+            f.truncate(5)
+        assert "too short for a safetensors header" in safetensors_problem(str(weights))
+
+    def test_garbage_header_and_missing_pieces(self, model_copy):
+        weights = model_copy / "model.safetensors"
+        weights.write_bytes((4).to_bytes(8, "little") + b"{no}")
+        assert "safetensors header is not valid" in safetensors_problem(str(weights))
+        (model_copy / "tokenizer.json").unlink()
+        (model_copy / "config.json").write_text("{broken")
+        problems = model_folder_problems(str(model_copy), "model.policy_path")
+        assert any("config.json: not valid JSON" in p for p in problems)
+        assert any("no tokenizer files" in p for p in problems)
+        assert all(p.startswith("model.policy_path: ") for p in problems)
+
+    def test_index_with_a_missing_shard(self, model_copy):
+        (model_copy / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+        (model_copy / "model.safetensors").rename(model_copy / "model-00001-of-00002.safetensors")
+        problems = model_folder_problems(str(model_copy), "model.critic_path", need_tokenizer=False)
+        assert problems == [f"model.critic_path: {model_copy / 'model.safetensors.index.json'} lists shards that "
+                            f"are missing: ['model-00002-of-00002.safetensors']"]
+
+
+def test_static_problems_are_all_listed_and_nothing_is_written(tiny_model_dir, digits_dataset_dir, tmp_path):
+    good = ["model.policy_path=" + str(tiny_model_dir), "data.path=" + str(digits_dataset_dir),
+            "run.root=" + str(tmp_path / "runs")]
+    assert static_problems(load_config(None, good)) == []
+    bad = good + ["data.label_key=answer", "model.critic_path=" + str(tmp_path / "critic"),
+                  "reward.sources=[{kind: function, target: 'rewards/nope.py:fn'}]"]
+    with pytest.raises(PreflightError) as err:
+        check_static(load_config(None, bad))
+    text = str(err.value)
+    assert "3 problems" in text and "no column 'answer'" in text
+    assert f"model.critic_path: model folder '{tmp_path / 'critic'}' not found" in text
+    assert "reward.sources.0.target: reward function file 'rewards/nope.py' not found" in text
+    assert not (tmp_path / "runs").exists()
