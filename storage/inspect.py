@@ -11,7 +11,9 @@ from typing import Any, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from ppoflow.config import StorageConfig
 from storage import fs as fsutil
@@ -115,8 +117,8 @@ def _cell(value: Any, width: int = 48) -> str:
 
 
 def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = None,
-                storage_cfg: Optional[StorageConfig] = None) -> Table:
-    """The first `rows` rows of one committed stage folder (only `columns` when given).
+                storage_cfg: Optional[StorageConfig] = None):
+    """The first `rows` rows of one committed stage folder (only `columns` when given), as a rich renderable.
 
     Lists show their length then the first elements ("[12] 5, 9, …"). Raises ValueError listing the
     stage folders when `uri` holds several, NotCommittedError when it is not committed.
@@ -146,8 +148,7 @@ def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = Non
             table.add_column(name, no_wrap=True, overflow="ellipsis")
         for row in records:
             table.add_row(*(_cell(row[name]) for name in names))
-        table.caption = caption or None
-        return table
+        return _with_caption(table, caption)
     # Many columns do not fit side by side: one block per row, a line per column (like psql's \x).
     table = Table(title=title)
     table.add_column("row", justify="right")
@@ -157,8 +158,15 @@ def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = Non
         for position, name in enumerate(names):
             table.add_row(str(index) if position == 0 else "", name, _cell(row[name], width=100))
         table.add_section()
-    table.caption = caption or None
-    return table
+    return _with_caption(table, caption)
+
+
+def _with_caption(table: Table, caption: str):
+    """The table, then the parts' ppoflow.* metadata on a line of its own (a table caption would wrap at
+    the table's width, one word per line for a narrow selection)."""
+    if not caption:
+        return table
+    return Group(table, Text(f"part metadata: {caption}", style="dim"))
 
 
 def stage_stats(fs, folder: str) -> dict[str, Any]:

@@ -50,6 +50,15 @@ def test_every_part_carries_run_iteration_stage_config_hash_and_version(tmp_path
         assert meta["ppoflow.version"]
     # The verified reader still reads the parts (metadata is not part of the schema check) and the rows.
     assert read_shards(fs, folder).num_rows == 50
+    # `shards show` prints the metadata under its table.
+    from rich.console import Console
+
+    from storage.inspect import shards_show
+
+    console = Console(record=True, width=200)
+    console.print(shards_show(folder, rows=2, columns=["reward"]))
+    shown = console.export_text()
+    assert "run=meta-run" in shown and "iteration=7" in shown and f"config_hash={expected_hash}" in shown
 
 
 def test_metadata_keys_must_carry_the_prefix(tmp_path):
