@@ -8,9 +8,10 @@ same name as in metrics.jsonl (`reward/mean`, `timing/rollout`, ...), step = ite
   and later from earlier files, so an iteration written again (a resumed or retried run) shows once.
   The same happens inside one process when a step comes again (a new writer with purge_step).
 - Object storage: the writer appends to a local file, which S3 cannot do, so the event files live in a
-  local mirror, `<local cache>/mirror/<root as a folder name>/<run>/tensorboard/` (flows/logs.py), and are
-  copied whole to `<run>/tensorboard/` in the bucket after every row (a row adds ~2 KB, so the copy of a
-  2,000-iteration run is a few MB). `tensorboard --logdir` may point at either.
+  local mirror, `<local cache>/mirror/<root as a folder name>/<run>/tensorboard/` (flows/logs.py), and the
+  current event file is copied whole to `<run>/tensorboard/` in the bucket after every row. A writer
+  starts a new file every 100 rows (a row is ~1.6 KB with the default metrics), so a copy stays under
+  ~200 KB however long the run. `tensorboard --logdir` may point at either folder.
 
 wandb / MLflow (optional, never installed by ppoflow): rows go to `wandb.log(row, step=iteration)` when
 `wandb` imports and WANDB_PROJECT is set, and to `mlflow.log_metrics(row, step=iteration)` when `mlflow`
@@ -53,42 +54,54 @@ def tensorboard_dir_for(layout: RunLayout) -> str:
                         "tensorboard")
 
 
+_ROWS_PER_FILE = 100  # a new event file every 100 rows: on S3 each upload copies one small file whole
+
+
 class TensorBoardTracker:
-    """One SummaryWriter per run and process; see the module docstring for resume and S3."""
+    """One SummaryWriter at a time per run and process; see the module docstring for resume and S3."""
 
     def __init__(self, layout: RunLayout):
         self.layout = layout
         self.logdir = tensorboard_dir_for(layout)
         self._writer = None
+        self._file: Optional[str] = None  # the current event file's name
+        self._rows_in_file = 0
         self._last_step: Optional[int] = None
 
-    def _open(self, first_step: int):
+    def _open(self, purge_step: Optional[int]):
         from torch.utils.tensorboard import SummaryWriter
 
         if self._writer is not None:
             self._writer.close()
         os.makedirs(self.logdir, exist_ok=True)
-        # A new file per writer; purge_step makes readers drop earlier points at first_step and after.
-        self._writer = SummaryWriter(log_dir=self.logdir, purge_step=first_step)
+        before = set(os.listdir(self.logdir))
+        # A new file per writer; purge_step makes readers drop earlier points at that step and after.
+        self._writer = SummaryWriter(log_dir=self.logdir, purge_step=purge_step)
+        made = sorted(set(os.listdir(self.logdir)) - before)
+        self._file = made[-1] if made else None
+        self._rows_in_file = 0
         return self._writer
 
     def log_row(self, step: int, metrics: dict[str, float]) -> None:
         writer = self._writer
         if writer is None or self._last_step is None or step <= self._last_step:
-            writer = self._open(step)
+            writer = self._open(purge_step=step)  # a new process, or a step written again
+        elif self._rows_in_file >= _ROWS_PER_FILE:
+            writer = self._open(purge_step=None)  # steps go on: nothing to purge
         for name, value in metrics.items():
             writer.add_scalar(name, value, global_step=step)
         writer.flush()
+        self._rows_in_file += 1
         self._last_step = step
-        if _remote(self.layout):
-            self._upload()
+        if _remote(self.layout) and self._file:
+            self._upload(self._file)
 
-    def _upload(self) -> None:
+    def _upload(self, name: str) -> None:
+        """Copy the current event file whole (earlier files were copied after their last row)."""
         from storage import fs as fsutil
 
-        remote = fsutil.join(self.layout.run_dir, "tensorboard")
-        for name in sorted(os.listdir(self.logdir)):
-            fsutil.upload_file_atomic(self.layout.fs, os.path.join(self.logdir, name), fsutil.join(remote, name))
+        remote = fsutil.join(self.layout.run_dir, "tensorboard", name)
+        fsutil.upload_file_atomic(self.layout.fs, os.path.join(self.logdir, name), remote)
 
     def close(self) -> None:
         if self._writer is not None:

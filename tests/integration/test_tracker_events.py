@@ -55,13 +55,14 @@ def test_only_numeric_metrics_become_scalars(tmp_path):
 def test_an_s3_run_gets_its_event_files_in_the_bucket(s3_bucket, tmp_path, monkeypatch):
     bucket, storage_cfg = s3_bucket
     monkeypatch.setenv("PPOFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tracker, "_ROWS_PER_FILE", 2)  # rows 1-2 in one file, row 3 in the next
     layout = RunLayout(f"s3://{bucket}/runs", "remote", storage_cfg)
     for i in range(1, 4):
         record_metrics(layout, _row(i, i / 4))
     tracker.close_trackers()
     remote = f"{bucket}/runs/remote/tensorboard"
     names = [p.rsplit("/", 1)[-1] for p in layout.fs.ls(remote, detail=False)]
-    assert names and all(n.startswith("events.out.tfevents.") for n in names)
+    assert len(names) == 2 and all(n.startswith("events.out.tfevents.") for n in names)
     copy = tmp_path / "downloaded"
     copy.mkdir()
     for name in names:
