@@ -29,6 +29,7 @@ def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not rows:
         raise ValueError(f"{title}: no metrics rows to plot (no iteration has finished yet)")
@@ -48,6 +49,7 @@ def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> str:
         time_ax.stackplot(iterations, *stacks, labels=[k.split("/", 1)[1] for k in present], alpha=0.8)
     time_ax.set_ylabel("seconds per stage")
     time_ax.set_xlabel("iteration")
+    time_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (reward_ax, kl_ax, time_ax):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
