@@ -75,6 +75,15 @@ class IterationTable:
             self.progress.update(self.task_id, completed=done)
 
 
+def progress_bar(console: Console) -> Progress:
+    """The bar: description, bar, N/M, elapsed, ETA. Rows printed with `progress.console.print` go above it."""
+    # No redirects: on a terminal rich would swap sys.stdout/sys.stderr for proxies that print above the
+    # bar, bringing back every library line that flows/logs.py sends to the log file.
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                    console=console, redirect_stdout=False, redirect_stderr=False)
+
+
 def _watch(table: IterationTable, stop: threading.Event) -> None:
     while not stop.wait(1.0):
         table.poll()
@@ -93,9 +102,7 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
         console.print(f"run {cfg.run.name}: resuming after iteration {already} (LATEST) at "
                       f"{layout.url(layout.run_dir)}", highlight=False)
     stop = threading.Event()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                  console=console) as progress:
+    with progress_bar(console) as progress:
         task_id = progress.add_task(f"run {cfg.run.name}", total=cfg.run.iterations, completed=already)
         table = IterationTable(cfg, progress, task_id, already)
         watcher = threading.Thread(target=_watch, args=(table, stop), daemon=True, name="ppoflow-progress")

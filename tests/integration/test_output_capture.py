@@ -5,6 +5,7 @@ mirror and copied into the bucket."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,57 @@ def test_s3_run_log_is_mirrored_locally_and_copied_to_the_bucket(tmp_path, s3_bu
     remote = fs.cat_file(f"{bucket}/runs/cap/logs/{log.name}").decode().splitlines()
     for text in EXPECTED:
         assert text in remote
+
+
+PTY_SCRIPT = '''
+import logging, sys
+from rich.console import Console
+from flows.logs import OutputCapture
+from flows.run import progress_bar
+
+capture = OutputCapture(sys.argv[1]).start()
+console = Console(file=capture.terminal, width=100)
+assert console.is_terminal
+with progress_bar(console) as progress:
+    task = progress.add_task("run x", total=2)
+    for step in (1, 2):
+        progress.console.print(f"row-{step}")
+        print("library-print")
+        logging.getLogger("some.library").warning("library-warning")
+        progress.update(task, completed=step)
+'''
+
+
+def test_on_a_terminal_the_bar_does_not_bring_library_output_back(tmp_path):
+    """On a real terminal (a pty here) rich's progress bar would redirect sys.stdout/stderr above the bar by
+    default; the capture must still send library output to the log file only."""
+    import pty
+    import select
+
+    script = tmp_path / "pty_script.py"
+    script.write_text(PTY_SCRIPT)
+    log = tmp_path / "pty.log"
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, str(script), str(log)], stdin=slave, stdout=slave, stderr=slave,
+                            env=env, close_fds=True)
+    os.close(slave)
+    seen = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 60)
+        if not ready:
+            break
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the pty
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(timeout=60) == 0, seen.decode(errors="replace")
+    os.close(master)
+    terminal = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))  # colours, cursor moves
+    assert "row-1" in terminal and "row-2" in terminal and "2/2" in terminal
+    assert "library-print" not in terminal and "library-warning" not in terminal
+    written = log.read_text()
+    assert written.count("library-print") == 2 and written.count("library-warning") == 2
