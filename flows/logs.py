@@ -73,10 +73,15 @@ def log_dir_for(cfg: PPOFlowConfig) -> tuple[str, Optional[str]]:
 
 
 def terminal_width(fd: int) -> int:
+    """Columns of the terminal on `fd`; $COLUMNS, else 120, when it is not a terminal or reports 0 columns
+    (a pty nobody sized, as under `script` or some CI runners: rich would then print nothing at all)."""
     try:
-        return os.get_terminal_size(fd).columns
+        columns = os.get_terminal_size(fd).columns
     except OSError:
-        return shutil.get_terminal_size((120, 24)).columns
+        columns = 0
+    if columns > 0:
+        return columns
+    return shutil.get_terminal_size((120, 24)).columns or 120
 
 
 class OutputCapture:

@@ -83,11 +83,12 @@ def test_s3_run_log_is_mirrored_locally_and_copied_to_the_bucket(tmp_path, s3_bu
 PTY_SCRIPT = '''
 import logging, sys
 from rich.console import Console
-from flows.logs import OutputCapture
+from flows.logs import OutputCapture, terminal_width
 from flows.run import progress_bar
 
+width = terminal_width(1)  # as flows/cli.py: taken before the capture; this pty reports 0 columns
 capture = OutputCapture(sys.argv[1]).start()
-console = Console(file=capture.terminal, width=100)
+console = Console(file=capture.terminal, width=width)
 assert console.is_terminal
 with progress_bar(console) as progress:
     task = progress.add_task("run x", total=2)
