@@ -1,14 +1,18 @@
 """The `ppoflow` command.
 
-    ppoflow demo                          tiny model + digits task, trained on the embedded default
-    ppoflow train CONFIG.yaml [--set section.field=value ...]
+    ppoflow demo [--iterations N] [--verbose]   tiny model + digits task, trained on the embedded default
+    ppoflow train CONFIG.yaml [--set section.field=value ...] [--verbose]
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
-    ppoflow runs ls [ROOT] | runs show RUN [--root ROOT]
+    ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
     ppoflow config-reference              the config fields as a Markdown table
 
 With no PREFECT_API_URL the flows report to Prefect's ephemeral local server (SQLite, started for the
 run); set PREFECT_API_URL to report to a running server and see the runs in its UI.
+
+`train` and `demo` show a progress bar and the iteration table; the engines' and Prefect's own output
+goes to the run's log file (<root>/<run>/logs/), `--verbose` shows it here too. A failure prints one
+message: what failed, where, the log file with the traceback, and the command that resumes.
 """
 from __future__ import annotations
 
@@ -23,19 +27,50 @@ def _storage_opts(args) -> StorageConfig:
     return StorageConfig(endpoint_url=args.endpoint_url) if getattr(args, "endpoint_url", None) else StorageConfig()
 
 
+def _run_with_capture(cfg: PPOFlowConfig, command: str, args, body) -> int:
+    """Run `body(console)` with the run's output captured (flows/logs.py); one message if it fails."""
+    from rich.console import Console
+
+    from flows.failure import describe_failure, log_traceback
+    from flows.logs import capture_output, quiet_libraries, terminal_width
+
+    quiet_libraries()
+    width = terminal_width(1)
+    capture = capture_output(cfg, command, verbose=args.verbose)
+    console = Console(file=capture.terminal, width=width)
+    try:
+        body(console)
+        return 0
+    except KeyboardInterrupt as e:
+        log_traceback(e)
+        console.print(describe_failure(e, cfg, capture.log_path), highlight=False, markup=False, soft_wrap=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every failure gets the one message; the traceback goes to the log
+        log_traceback(e)
+        console.print(describe_failure(e, cfg, capture.log_path), highlight=False, markup=False, soft_wrap=True)
+        return 2 if isinstance(e, ConfigError) else 1
+    finally:
+        capture.publish(cfg.storage)
+
+
 def cmd_train(args) -> int:
     from flows.run import train
 
     cfg = load_config(args.config, args.set)
-    train(cfg)
-    return 0
+    return _run_with_capture(cfg, "train", args, lambda console: train(cfg, console))
 
 
 def cmd_demo(args) -> int:
-    from flows.run import demo
+    from flows.run import demo_config, prepare_demo, train
 
-    demo(args.set, root=args.root)
-    return 0
+    overrides = list(args.set) + ([f"run.iterations={args.iterations}"] if args.iterations is not None else [])
+    cfg = demo_config(overrides, root=args.root)
+
+    def body(console) -> None:
+        prepare_demo(cfg)
+        train(cfg, console)
+
+    return _run_with_capture(cfg, "demo", args, body)
 
 
 def cmd_shards(args) -> int:
@@ -44,14 +79,19 @@ def cmd_shards(args) -> int:
     from storage import inspect as shard_inspect
 
     storage_cfg = _storage_opts(args)
+    broken: list[str] = []
     if args.action == "ls":
-        out = shard_inspect.shards_ls(args.uri, storage_cfg)
+        out = shard_inspect.shards_ls(args.uri, storage_cfg, broken=broken)
     elif args.action == "show":
         cols = args.columns.split(",") if args.columns else None
         out = shard_inspect.shards_show(args.uri, rows=args.rows, columns=cols, storage_cfg=storage_cfg)
     else:
         out = shard_inspect.shards_stats(args.uri, storage_cfg)
     Console().print(out)
+    if broken:
+        print(f"ppoflow: error: {len(broken)} stage folder(s) with missing or truncated parts: "
+              + ", ".join(broken), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -61,7 +101,15 @@ def cmd_runs(args) -> int:
     from flows.runs_view import runs_ls, runs_show
 
     storage_cfg = _storage_opts(args)
-    out = runs_ls(args.root, storage_cfg) if args.action == "ls" else runs_show(args.root, args.run, storage_cfg)
+    if args.action == "ls":
+        # `runs ls ROOT`: the positional names the root here (it names the run for show and plot).
+        out = runs_ls(args.run or args.root, storage_cfg)
+    elif args.action == "plot":
+        from flows.plot import plot_run
+
+        out = f"wrote {plot_run(args.root, args.run, args.out, storage_cfg)}"
+    else:
+        out = runs_show(args.root, args.run, storage_cfg)
     Console().print(out)
     return 0
 
@@ -108,11 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the tiny model on the digits task, locally")
     demo.add_argument("--root", default="./runs", help="storage root (default ./runs)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    demo.add_argument("--iterations", type=int, default=None, help="run.iterations (default: configs/demo.yaml's)")
+    demo.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser("train", help="train from a YAML config")
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    train.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     train.set_defaults(func=cmd_train)
 
     shards = sub.add_parser("shards", help="inspect shards")
@@ -123,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--endpoint-url", default=None, help="S3 endpoint (MinIO, moto...)")
     shards.set_defaults(func=cmd_shards)
 
-    runs = sub.add_parser("runs", help="list runs or show one")
-    runs.add_argument("action", choices=["ls", "show"])
-    runs.add_argument("run", nargs="?", default=None)
+    runs = sub.add_parser("runs", help="list runs, show one, or plot one")
+    runs.add_argument("action", choices=["ls", "show", "plot"])
+    runs.add_argument("run", nargs="?", default=None, metavar="RUN|ROOT",
+                      help="the run (show, plot) or the root to list (ls; default --root)")
     runs.add_argument("--root", default="./runs")
+    runs.add_argument("--out", default=None, help="plot: the PNG to write (default <run>-metrics.png here)")
     runs.add_argument("--endpoint-url", default=None)
     runs.set_defaults(func=cmd_runs)
 
@@ -158,14 +211,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     # timeout is too short on a busy 2-core machine (first start runs the database migrations).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     args = build_parser().parse_args(argv)
-    if args.command == "runs" and args.action == "show" and not args.run:
-        print("ppoflow runs show: name the run (ppoflow runs show RUN)", file=sys.stderr)
+    if args.command == "runs" and args.action in ("show", "plot") and not args.run:
+        print(f"ppoflow runs {args.action}: name the run (ppoflow runs {args.action} RUN)", file=sys.stderr)
         return 2
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"ppoflow: {e}", file=sys.stderr)
+        print(f"ppoflow: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, ValueError, KeyError) as e:
+        # shards / runs / config-reference: a missing folder, a corrupt part, a bad URL. train and demo
+        # report their own failures (with the log file and the resume command) and do not get here.
+        print(f"ppoflow: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

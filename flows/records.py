@@ -13,6 +13,7 @@ import os
 import re
 from typing import Any
 
+from flows.tracker import track_row
 from storage.fs import append_line_durably, is_local, join, read_json, write_bytes_atomic, write_json
 from storage.layout import RunLayout
 
@@ -69,7 +70,8 @@ def _last_line_if_appendable(path: str) -> bytes | None:
 
 
 def record_metrics(layout: RunLayout, row: dict[str, Any]) -> None:
-    """Put `row` (which has an "iteration") into metrics.jsonl, replacing that iteration's earlier line.
+    """Put `row` (which has an "iteration") into metrics.jsonl, replacing that iteration's earlier line,
+    then hand it to the run's trackers (TensorBoard, and wandb / MLflow when set up: flows/tracker.py).
 
     A row after the file's last one is appended on a local disk (one fsynced write: the common case, so an
     iteration's cost does not grow with the run's length). Otherwise (a retried iteration, object storage,
@@ -83,6 +85,7 @@ def record_metrics(layout: RunLayout, row: dict[str, Any]) -> None:
         last = _last_line_if_appendable(path)
         if last is not None and last.strip() and _iteration_of(last) < iteration:
             append_line_durably(path, line)
+            track_row(layout, row)
             return
     data = b""
     if layout.fs.exists(path):
@@ -92,3 +95,4 @@ def record_metrics(layout: RunLayout, row: dict[str, Any]) -> None:
     rows = sorted([item for item in kept if item[0] != iteration] + [(iteration, line.rstrip(b"\n"))],
                   key=lambda item: item[0])
     write_bytes_atomic(layout.fs, path, b"".join(old + b"\n" for _, old in rows))
+    track_row(layout, row)

@@ -1,21 +1,27 @@
-"""Entry points behind `ppoflow train` and `ppoflow demo`: run the training flow and show progress."""
+"""Entry points behind `ppoflow train` and `ppoflow demo`: run the training flow and show its progress.
+
+What the terminal shows (everything else goes to the run's log file, flows/logs.py): one line per
+iteration as the iteration commits (a table: header once, then rows), a progress bar with the elapsed
+time and an ETA, and at the end where the shards, checkpoints, metrics, TensorBoard events and log are.
+"""
 from __future__ import annotations
 
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ppoflow.config import PPOFlowConfig, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-_COLUMNS = [("iteration", "iter", "{}"), ("reward/mean", "reward", "{:.3f}"), ("kl/mean", "kl", "{:.4f}"),
-            ("timing/rollout", "rollout s", "{:.1f}"), ("timing/score", "score s", "{:.1f}"),
-            ("timing/update", "update s", "{:.1f}"), ("timing/checkpoint", "ckpt s", "{:.1f}")]
+# (metrics key, header, width, format): the per-iteration table.
+_COLUMNS = [("iteration", "iter", 5, "{}"), ("reward/mean", "reward", 8, "{:.3f}"), ("kl/mean", "kl", 9, "{:.4f}"),
+            ("timing/rollout", "rollout s", 10, "{:.1f}"), ("timing/score", "score s", 8, "{:.1f}"),
+            ("timing/update", "update s", 9, "{:.1f}"), ("timing/checkpoint", "ckpt s", 7, "{:.1f}"),
+            ("timing/iteration", "iter s", 7, "{:.1f}")]
 
 
 def _fmt(row: dict[str, Any], key: str, fmt: str) -> str:
@@ -23,67 +29,130 @@ def _fmt(row: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _watch(cfg: PPOFlowConfig, stop: threading.Event, progress: Progress, task_id, seen: list) -> None:
-    """Poll metrics.jsonl and advance the bar; the flow itself stays free of display code."""
-    from flows.records import read_metrics
-    from storage.layout import layout_for
+def table_header() -> str:
+    return " ".join(label.rjust(width) for _, label, width, _ in _COLUMNS)
 
-    layout = layout_for(cfg)
-    while not stop.wait(1.0):
+
+def table_row(row: dict[str, Any]) -> str:
+    return " ".join(_fmt(row, key, fmt).rjust(width) for key, _, width, fmt in _COLUMNS)
+
+
+class IterationTable:
+    """Prints the iteration rows of metrics.jsonl that it has not printed yet, header first.
+
+    Polled from a watcher thread while the flow runs and once more after it returns, so the last
+    iteration's row and the bar's last step are shown (the watcher alone stopped one short: N-1/N).
+    """
+
+    def __init__(self, cfg: PPOFlowConfig, progress: Progress, task_id, already: int):
+        from storage.layout import layout_for
+
+        self.layout = layout_for(cfg)
+        self.progress, self.task_id = progress, task_id
+        self.printed_iterations: set[int] = set()
+        self.header_printed = False
+        self.committed = already
+        self._lock = threading.Lock()
+
+    def poll(self) -> None:
+        from flows.records import read_metrics
+
         try:
-            rows = read_metrics(layout)
-        except Exception:  # the file is rewritten whole; a read may race the first write
-            continue
-        for row in rows[len(seen):]:
-            seen.append(row)
-            progress.console.print("  ".join(f"{label} {_fmt(row, k, f)}" for k, label, f in _COLUMNS))
-        progress.update(task_id, completed=len(rows))
+            rows = read_metrics(self.layout)
+        except Exception:  # noqa: BLE001 - rewritten whole on S3/retries; a read may race a write
+            return
+        with self._lock:
+            for row in rows:
+                iteration = int(row["iteration"])
+                if iteration <= self.committed or iteration in self.printed_iterations:
+                    continue
+                if not self.header_printed:
+                    self.progress.console.print(table_header(), style="bold", highlight=False)
+                    self.header_printed = True
+                self.printed_iterations.add(iteration)
+                self.progress.console.print(table_row(row), highlight=False)
+            done = self.committed + len(self.printed_iterations)
+            self.progress.update(self.task_id, completed=done)
 
 
-def summary_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="iterations")
-    for _, label, _ in _COLUMNS:
-        table.add_column(label, justify="right")
-    for row in rows:
-        table.add_row(*[_fmt(row, k, f) for k, _, f in _COLUMNS])
-    return table
+def progress_bar(console: Console) -> Progress:
+    """The bar: description, bar, N/M, elapsed, ETA. Rows printed with `progress.console.print` go above it."""
+    # No redirects: on a terminal rich would swap sys.stdout/sys.stderr for proxies that print above the
+    # bar, bringing back every library line that flows/logs.py sends to the log file.
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                    console=console, redirect_stdout=False, redirect_stderr=False)
 
 
-def train(cfg: PPOFlowConfig, console: Console | None = None) -> dict[str, Any]:
-    from flows.records import read_metrics
+def _watch(table: IterationTable, stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        table.poll()
+
+
+def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, Any]:
+    """Run the training flow for `cfg` with a progress bar and the iteration table on `console`."""
     from flows.training import ppo_training
+    from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
 
     console = console or Console()
-    seen: list = []
+    layout = layout_for(cfg)
+    already = min(latest_iteration(layout) or 0, cfg.run.iterations) if layout.fs.exists(layout.run_dir) else 0
+    if already:
+        console.print(f"run {cfg.run.name}: resuming after iteration {already} (LATEST) at "
+                      f"{layout.url(layout.run_dir)}", highlight=False)
     stop = threading.Event()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console) as progress:
-        task_id = progress.add_task(f"run {cfg.run.name}", total=cfg.run.iterations)
-        watcher = threading.Thread(target=_watch, args=(cfg, stop, progress, task_id, seen), daemon=True)
+    with progress_bar(console) as progress:
+        task_id = progress.add_task(f"run {cfg.run.name}", total=cfg.run.iterations, completed=already)
+        table = IterationTable(cfg, progress, task_id, already)
+        watcher = threading.Thread(target=_watch, args=(table, stop), daemon=True, name="ppoflow-progress")
         watcher.start()
         try:
             result = ppo_training(cfg.model_dump(mode="json"))
         finally:
             stop.set()
             watcher.join()
-    layout = layout_for(cfg)
-    console.print(summary_table(read_metrics(layout)))
-    console.print(f"shards:      {layout.url(layout.run_dir)}/iter-*/{{rollout,scored,experience}}/")
-    console.print(f"checkpoints: {layout.url(layout.checkpoints_dir)}/")
-    console.print(f"metrics:     {layout.url(layout.metrics_path)}")
-    console.print(f"inspect:     ppoflow shards stats {layout.url(layout.stage_dir(cfg.run.iterations, 'scored'))}")
+            table.poll()
+    _print_where(cfg, console)
     return result
 
 
-def demo(overrides: list[str], root: str = "./runs") -> dict[str, Any]:
-    """Build the tiny model and the digits dataset under ROOT (once), then train on the embedded default."""
+def _print_where(cfg: PPOFlowConfig, console: Console) -> None:
+    from flows.tracker import tensorboard_dir_for
+    from storage.layout import layout_for
+
+    layout = layout_for(cfg)
+    last = cfg.run.iterations
+    console.print(f"shards:      {layout.url(layout.run_dir)}/iter-*/{{rollout,scored,experience}}/", highlight=False)
+    console.print(f"checkpoints: {layout.url(layout.checkpoints_dir)}/", highlight=False)
+    console.print(f"metrics:     {layout.url(layout.metrics_path)}", highlight=False)
+    console.print(f"tensorboard: tensorboard --logdir {tensorboard_dir_for(layout)}", highlight=False)
+    console.print(f"plot:        ppoflow runs plot {cfg.run.name} --root {cfg.run.root}", highlight=False)
+    console.print(f"inspect:     ppoflow shards stats {layout.url(layout.stage_dir(last, 'scored'))}", highlight=False)
+
+
+def demo_config(overrides: list[str], root: str = "./runs") -> PPOFlowConfig:
+    """The demo's config (configs/demo.yaml + `overrides`) with the tiny model and the digits data under ROOT.
+
+    Builds nothing: `prepare_demo` makes the model and the dataset (once) before training.
+    """
+    root_path = os.path.abspath(root)
+    base = [f"run.root={root_path}", f"model.policy_path={os.path.join(root_path, '_models', 'tiny-llama')}",
+            f"data.path={os.path.join(root_path, '_data', 'digits')}"]
+    return load_config(DEMO_CONFIG, base + list(overrides))
+
+
+def prepare_demo(cfg: PPOFlowConfig) -> None:
+    """Build the tiny model and the digits dataset where `demo_config` put them, unless they exist."""
     from engines.toy.model import ensure_tiny_llama
     from engines.toy.task import ensure_digits_dataset
 
-    root_path = os.path.abspath(root)
-    model_dir = ensure_tiny_llama(os.path.join(root_path, "_models", "tiny-llama"))
-    data_dir = ensure_digits_dataset(os.path.join(root_path, "_data", "digits"))
-    base = [f"run.root={root_path}", f"model.policy_path={model_dir}", f"data.path={data_dir}"]
-    cfg = load_config(DEMO_CONFIG, base + list(overrides))
-    return train(cfg)
+    ensure_tiny_llama(cfg.model.policy_path)
+    ensure_digits_dataset(cfg.data.path)
+
+
+def demo(overrides: list[str], root: str = "./runs", console: Optional[Console] = None) -> dict[str, Any]:
+    """Build the tiny model and the digits dataset under ROOT (once), then train on the embedded default."""
+    cfg = demo_config(overrides, root)
+    prepare_demo(cfg)
+    return train(cfg, console)

@@ -5,6 +5,7 @@ from rich.console import Group
 from rich.table import Table
 
 from flows.records import read_metrics
+from flows.tracker import tensorboard_dir_for
 from ppoflow.config import StorageConfig
 from storage.checkpoints import is_committed, latest_iteration
 from storage.fs import resolve
@@ -49,4 +50,6 @@ def runs_show(root: str, run: str, storage_cfg: StorageConfig | None = None) -> 
     info.add_row("run folder", layout.url(layout.run_dir))
     info.add_row("LATEST", str(latest))
     info.add_row("metrics", layout.url(layout.metrics_path))
+    info.add_row("tensorboard", tensorboard_dir_for(layout))
+    info.add_row("logs", layout.url(layout.run_dir) + "/logs/")
     return Group(info, metrics)

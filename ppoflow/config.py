@@ -283,7 +283,7 @@ class TrainConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    stage_pools: Optional[dict[str, str]] = Field(None, description="Stage -> deployment name ('ppo-rollout/rollout'); None = all stages in-process.")
+    stage_pools: Optional[dict[str, str]] = Field(None, description="Stage -> deployment as FLOW/DEPLOYMENT, e.g. {rollout: ppo-rollout/ppo-rollout} as prefect.yaml creates them; None = all stages in-process.")
     retries: int = Field(2, ge=0, description="Task retries for each stage.")
     retry_delay_s: float = Field(5.0, ge=0, description="First retry delay; doubles each retry.")
     stage_workers: list[Literal["rollout", "score", "update", "checkpoint"]] = Field(

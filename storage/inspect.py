@@ -11,7 +11,9 @@ from typing import Any, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from ppoflow.config import StorageConfig
 from storage import fs as fsutil
@@ -53,21 +55,54 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Table:
-    """One row per stage folder under `uri`: folder, kind, parts, rows, bytes, committed."""
+def part_problems(fs, folder: str, manifest: Manifest) -> list[str]:
+    """What is wrong with the parts a manifest lists, from one listing (no part is read): a part missing,
+    or of another size than the manifest says (truncated or grown). Empty when every part is there whole.
+
+    A part of the right size with other bytes passes here; `show` and `stats` check every hash they read.
+    """
+    sizes = fsutil.list_files(fs, folder)
+    problems = []
+    for part in manifest.parts:
+        size = sizes.get(part.name)
+        if size is None:
+            problems.append(f"{part.name} missing")
+        elif size < part.bytes:
+            problems.append(f"{part.name} truncated: {size:,} of {part.bytes:,} bytes")
+        elif size != part.bytes:
+            problems.append(f"{part.name} has {size:,} bytes, manifest says {part.bytes:,}")
+    return problems
+
+
+def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None,
+              broken: Optional[list[str]] = None) -> Table:
+    """One row per stage folder under `uri`: folder, kind, parts, rows, bytes, committed, check.
+
+    `check` is "ok" or what `part_problems` found; the folders with a problem are appended to `broken`.
+    """
     fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
     table = Table(title=f"shards under {uri}")
     for name, justify in (("folder", "left"), ("kind", "left"), ("parts", "right"), ("rows", "right"),
-                          ("bytes", "right"), ("committed", "center")):
+                          ("bytes", "right"), ("committed", "center"), ("check", "left")):
         table.add_column(name, justify=justify)
     for folder, manifest in found.items():
         if manifest is None:
             parts = [n for n in fsutil.list_files(fs, folder) if n.startswith("part-")]
-            table.add_row(_relative(folder, root), "?", str(len(parts)), "?", "?", "[red]no[/red]")
-        else:
-            table.add_row(_relative(folder, root), manifest.kind, str(len(manifest.parts)), f"{manifest.rows:,}",
-                          _human_bytes(manifest.bytes), "[green]yes[/green]")
+            table.add_row(_relative(folder, root), "?", str(len(parts)), "?", "?", "[red]no[/red]", "-")
+            continue
+        problems = part_problems(fs, folder, manifest)
+        if problems and broken is not None:
+            broken.append(fsutil.url_of(fs, folder))
+        check = "[green]ok[/green]" if not problems else "[red]broken: " + "; ".join(problems) + "[/red]"
+        table.add_row(_relative(folder, root), manifest.kind, str(len(manifest.parts)), f"{manifest.rows:,}",
+                      _human_bytes(manifest.bytes), "[green]yes[/green]", check)
     return table
+
+
+def describe_metadata(schema: pa.Schema) -> str:
+    """The ppoflow.* schema metadata of a part as "key=value" pairs ("" when it has none)."""
+    meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items() if k.startswith(b"ppoflow.")}
+    return ", ".join(f"{k[len('ppoflow.'):]}={v}" for k, v in meta.items())
 
 
 def _cell(value: Any, width: int = 48) -> str:
@@ -82,8 +117,8 @@ def _cell(value: Any, width: int = 48) -> str:
 
 
 def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = None,
-                storage_cfg: Optional[StorageConfig] = None) -> Table:
-    """The first `rows` rows of one committed stage folder (only `columns` when given).
+                storage_cfg: Optional[StorageConfig] = None):
+    """The first `rows` rows of one committed stage folder (only `columns` when given), as a rich renderable.
 
     Lists show their length then the first elements ("[12] 5, 9, …"). Raises ValueError listing the
     stage folders when `uri` holds several, NotCommittedError when it is not committed.
@@ -104,6 +139,7 @@ def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = Non
         taken += piece.num_rows
     data = pa.concat_tables(pieces) if pieces else None
     title = f"{fsutil.url_of(fs, folder)} ({manifest.kind}, first {taken} of {manifest.rows:,} rows)"
+    caption = describe_metadata(pieces[0].schema) if pieces else ""
     names = selected or (data.column_names if data is not None else [])
     records = data.to_pylist() if data is not None else []
     if len(names) <= _WIDE_COLUMNS:
@@ -112,7 +148,7 @@ def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = Non
             table.add_column(name, no_wrap=True, overflow="ellipsis")
         for row in records:
             table.add_row(*(_cell(row[name]) for name in names))
-        return table
+        return _with_caption(table, caption)
     # Many columns do not fit side by side: one block per row, a line per column (like psql's \x).
     table = Table(title=title)
     table.add_column("row", justify="right")
@@ -122,7 +158,15 @@ def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = Non
         for position, name in enumerate(names):
             table.add_row(str(index) if position == 0 else "", name, _cell(row[name], width=100))
         table.add_section()
-    return table
+    return _with_caption(table, caption)
+
+
+def _with_caption(table: Table, caption: str):
+    """The table, then the parts' ppoflow.* metadata on a line of its own (a table caption would wrap at
+    the table's width, one word per line for a narrow selection)."""
+    if not caption:
+        return table
+    return Group(table, Text(f"part metadata: {caption}", style="dim"))
 
 
 def stage_stats(fs, folder: str) -> dict[str, Any]:

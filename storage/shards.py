@@ -15,6 +15,10 @@ one atomic write, then the manifest. Readers trust only what a manifest lists: a
 A retried write therefore replaces its own uncommitted output and never duplicates rows; other
 folders are never touched.
 
+Each part describes itself: its Arrow schema metadata holds `ppoflow.kind` and `ppoflow.schema_version`,
+plus what the writer passes (`shard_metadata`: run name, iteration, stage, config hash, ppoflow version),
+so a part copied alone still says where it came from (`pyarrow.ipc.open_file(f).schema.metadata`).
+
 No streaming writer: a part's name carries the total part count ("-of-00004"), which is known only at
 the end, and renaming afterwards is not atomic on S3. Stages hold their (small) table in memory anyway.
 """
@@ -33,6 +37,7 @@ import pyarrow as pa
 from storage import fs as fsutil
 from storage.schema import SCHEMA_VERSION, SchemaMismatchError, check_columns, schema_for, validate
 
+METADATA_PREFIX = "ppoflow."
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_FORMAT = "ppoflow.shards"
 _BATCH_ROWS = 1024  # record batch size inside a part: datasets reads a part batch by batch
@@ -180,14 +185,55 @@ def _commit_manifest(fs: fsspec.AbstractFileSystem, stage_dir: str, manifest: Ma
     fsutil.write_json(fs, fsutil.join(stage_dir, MANIFEST_NAME), record)
 
 
+def ppoflow_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ppoflow")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def shard_metadata(cfg, iteration: int, stage: str) -> dict[str, str]:
+    """The schema metadata a stage passes to `write_shards`: run name, iteration, stage, config hash, version.
+
+    `cfg` is a PPOFlowConfig. The config hash is the one `RunLayout.write_config_once` names in a config
+    conflict (sha256 of the resolved config, 16 hex digits), so a part can be matched to its config.yaml.
+    """
+    import yaml
+
+    from storage.layout import _config_hash
+
+    return {"ppoflow.run": cfg.run.name, "ppoflow.iteration": str(int(iteration)), "ppoflow.stage": str(stage),
+            "ppoflow.config_hash": _config_hash(yaml.safe_load(cfg.to_yaml())),
+            "ppoflow.version": ppoflow_version()}
+
+
+def _schema_metadata(kind: str, metadata: Optional[dict[str, str]]) -> dict[str, str]:
+    """kind and schema version, then the caller's keys; ValueError for a key without the prefix or a non-str."""
+    out = {"ppoflow.kind": kind, "ppoflow.schema_version": str(SCHEMA_VERSION)}
+    for key, value in (metadata or {}).items():
+        if not isinstance(key, str) or not key.startswith(METADATA_PREFIX) or not isinstance(value, str):
+            raise ValueError(f"shard metadata {key!r}: {value!r}: keys must be strings starting with "
+                             f"{METADATA_PREFIX!r} and values strings")
+        out[key] = value
+    return out
+
+
 def write_shards(fs: fsspec.AbstractFileSystem, stage_dir: str, table: pa.Table, kind: str,
-                 max_rows: int = 4096, max_bytes: int = 256 * 2**20) -> Manifest:
+                 max_rows: int = 4096, max_bytes: int = 256 * 2**20,
+                 metadata: Optional[dict[str, str]] = None) -> Manifest:
     """Replace the contents of `stage_dir` with `table` as parts plus a manifest (written last).
 
     `table` must match `kind`'s schema (storage/schema.py): SchemaMismatchError otherwise, raised
-    before anything is removed. Returns the manifest (rows, bytes, part hashes, content_hash).
+    before anything is removed. `metadata` (keys prefixed "ppoflow.", string values; see
+    `shard_metadata`) goes into every part's Arrow schema metadata beside `ppoflow.kind` and
+    `ppoflow.schema_version`; ValueError for another key. Returns the manifest (rows, bytes, part
+    hashes, content_hash).
     """
+    schema_metadata = _schema_metadata(kind, metadata)
     table = validate(table, kind, where=f"shards for {fsutil.url_of(fs, stage_dir)}")
+    table = table.replace_schema_metadata(schema_metadata)
     clear_stage_dir(fs, stage_dir)
     plan = plan_parts(table.num_rows, table.nbytes, max_rows, max_bytes)
     parts = []

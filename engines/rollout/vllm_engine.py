@@ -31,6 +31,7 @@ enable_sleep_mode raises ValueError (vLLM's sleep mode needs CUDA's memory pool)
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import logging
 import os
@@ -59,9 +60,57 @@ def _private_ipc_dir() -> None:
     """
     if os.environ.get("VLLM_RPC_BASE_PATH"):
         return
-    folder = tempfile.mkdtemp(prefix="ppoflow-vllm-ipc-")
-    os.environ["VLLM_RPC_BASE_PATH"] = folder
-    atexit.register(shutil.rmtree, folder, True)
+    os.environ["VLLM_RPC_BASE_PATH"] = _private_folder()
+
+
+_PRIVATE_FOLDER: list[str] = []
+
+
+def _private_folder() -> str:
+    """A temp folder of this process's own (IPC sockets, the logging config), removed at exit."""
+    if not _PRIVATE_FOLDER:
+        folder = tempfile.mkdtemp(prefix="ppoflow-vllm-ipc-")
+        atexit.register(shutil.rmtree, folder, True)
+        _PRIVATE_FOLDER.append(folder)
+    return _PRIVATE_FOLDER[0]
+
+
+class RotaryReloadWarningFilter(logging.Filter):
+    """Drops exactly vLLM's "RotaryEmbedding: Failed to load weights", which every weight reload logs.
+
+    Why it is harmless (vLLM 0.32, model_executor/model_loader/reload/layerwise.py): the in-place reload
+    counts every parameter AND buffer of a layer as loadable (`get_layer_size`). RotaryEmbedding holds
+    only `cos_sin_cache`, a non-persistent buffer computed from the rope settings of config.json, never
+    stored in a checkpoint, so no checkpoint tensor ever reaches it: `load_numel` stays 0 while
+    `load_numel_total` > 0, and `finalize_layerwise_processing` logs the warning and puts the layer's
+    start-up tensors back (`_place_kernel_tensors`), i.e. the cos/sin cache computed for this very
+    architecture (`load_weights` refuses a checkpoint whose config.json differs). Nothing is lost:
+    tests/integration/test_vllm_rollout.py::test_logprobs_match_transformers_recompute reloads the weights
+    and then matches a transformers forward to 2e-5 nats, which a wrong rotary cache (positions) would not.
+    The message is vLLM's accounting, not a failed load; other layers' "Failed to load weights" still show.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
+def _install_vllm_log_filter(folder: str) -> None:
+    """Make vLLM's processes (this one and the spawned engine core and workers) use vLLM's default logging
+    config plus RotaryReloadWarningFilter, through VLLM_LOGGING_CONFIG_PATH (read when the engine's config
+    is built and handed to its children). A logging config the user set (or VLLM_CONFIGURE_LOGGING=0) wins.
+    """
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["filters"] = {"ppoflow_rotary_reload": {"()": f"{__name__}.RotaryReloadWarningFilter"}}
+    for handler in config["handlers"].values():
+        handler["filters"] = ["ppoflow_rotary_reload"]
+    path = os.path.join(folder, "vllm-logging.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
 
 
 def logprobs_mode_for(sampling: SamplingSettings) -> LogprobsMode:
@@ -128,6 +177,7 @@ class VLLMRolloutEngine:
         self._warned: set[tuple] = set()
         kv_bytes = None if kv_cache_space_gib is None else int(kv_cache_space_gib * 2**30)
         _private_ipc_dir()
+        _install_vllm_log_filter(_private_folder())
         started = time.perf_counter()
         self._llm = LLM(model=str(path), dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
                         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,

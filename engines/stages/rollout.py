@@ -20,9 +20,8 @@ from engines.rollout.registry import get_rollout_engine, serve_in_memory
 from engines.stages.held import prompt_source_for, trainer_key
 from engines.stages.manifests import PolicyRef, RolloutManifest, provenance
 from engines.stages.policy import local_policy_dir
-from engines.stages.tables import rollout_table
+from engines.stages.tables import rollout_table, write_stage_table
 from storage.layout import layout_for
-from storage.shards import write_shards
 
 
 def sample_rollout(engine: RolloutEngine, source: PromptSource, cfg, iteration: int) -> pa.Table:
@@ -57,9 +56,7 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
     engine = rollout_engine_for(cfg, policy)
     table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
     layout = layout_for(cfg)
-    stage_dir = layout.stage_dir(iteration, "rollout")
-    manifest = write_shards(layout.fs, stage_dir, table, "rollout",
-                            max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
-    return RolloutManifest(iteration=iteration, uri=layout.url(stage_dir), rows=manifest.rows,
+    manifest = write_stage_table(cfg, layout, iteration, "rollout", table)
+    return RolloutManifest(iteration=iteration, uri=layout.url(layout.stage_dir(iteration, "rollout")), rows=manifest.rows,
                            content_hash=manifest.content_hash, policy_version=policy.version, engine=engine.name,
                            **provenance(started))

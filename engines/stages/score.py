@@ -22,9 +22,9 @@ from engines.scoring.cached import CacheStats, ScoreCacheLike, score_with_cache
 from engines.scoring.scorer import Scorer
 from engines.stages.held import score_cache_for, scorer_for
 from engines.stages.manifests import RolloutManifest, ScoreManifest, provenance
-from engines.stages.tables import scored_table, scoring_inputs
+from engines.stages.tables import scored_table, scoring_inputs, write_stage_table
 from storage.layout import layout_for
-from storage.shards import clear_stage_dir, read_shards, write_shards
+from storage.shards import clear_stage_dir, read_shards
 
 
 def score_rows(scorer: Scorer, rollout: pa.Table, cache: Optional[ScoreCacheLike]) -> tuple[pa.Table, CacheStats]:
@@ -44,8 +44,7 @@ def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     scorer = scorer_for(cfg)
     cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
     scored, stats = score_rows(scorer, table, cache)
-    manifest = write_shards(layout.fs, stage_dir, scored, "scored",
-                            max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
+    manifest = write_stage_table(cfg, layout, iteration, "scored", scored)
     rewards = scored.column("reward").to_pylist()
     return ScoreManifest(iteration=iteration, uri=layout.url(stage_dir), rows=manifest.rows,
                          content_hash=manifest.content_hash, scorer_identity=scorer.identity,

@@ -5,6 +5,7 @@
     scored_table(rollout rows, results, hit_mask)           + rewards, ref log-probs -> scored rows
     experience_batch(scored rows, pad_token_id)             scored rows              -> padded tensors
     experience_table(scored rows, update result)            + old log-probs, values, advantages, returns
+    write_stage_table(cfg, layout, iteration, kind, rows)    the rows as the iteration's shards of that kind
 
 The pipeline writes these tables to shards between stages; the bare loop (engines/loop.py) passes them
 in memory. Both go through these functions, so a row means the same thing on either path.
@@ -21,7 +22,9 @@ from engines.data import PromptRecord
 from engines.rollout.base import RolloutSample
 from engines.scoring.scorer import ScoreResult, ScoringInput
 from engines.trainer.experience import ExperienceBatch
+from storage.layout import RunLayout
 from storage.schema import schema_for
+from storage.shards import Manifest, shard_metadata, write_shards
 
 _F32_LIST = pa.list_(pa.float32())
 
@@ -90,3 +93,11 @@ def experience_table(scored: pa.Table, result) -> pa.Table:
             .append_column("values", pa.array(result.values, _F32_LIST))
             .append_column("advantages", pa.array(result.advantages, _F32_LIST))
             .append_column("returns", pa.array(result.returns, _F32_LIST))).cast(schema_for("experience"))
+
+
+def write_stage_table(cfg, layout: RunLayout, iteration: int, kind: str, table: pa.Table) -> Manifest:
+    """Write `table` as iteration `iteration`'s `kind` shards (rollout, scored, experience), replacing what the
+    folder held (manifest last); every part's schema metadata names the run, iteration, stage and config."""
+    return write_shards(layout.fs, layout.stage_dir(iteration, kind), table, kind,
+                        max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes,
+                        metadata=shard_metadata(cfg, iteration, kind))

@@ -19,11 +19,11 @@ from engines import warm
 from engines.stages.held import trainer_key
 from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest, provenance
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
-from engines.stages.tables import experience_batch, experience_table
+from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
 from storage.layout import layout_for
-from storage.shards import read_shards, write_shards
+from storage.shards import read_shards
 
 
 def train_on(trainer: PPOTrainer, scored: pa.Table) -> UpdateResult:
@@ -60,9 +60,7 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
     trainer = take_trainer(cfg, policy)
     result = train_on(trainer, table)
-    exp_dir = layout.stage_dir(iteration, "experience")
-    exp_manifest = write_shards(layout.fs, exp_dir, experience_table(table, result), "experience",
-                                max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes)
+    exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
     with checkpoint_scratch(layout) as tmp:
         hashed = trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
@@ -71,6 +69,6 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     weights_id = checkpoint_weights_id(staged["files"])
     warm.put(trainer_key(weights_id), trainer)
     return UpdateManifest(iteration=iteration, checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
-                          experience_uri=layout.url(exp_dir), weights_id=weights_id,
+                          experience_uri=layout.url(layout.stage_dir(iteration, "experience")), weights_id=weights_id,
                           experience_hash=exp_manifest.content_hash, metrics=result.metrics,
                           **provenance(started))

@@ -37,8 +37,8 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(prefect_api, tmp_pat
 
     # The worst moment: after iteration 2's PPO step, before its experience shards and checkpoint are written.
     with monkeypatch.context() as faults:
-        fail_when(faults, "engines.stages.update", "write_shards",
-                  lambda fs, stage_dir, *args, **kwargs: "iter-000002" in stage_dir)
+        fail_when(faults, "engines.stages.update", "write_stage_table",
+                  lambda cfg, layout, iteration, *args, **kwargs: iteration == 2)
         state = ppo_training(**params, return_state=True)
     assert state.is_failed(), state
     assert "injected fault" in str(state.message) or "injected fault" in repr(state)

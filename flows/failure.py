@@ -1,0 +1,86 @@
+"""One message per failed `ppoflow train` / `ppoflow demo`: what failed, where, and the command that resumes.
+
+    ppoflow: error: ValueError: reward function boom.py:reward raised on row 3 ...
+      where:   stage score, iteration 2, run demo at /tmp/runs/demo
+      log:     /tmp/runs/demo/logs/demo-20261123T101500Z-4242.log (the traceback; --verbose shows it here)
+      resume:  ppoflow demo --root /tmp/runs
+
+The stage and iteration come from the traceback: the innermost frame of ppoflow's own code that holds
+an int `iteration` and a stage name in `stage` (flows/stages.py runs every stage that way). Object
+storage errors add the root URL and its endpoint. The resume command is the command that failed:
+a run resumes at LATEST + 1, and inside the failed iteration at the first stage without a cached result.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import traceback
+from types import TracebackType
+from typing import Optional
+
+from ppoflow.config import PPOFlowConfig
+
+_STAGES = ("rollout", "score", "update", "checkpoint")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MAX_MESSAGE_LINES = 12
+
+
+def failed_stage(tb: Optional[TracebackType]) -> tuple[Optional[str], Optional[int]]:
+    """(stage, iteration) from the innermost ppoflow frame that names both, else what is known, else Nones."""
+    stage, iteration = None, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith(_REPO):
+            local_stage, local_iter = frame.f_locals.get("stage"), frame.f_locals.get("iteration")
+            if isinstance(local_iter, int) and not isinstance(local_iter, bool):
+                iteration = local_iter
+                if local_stage in _STAGES:
+                    stage = local_stage
+        tb = tb.tb_next
+    return stage, iteration
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc).strip() or "(no message)"
+    lines = text.splitlines()
+    if len(lines) > _MAX_MESSAGE_LINES:
+        lines = lines[:_MAX_MESSAGE_LINES] + [f"... ({len(lines) - _MAX_MESSAGE_LINES} more lines in the log file)"]
+    message = f"{type(exc).__name__}: " + "\n  ".join(lines)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip() and str(cause).strip() not in text:
+        message += f"\n  caused by {type(cause).__name__}: {str(cause).strip().splitlines()[0]}"
+    return message
+
+
+def resume_command(argv: Optional[list[str]] = None) -> str:
+    """The command line that failed, without --verbose: running it again resumes the run."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--verbose"]
+    return shlex.join(["ppoflow", *args])
+
+
+def describe_failure(exc: BaseException, cfg: Optional[PPOFlowConfig], log_path: Optional[str],
+                     argv: Optional[list[str]] = None) -> str:
+    """The message block printed on the terminal (see the module docstring); no traceback."""
+    lines = [f"ppoflow: error: {_message(exc)}"]
+    stage, iteration = failed_stage(exc.__traceback__)
+    if cfg is not None:
+        where = [f"stage {stage}"] if stage else []
+        if iteration is not None:
+            where.append(f"iteration {iteration}")
+        where.append(f"run {cfg.run.name} at {str(cfg.run.root).rstrip('/')}/{cfg.run.name}")
+        lines.append("  where:   " + ", ".join(where))
+        if "://" in str(cfg.run.root) and not str(cfg.run.root).startswith("file://"):
+            endpoint = cfg.storage.endpoint_url or "AWS default endpoint"
+            lines.append(f"  storage: {cfg.run.root} (endpoint {endpoint})")
+    if log_path:
+        lines.append(f"  log:     {log_path} (the traceback; --verbose shows it here)")
+    lines.append(f"  resume:  {resume_command(argv)}")
+    return "\n".join(lines)
+
+
+def log_traceback(exc: BaseException) -> None:
+    """The full traceback to stderr: the run's log file (and the terminal too under --verbose)."""
+    print("ppoflow: the command failed:", file=sys.stderr)
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    sys.stderr.flush()

@@ -1,0 +1,201 @@
+"""Where a run's own output goes: the terminal shows ppoflow's progress; everything else goes to a log file.
+
+`ppoflow train` and `ppoflow demo` print a progress bar and the iteration table. The engines and Prefect
+print far more (vLLM's start-up report, transformers' loading bars and LOAD REPORT blocks, DeepSpeed's
+banner, Prefect's state lines, Python warnings): all of it goes to `<run>/logs/<command>-<UTC time>.log`
+and, for Prefect's run loggers, to the Prefect API as before. `--verbose` shows it on the terminal too.
+
+Why file descriptors and not logging handlers: vLLM's engine core and its worker run in *spawned* child
+processes that configure their own logging and write to the stdout/stderr descriptors they inherit, and
+C++ code (torch, NUMA binding) writes to fd 2 directly. So `capture_output` points fds 1 and 2 of this
+process at the log file (`os.dup2`) for the rest of the command, before any engine starts: every child
+started later inherits the log file, whatever it configures. ppoflow's own display writes to a duplicate
+of the original terminal descriptor, taken first (`OutputCapture.terminal`).
+
+The redirection is never undone by the CLI: vLLM shuts its engine down from an `atexit` hook, after the
+command returned, and would print its shutdown report on the terminal otherwise. `release()` undoes it
+for callers that live on (tests, notebooks).
+
+With `verbose`, fds 1 and 2 go to a pipe instead, and a thread copies what arrives both to the log file
+and to the terminal (a `tee`); output written after the thread stopped (at interpreter exit) is lost.
+
+For a run on object storage the log file is written to a local mirror folder,
+`<local cache>/mirror/<root as a folder name>/<run>/logs/` (local cache = storage.local_cache_dir, else
+$PPOFLOW_CACHE, else ~/.cache/ppoflow), and copied to `<run>/logs/` in the bucket when the command ends
+(`OutputCapture.publish`): object stores have no append.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from typing import Optional, TextIO
+
+from ppoflow.config import PPOFlowConfig
+
+log = logging.getLogger("ppoflow.cli")
+
+
+def local_cache_root(local_cache_dir: Optional[str] = None) -> str:
+    """storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow (as storage/checkpoints.py)."""
+    return (local_cache_dir or os.environ.get("PPOFLOW_CACHE")
+            or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow"))
+
+
+def mirror_dir(root_url: str, run_name: str, local_cache_dir: Optional[str] = None) -> str:
+    """The local mirror of a run on object storage: `<local cache>/mirror/<root as a folder name>/<run>`.
+
+    Named after the root URL (readable part plus a hash), so two buckets with the same run name do not
+    share a folder.
+    """
+    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in root_url.split("://", 1)[-1])[:80]
+    digest = hashlib.sha256(root_url.encode()).hexdigest()[:8]
+    return os.path.join(local_cache_root(local_cache_dir), "mirror", f"{readable}-{digest}", run_name)
+
+
+def _is_local_root(root: str) -> bool:
+    return "://" not in root or root.startswith("file://")
+
+
+def log_dir_for(cfg: PPOFlowConfig) -> tuple[str, Optional[str]]:
+    """(local folder the log file is written to, remote folder URL it is copied to, or None when local)."""
+    root = str(cfg.run.root)
+    if _is_local_root(root):
+        local_root = root[len("file://"):] if root.startswith("file://") else root
+        return os.path.join(os.path.abspath(local_root), cfg.run.name, "logs"), None
+    mirror = mirror_dir(root, cfg.run.name, cfg.storage.local_cache_dir)
+    return os.path.join(mirror, "logs"), root.rstrip("/") + f"/{cfg.run.name}/logs"
+
+
+def terminal_width(fd: int) -> int:
+    """Columns of the terminal on `fd`; $COLUMNS, else 120, when it is not a terminal or reports 0 columns
+    (a pty nobody sized, as under `script` or some CI runners: rich would then print nothing at all)."""
+    try:
+        columns = os.get_terminal_size(fd).columns
+    except OSError:
+        columns = 0
+    if columns > 0:
+        return columns
+    return shutil.get_terminal_size((120, 24)).columns or 120
+
+
+class OutputCapture:
+    """Fds 1 and 2 of this process (and of every child it starts) into `log_path`; see the module docstring.
+
+    `terminal` is a text stream on a duplicate of the original stdout: what ppoflow shows the user.
+    """
+
+    def __init__(self, log_path: str, verbose: bool = False, remote_dir: Optional[str] = None):
+        self.log_path = log_path
+        self.verbose = verbose
+        self.remote_dir = remote_dir
+        self._saved: dict[int, int] = {}
+        self._tee: Optional[threading.Thread] = None
+        self.terminal: TextIO = sys.stdout
+
+    def start(self) -> "OutputCapture":
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        self._saved = {fd: os.dup(fd) for fd in (1, 2)}
+        self.terminal = io.TextIOWrapper(os.fdopen(os.dup(self._saved[1]), "wb", buffering=0),
+                                         write_through=True, line_buffering=True)
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if self.verbose:
+            read_fd, write_fd = os.pipe()
+            self._tee = threading.Thread(target=_tee, args=(read_fd, log_fd, self._saved[1]), daemon=True,
+                                         name="ppoflow-log-tee")
+            self._tee.start()
+            target = write_fd
+        else:
+            target = log_fd
+        for fd in (1, 2):
+            os.dup2(target, fd)
+        if not self.verbose:
+            os.close(log_fd)
+        else:
+            os.close(write_fd)
+        _note_start(self.log_path)
+        return self
+
+    def release(self) -> None:
+        """Point fds 1 and 2 back at what they were (the children started meanwhile keep the log file)."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        self._saved = {}
+        if self._tee is not None:
+            self._tee.join(timeout=2)  # ends when every writer of the pipe (children too) closed it
+
+    def publish(self, storage_cfg=None) -> Optional[str]:
+        """Copy the log file to the run's `logs/` folder on object storage; returns its URL (None when local).
+
+        Best effort: the run's result does not depend on its log, so a failed upload is logged, not raised.
+        """
+        if self.remote_dir is None:
+            return None
+        from storage import fs as fsutil
+
+        url = f"{self.remote_dir}/{os.path.basename(self.log_path)}"
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            fs, path = fsutil.resolve(url, storage_cfg)
+            fsutil.upload_file_atomic(fs, self.log_path, path)
+        except Exception as e:  # noqa: BLE001 - see docstring
+            log.warning("could not copy the log file to %s: %s: %s", url, type(e).__name__, e)
+            return None
+        return url
+
+
+def _tee(read_fd: int, log_fd: int, terminal_fd: int) -> None:
+    with os.fdopen(read_fd, "rb", buffering=0) as source:
+        while True:
+            chunk = source.read(65536)
+            if not chunk:
+                break
+            os.write(log_fd, chunk)
+            try:
+                os.write(terminal_fd, chunk)
+            except OSError:
+                pass  # the terminal went away; the log file still gets everything
+    os.close(log_fd)
+
+
+def _note_start(path: str) -> None:
+    print(f"==== ppoflow {' '.join(sys.argv[1:])} (pid {os.getpid()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC) log {path}", flush=True)
+
+
+def log_file_name(command: str) -> str:
+    """`train-20261123T093010Z.log`: one file per command; a resumed run adds a file, never overwrites one."""
+    return f"{command}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.log"
+
+
+def capture_output(cfg: PPOFlowConfig, command: str, verbose: bool = False) -> OutputCapture:
+    """Start capturing this process's output for run `cfg` (see OutputCapture); returns the capture."""
+    folder, remote = log_dir_for(cfg)
+    return OutputCapture(os.path.join(folder, log_file_name(command)), verbose=verbose, remote_dir=remote).start()
+
+
+def quiet_libraries() -> None:
+    """Environment settings that remove noise at its source, before any library reads them.
+
+    - Prefect's server telemetry: its start-up heartbeat reads the `configuration` table in a DEFERRED
+      SQLite transaction, then inserts the TELEMETRY_SESSION row. Other server services write in between
+      at start-up, so the insert needs to upgrade a stale WAL snapshot, which SQLite refuses at once with
+      SQLITE_BUSY (busy_timeout does not apply): "database is locked" (prefect/server/services/
+      telemetry.py, `_fetch_or_set_telemetry_session`). The row is never written, so every start
+      repeats it; and the heartbeat it prepares is a POST to a Prefect host that an offline machine cannot
+      reach anyway. Off by default here (PREFECT_SERVER_ANALYTICS_ENABLED=false), as our test server does;
+      a value the user set is kept.
+    - Python warnings from libraries still reach the log file (stderr); nothing is filtered.
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
