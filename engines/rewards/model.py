@@ -34,37 +34,10 @@ from typing import Optional
 
 from engines.rewards.base import RewardBatch, RewardError
 from engines.scoring.batching import token_budget_batches
+from ppoflow.fingerprint import folder_fingerprint
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _QUANTIZE = ("none", "int8-dynamic", "bnb-8bit", "bnb-4bit")
-_HASH_CACHE: dict[tuple, str] = {}
-_HASH_LOCK = threading.Lock()
-
-
-def folder_fingerprint(folder: str | Path) -> str:
-    """sha256 hex of the names and bytes of the regular files directly in `folder` (hidden files skipped).
-
-    Cached per process under the files' (name, size, mtime_ns), so a rewritten file is hashed again.
-    """
-    root = Path(folder).resolve()
-    files = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
-    stat_key = (str(root),) + tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    with _HASH_LOCK:
-        if stat_key in _HASH_CACHE:
-            return _HASH_CACHE[stat_key]
-    digest = hashlib.sha256()
-    for p in files:
-        digest.update(p.name.encode() + b"\0")
-        with p.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-        digest.update(b"\0")
-    value = digest.hexdigest()
-    with _HASH_LOCK:
-        _HASH_CACHE[stat_key] = value
-    return value
-
-
 def _check_reward_model_folder(folder: Path):
     """Load and return the folder's config; RewardError naming the folder unless it is a 1-label classifier."""
     from transformers import AutoConfig

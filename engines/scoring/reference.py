@@ -5,7 +5,6 @@ are comparable (OpenRLHF and veRL do the same).
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Optional
 
@@ -14,23 +13,16 @@ import torch
 from engines.models import autocast, load_reference, precast_linear_weights, weight_files
 from engines.trainer.experience import left_pad, right_pad
 from engines.trainer.forward import policy_forward
+from ppoflow.fingerprint import folder_fingerprint
 
 
 def weights_fingerprint(model_dir: str | Path) -> str:
-    """sha256 over the folder's *.safetensors contents (sorted by name): changes whenever the weights do.
-
-    Reads every weight byte once (about 20 s for 14 GB); call it once per scorer, not per batch.
-    """
-    digest = hashlib.sha256()
-    files = weight_files(model_dir)
-    if not files:
+    """The folder's *.safetensors contents as one fingerprint (ppoflow/fingerprint.py): changes whenever the
+    weights do. Reads every weight byte once per process (about 20 s for 14 GB); FileNotFoundError without
+    weights."""
+    if not weight_files(model_dir):
         raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
-    for path in files:
-        digest.update(path.name.encode())
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
+    return folder_fingerprint(model_dir, "*.safetensors")[:16]
 
 
 class ReferenceModel:
