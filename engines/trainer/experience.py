@@ -18,30 +18,43 @@ columns, so every response starts at column P of the concatenated (B, P + R) seq
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 
+def _lengths_and_values(rows: Sequence[Sequence[float]], width: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(B,) row lengths and every row's values concatenated; ValueError naming the row when one exceeds width."""
+    lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    if lengths.size and lengths.max() > width:
+        b = int(lengths.argmax())
+        raise ValueError(f"row {b} has {int(lengths[b])} values for {width} columns")
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
+    return lengths, values
+
+
 def right_pad(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype) -> torch.Tensor:
-    """(B, width) tensor of `rows` right-padded with `value`."""
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for b, row in enumerate(rows):
-        if len(row):
-            out[b, :len(row)] = torch.tensor(list(row), dtype=dtype)
-    return out
+    """(B, width) tensor of `rows` right-padded with `value`.
+
+    Filled in one vectorised step: a row mask, read in row-major order, takes the concatenated values in order
+    (a small tensor per row cost ~0.5 s for 2,048 rows on 2 cores, once per padded field of every batch)."""
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    lengths, values = _lengths_and_values(rows, width, np_dtype)
+    out = np.full((len(rows), width), value, dtype=np_dtype)
+    out[np.arange(width) < lengths[:, None]] = values
+    return torch.from_numpy(out)
 
 
 def left_pad(rows: Sequence[Sequence[int]], width: int, value: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, width) long tensor of `rows` left-padded with `value`, and its mask (1 = real token)."""
-    ids = torch.full((len(rows), width), value, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, row in enumerate(rows):
-        if len(row):
-            ids[b, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
-            mask[b, width - len(row):] = 1
-    return ids, mask
+    lengths, values = _lengths_and_values(rows, width, np.int64)
+    real = np.arange(width) >= (width - lengths)[:, None]
+    ids = np.full((len(rows), width), value, dtype=np.int64)
+    ids[real] = values
+    return torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64))
 
 
 @dataclass
