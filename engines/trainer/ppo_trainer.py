@@ -101,8 +101,9 @@ def _grad_norm(module: torch.nn.Module) -> Optional[float]:
 
 
 def _ragged(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    """(B, R) values of right-padded rows -> each row's first mask.sum() values (one tolist, not one per row)."""
     lengths = mask.sum(dim=1).long().tolist()
-    return [tensor[b, :n].tolist() for b, n in enumerate(lengths)]
+    return [row[:n] for row, n in zip(tensor.tolist(), lengths)]
 
 
 class PPOTrainer:
