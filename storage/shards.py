@@ -200,12 +200,12 @@ def shard_metadata(cfg, iteration: int, stage: str) -> dict[str, str]:
     `cfg` is a PPOFlowConfig. The config hash is the one `RunLayout.write_config_once` names in a config
     conflict (sha256 of the resolved config, 16 hex digits), so a part can be matched to its config.yaml.
     """
-    import yaml
-
     from storage.layout import _config_hash
 
+    # The JSON dump is what config.yaml holds (to_yaml dumps it; YAML gives the same values back), without
+    # the YAML round trip (~10 ms, three times an iteration).
     return {"ppoflow.run": cfg.run.name, "ppoflow.iteration": str(int(iteration)), "ppoflow.stage": str(stage),
-            "ppoflow.config_hash": _config_hash(yaml.safe_load(cfg.to_yaml())),
+            "ppoflow.config_hash": _config_hash(cfg.model_dump(mode="json")),
             "ppoflow.version": ppoflow_version()}
 
 
