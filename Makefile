@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set up, then run the demo on the embedded default (CPU, local storage, local Prefect)
-#   make test   set up, then run the test suite
-.PHONY: setup demo test bench-docs
+#   make test   set up, then lint (ruff check + format check) and run the test suite
+.PHONY: setup demo lint test bench-docs
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -13,7 +13,11 @@ $(VENV)/.ready: pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/ppoflow demo
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 bench-docs: setup
