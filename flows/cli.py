@@ -108,6 +108,10 @@ def cmd_runs(args) -> int:
         from flows.plot import plot_run
 
         out = f"wrote {plot_run(args.root, args.run, args.out, storage_cfg)}"
+    elif args.action == "repair":
+        from flows.repair import repair_run
+
+        out = repair_run(args.root, args.run, storage_cfg)
     else:
         out = runs_show(args.root, args.run, storage_cfg)
     Console().print(out)
@@ -174,10 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--endpoint-url", default=None, help="S3 endpoint (MinIO, moto...)")
     shards.set_defaults(func=cmd_shards)
 
-    runs = sub.add_parser("runs", help="list runs, show one, or plot one")
-    runs.add_argument("action", choices=["ls", "show", "plot"])
+    runs = sub.add_parser("runs", help="list runs, show one, plot one, or repair one's corrupt latest checkpoint")
+    runs.add_argument("action", choices=["ls", "show", "plot", "repair"])
     runs.add_argument("run", nargs="?", default=None, metavar="RUN|ROOT",
-                      help="the run (show, plot) or the root to list (ls; default --root)")
+                      help="the run (show, plot, repair) or the root to list (ls; default --root)")
     runs.add_argument("--root", default="./runs")
     runs.add_argument("--out", default=None, help="plot: the PNG to write (default <run>-metrics.png here)")
     runs.add_argument("--endpoint-url", default=None)
@@ -211,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # timeout is too short on a busy 2-core machine (first start runs the database migrations).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     args = build_parser().parse_args(argv)
-    if args.command == "runs" and args.action in ("show", "plot") and not args.run:
+    if args.command == "runs" and args.action in ("show", "plot", "repair") and not args.run:
         print(f"ppoflow runs {args.action}: name the run (ppoflow runs {args.action} RUN)", file=sys.stderr)
         return 2
     try:

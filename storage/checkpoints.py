@@ -371,4 +371,5 @@ def _verify_files(local_dir: str, files: dict[str, dict[str, Any]], source_url: 
         if size != info["bytes"]:
             raise CheckpointCorruptError(f"checkpoint file {where} has {size} bytes, marker says {info['bytes']}")
         if file_sha256(path) != info["sha256"]:
-            raise CheckpointCorruptError(f"checkpoint file {where} fails its sha256 check")
+            raise CheckpointCorruptError(f"checkpoint file {where} fails its sha256 check; `ppoflow runs repair RUN` "
+                                         f"quarantines the checkpoint so the next start recomputes it")

@@ -38,3 +38,14 @@ def cache_key_fn(stage: str):
         inputs = {k: v for k, v in parameters.items() if k not in ("config", "iteration")}
         return stage_cache_key(as_config(parameters["config"]), stage, int(parameters["iteration"]), inputs)
     return _key
+
+
+def forget_stage_results(layout, iteration: int, stages: tuple[str, ...]) -> list[str]:
+    """Remove the persisted results of these stages of `iteration` (named by `stage_cache_key`), so the next
+    run computes them again instead of returning a manifest whose output is gone. Returns the removed names."""
+    from storage import fs as fsutil
+
+    prefixes = tuple(f"{layout.run_name}-iter-{iteration:06d}-{stage}-" for stage in stages)
+    names = [name for name in fsutil.list_files(layout.fs, layout.results_dir) if name.startswith(prefixes)]
+    fsutil.remove_files(layout.fs, [fsutil.join(layout.results_dir, name) for name in names])
+    return names
