@@ -13,7 +13,14 @@ few Python objects it also holds (the loss-scaler object, the parameter-slice ma
 are derived from the model's structure and are taken from the freshly built engine at load time (with the
 saved loss scale copied in). Loading restores the fp32 master weights too (`load_from_fp32_weights`), so a
 resumed bf16 run continues from full-precision weights, not from the bf16 policy folder.
-ZeRO-3 partitions the parameters themselves; saving under stage 3 is not supported yet (error).
+ZeRO-3 partitions the parameters themselves: the policy (and critic) folders are written from the state dict
+DeepSpeed gathers one module at a time (`engine._zero3_consolidated_16bit_state_dict`, what its own
+`save_16bit_model` uses; every rank must call it, rank 0 receives it). Its tensors have the parameters' dtype:
+float32 on CPU (model.dtype float32, so the folder is full precision), bfloat16 on GPU runs; the fp32 master
+partitions travel in the optimizer state either way. The stage-3 optimizer's state dict (the torch AdamW
+state of the flat fp32 partitions, `fp32_flat_groups`, bookkeeping) is this rank's partition; loading it
+restores the fp32 partitions and copies them into the (partitioned) parameters, so a resumed trainer continues
+from the master weights. A world of one rank holds the whole partition.
 """
 from __future__ import annotations
 
@@ -33,6 +40,20 @@ def _is_zero_optimizer(optimizer) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return isinstance(optimizer, DeepSpeedZeroOptimizer)
+
+
+def _is_zero3_optimizer(optimizer) -> bool:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
+
+
+def gathered_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
+    """The module's full state dict: its live tensors below ZeRO-3; under ZeRO-3 the parameters gathered from
+    every rank's partition (copies on CPU), returned on rank 0 and None on the others. Every rank must call it."""
+    if engine.zero_optimization_partition_weights():
+        return engine._zero3_consolidated_16bit_state_dict()
+    return engine.module.state_dict()
 
 
 def _open_format_part(state: dict[str, Any]) -> dict[str, Any]:
@@ -60,11 +81,13 @@ def load_optimizer(engine, folder: Path, stem: str) -> None:
         template["loss_scaler"].cur_scale = loss_scale
     if _is_zero_optimizer(optimizer):
         optimizer.load_state_dict([template], load_optimizer_states=True, load_from_fp32_weights=True)
+    elif _is_zero3_optimizer(optimizer):  # restores the fp32 partitions and the parameters from them
+        optimizer.load_state_dict([template], load_optimizer_states=True)
     elif isinstance(optimizer, torch.optim.Optimizer):
         optimizer.load_state_dict(template)
     else:
         raise NotImplementedError(f"resuming a {type(optimizer).__name__} optimizer is not supported "
-                                  f"(use train.zero_stage 1 or 2)")
+                                  f"(train.zero_stage 0-3 use torch AdamW inside DeepSpeed)")
 
 
 def _engine_counters(engine) -> dict[str, Any]:
@@ -86,9 +109,8 @@ def save_policy(trainer, policy_dir: str | Path) -> dict[str, str]:
 
     Returns {file name: sha256} of the weight files, hashed as they were written (engines/hf_save.py).
     """
-    if trainer.cfg.train.zero_stage == 3:
-        raise NotImplementedError("saving under train.zero_stage=3 is not supported; use stage 0, 1 or 2")
-    digests = save_pretrained_hashed(trainer.actor.module, policy_dir)
+    state = gathered_state_dict(trainer.actor)
+    digests = save_pretrained_hashed(trainer.actor.module, policy_dir, state_dict=state)
     trainer.tokenizer.save_pretrained(Path(policy_dir))
     return digests
 
@@ -102,7 +124,8 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
     out = Path(out_dir)
     hashed = _under("policy", save_policy(trainer, out / "policy"))
     if trainer.critic is not None:
-        hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer)))
+        critic_state = gathered_state_dict(trainer.critic)
+        hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer, critic_state)))
     state_dir = out / "trainer"
     hashes = dict(save_optimizer(trainer.actor, state_dir, "actor_optimizer"))
     engines = {"actor": _engine_counters(trainer.actor)}
