@@ -17,6 +17,11 @@ flattens and copies every gradient each step (31 ms per step on that Llama, a no
 DeepSpeed clears itself when it has no process group). ZeRO stages 1-2 keep it: their reduction also
 fills the optimizer's flat partitions.
 
+Offload (train.offload): ZeRO's offload_optimizer / offload_param to "cpu". The optimizer stays torch's AdamW
+(now on CPU tensors); DeepSpeed 0.19.8 accepts that because the optimizer comes from this config, not from
+the caller. Its own DeepSpeedCPUAdam (faster on a GPU machine) would need the `cpu_adam` JIT build. On the
+CPU accelerator DeepSpeed accepts both settings and trains; memory cannot move anywhere cheaper there.
+
 LR schedule: linear warm-up over `warmup_steps` optimizer steps, then constant, linear decay to 0 or
 cosine decay to 0 over the run's remaining steps (`total_steps`).
 """
@@ -99,12 +104,23 @@ def deepspeed_config(train_cfg, dtype: str, train_batch_size: int, lr: float) ->
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": train_cfg.weight_decay, "torch_adam": True,
                                                   "fused": True}},
-        "zero_optimization": {"stage": train_cfg.zero_stage},
+        "zero_optimization": zero_config(train_cfg.zero_stage, train_cfg.offload),
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+def zero_config(stage: int, offload: str = "none") -> dict[str, Any]:
+    """DeepSpeed's zero_optimization section: the stage, plus offload_optimizer / offload_param to CPU memory
+    for train.offload "optimizer" / "optimizer_and_params" (the config validates the stage first)."""
+    section: dict[str, Any] = {"stage": stage}
+    if offload in ("optimizer", "optimizer_and_params"):
+        section["offload_optimizer"] = {"device": "cpu"}
+    if offload == "optimizer_and_params":
+        section["offload_param"] = {"device": "cpu"}
+    return section
 
 
 def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Callable[[int], float]):
