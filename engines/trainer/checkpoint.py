@@ -1,6 +1,7 @@
 """Saving and resuming the trainer: open formats only (safetensors + JSON, no pickle).
 
-    out_dir/policy/   HF folder (save_pretrained, safetensors) + tokenizer: from_pretrained and vLLM load it
+    out_dir/policy/   HF folder (save_pretrained, safetensors) + tokenizer: from_pretrained and vLLM load it;
+                      with model.lora the merged weights, plus policy/adapter/ (peft's adapter folder)
     out_dir/critic/   ValueHeadModel.save: backbone + value_head.safetensors + critic.json (algo "ppo" only)
     out_dir/trainer/  actor_optimizer.{safetensors,json}, critic_optimizer.{...}, rng.{...},
                       trainer.json (update count, KL controller, LR schedulers, engine step counters, the
@@ -31,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from engines.hf_save import save_pretrained_hashed
+from engines.trainer.lora import save_lora_policy
 from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
 
 _TRAINER_FILE = "trainer.json"
@@ -110,7 +112,10 @@ def save_policy(trainer, policy_dir: str | Path) -> dict[str, str]:
     Returns {file name: sha256} of the weight files, hashed as they were written (engines/hf_save.py).
     """
     state = gathered_state_dict(trainer.actor)
-    digests = save_pretrained_hashed(trainer.actor.module, policy_dir, state_dict=state)
+    if trainer.cfg.model.lora is not None:  # merged weights + policy/adapter (engines/trainer/lora.py)
+        digests = save_lora_policy(trainer.actor.module, state, policy_dir, trainer.cfg.model.lora)
+    else:
+        digests = save_pretrained_hashed(trainer.actor.module, policy_dir, state_dict=state)
     trainer.tokenizer.save_pretrained(Path(policy_dir))
     return digests
 

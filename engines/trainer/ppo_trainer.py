@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from engines.models import autocast, load_critic, load_policy, load_tokenizer
+from engines.models import autocast, load_critic, load_tokenizer
 from engines.ppo import advantages as ppo_advantages
 from engines.ppo.algorithms import get_algorithm
 from engines.ppo.kl import kl_penalty
@@ -49,7 +49,7 @@ from engines.ppo.masked import masked_mean, masked_sum
 from engines.ppo.reward_norm import RunningMoments
 from engines.ppo.reward_shaping import shape_scores
 from engines.ppo.rewards import token_level_rewards
-from engines.trainer import checkpoint
+from engines.trainer import checkpoint, lora
 from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
@@ -122,9 +122,7 @@ class PPOTrainer:
         self.train_batch_size = cfg.train.train_batch_size or cfg.rollout_batch_size
         steps_per_update = cfg.train.ppo_epochs * (cfg.rollout_batch_size // self.train_batch_size)
         factor = lr_multiplier(cfg.train.warmup_steps, cfg.run.iterations * steps_per_update, cfg.train.lr_schedule)
-        policy = load_policy(policy_dir, cfg.model.dtype, cfg.model.attn_implementation)
-        if cfg.model.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
+        policy = lora.load_actor(cfg, policy_dir)  # with gradient checkpointing / LoRA as configured
         self.actor = make_engine(policy, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size,
                                                           cfg.train.actor_lr), factor)
         self.critic = None
@@ -169,9 +167,14 @@ class PPOTrainer:
         return checkpoint.save_trainer(self, out_dir, extra_state)
 
     def actor_weights(self) -> Optional[dict[str, torch.Tensor]]:
-        """The actor's state dict (its live tensors, not copies) for a rollout engine in this process, or
-        None under ZeRO-3, where a rank holds only its shard of each parameter."""
-        return None if self.cfg.train.zero_stage == 3 else self.actor.module.state_dict()
+        """The actor's state dict (its live tensors, not copies; with LoRA the merged weights) for a rollout
+        engine in this process, or None under ZeRO-3, where a rank holds only its shard of each parameter."""
+        if self.cfg.train.zero_stage == 3:
+            return None
+        if self.cfg.model.lora is not None:  # the base weights with the adapters merged in (new tensors for those)
+            lora_cfg = self.cfg.model.lora
+            return lora.merged_state_dict(self.actor.module.state_dict(), lora_cfg.alpha / lora_cfg.rank)
+        return self.actor.module.state_dict()
 
     def save_policy(self, policy_dir: str) -> None:
         """Only the policy HF folder (for a rollout engine's weight refresh)."""
