@@ -118,7 +118,7 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="Attention kernel passed to from_pretrained.")
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template when it has one.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in actor and critic.")
-    lora: Optional[LoraConfig] = Field(None, description="LoRA adapters (peft) on the actor, and on the critic's backbone when there is a critic; the frozen base is the reference. None = full fine-tune.")
+    lora: Optional[LoraConfig] = Field(None, description="LoRA adapters (peft) on the actor: only they train, the frozen base is the reference, checkpoints hold policy/adapter plus the merged policy folder. A critic (algo with a critic) is still fully fine-tuned. Fields: rank (8), alpha (16.0; scale alpha/rank), dropout (0.0), target_modules (q_proj, k_proj, v_proj, o_proj: Linear names the policy must have); e.g. `--set model.lora.rank=16`. None = full fine-tune.")
 
 
 class DataConfig(_Section):
