@@ -83,11 +83,9 @@ def load_actor(cfg, policy_dir: str | Path) -> nn.Module:
         check_targets(base_dir, lora_cfg)
     policy = load_policy(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
     if cfg.model.gradient_checkpointing:
+        # transformers 5.19: non-reentrant checkpointing, and it makes the (frozen) embeddings' output require
+        # grad itself, so adapters inside checkpointed layers get their gradients (tested)
         policy.gradient_checkpointing_enable()
-        if lora_cfg is not None:
-            # reentrant checkpointing hands gradients only to checkpointed inputs that need them; the frozen
-            # embeddings' output does not, so without this the adapters would get no gradient at all
-            policy.enable_input_require_grads()
     return wrap_policy(policy, lora_cfg, adapter) if lora_cfg is not None else policy
 
 
