@@ -4,7 +4,9 @@ One process is rank 0 of world 1 unless a launcher set RANK/WORLD_SIZE; on CPU t
 gloo backend is used (DS_ACCELERATOR=cpu). DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op
 when it starts (35 s on 2 cores, then cached in ~/.cache/torch_extensions; so paid again by every fresh
 container and CI machine). With one rank there is nothing to reduce, so `setup_distributed` marks that op
-unavailable and DeepSpeed falls back to plain torch.distributed; with several CPU ranks it is built as usual.
+unavailable and DeepSpeed falls back to plain torch.distributed. Several CPU ranks use gloo's all-reduce too
+unless PPOFLOW_DS_SHM_COMM=1 (then the op is built: faster all-reduce of large tensors between ranks of one
+node, at the price of that build on every fresh machine, which CI would pay in every job).
 
 Optimizer: AdamW with `torch_adam: true`, i.e. `torch.optim.AdamW(fused=True)` inside DeepSpeed's ZeRO
 wrapper. Why: DeepSpeed's own fused CPU Adam needs a second JIT build (minutes on 2 cores); torch's fused
@@ -53,7 +55,8 @@ def setup_distributed() -> None:
     import deepspeed
 
     if not dist.is_initialized():
-        if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
+        if not torch.cuda.is_available() and (os.environ["WORLD_SIZE"] == "1"
+                                              or os.environ.get("PPOFLOW_DS_SHM_COMM") != "1"):
             _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
@@ -135,3 +138,14 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Calla
     if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
         engine.enable_backward_allreduce = False  # see the module docstring: reducing over one rank is a copy
     return engine
+
+
+def sum_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
+    """{name: this rank's float} -> {name: the sum over all ranks} (an all-reduce; as is with one rank)."""
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    total = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(total)
+    return dict(zip(values, total.tolist()))
