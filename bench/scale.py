@@ -15,6 +15,8 @@ Memory: the process's peak resident set (Linux VmHWM) during trainer build + upd
 just before the build (VmHWM is reset through /proc/self/clear_refs), so imports and the interpreter do not
 count: weights, gradients, AdamW state, DeepSpeed's buffers and activations do. Not tracemalloc: torch's
 tensors are not allocated through Python's allocator. CPU allocator caching makes this an upper bound.
+`state_mib`: the bytes of the actor's parameters plus its optimizer state dict's tensors (fp32 partitions,
+AdamW moments), each storage once: the part of the memory that does not depend on the batch.
 Bytes to the rollout engine: after one update each variant saves a checkpoint; what a rollout engine reloads
 each iteration is the policy folder's weight files (`reload_weights` reads the whole folder): for LoRA the
 merged weights, the same size as the full model's. `lora_adapter_bytes` is policy/adapter's safetensors: what
@@ -56,6 +58,25 @@ def _status_kib(field: str) -> int:
 
 def _weight_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the distinct tensors in a nested dict/list (each storage counted once)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(obj)
+    return sum(seen.values())
 
 
 def run_variant(args) -> dict:
@@ -103,10 +124,11 @@ def run_variant(args) -> dict:
     peak = _status_kib("VmHWM")
     out = Path(tempfile.mkdtemp(dir=work))
     trainer.save(str(out))
+    state = _tensor_bytes(trainer.actor.optimizer.state_dict()) + _tensor_bytes(dict(trainer.actor.module.named_parameters()))
     adapter = out / "policy" / "adapter"
     trainable = sum(p.numel() for p in trainer.actor.module.parameters() if p.requires_grad)
     tokens = args.batch * args.response_len
-    return {"peak_mib": round((peak - before) / 1024, 1), "trainable_params": trainable,
+    return {"peak_mib": round((peak - before) / 1024, 1), "state_mib": round(state / 2**20, 1), "trainable_params": trainable,
             "update_s": round(min(seconds[1:] or seconds), 3), "response_tokens_per_s": round(tokens / min(seconds), 1),
             "engine_bytes": _weight_bytes(out / "policy"),
             "adapter_bytes": _weight_bytes(adapter) if adapter.is_dir() else None}
@@ -147,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     for variant in ("lora", "gc", "offload"):
         if "peak_mib" in results[variant] and "peak_mib" in full:
             figures[f"memory_{variant}_over_full"] = round(results[variant]["peak_mib"] / full["peak_mib"], 3)
+            figures[f"state_{variant}_over_full"] = round(results[variant]["state_mib"] / full["state_mib"], 3)
     if "engine_bytes" in results["lora"] and "engine_bytes" in full:
         figures["engine_bytes_lora_over_full"] = round(results["lora"]["engine_bytes"] / full["engine_bytes"], 4)
         figures["lora_adapter_bytes_over_full"] = round(results["lora"]["adapter_bytes"] / full["engine_bytes"], 4)
