@@ -128,3 +128,16 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_step(tiny_model_dir
         delta = (ckpt_weights[k] - v).abs()
         assert float(delta.max()) <= 2e-3, k
         assert float((delta > 1e-5).float().mean()) < 1e-3, k
+
+
+def test_resume_on_another_number_of_ranks_names_both_counts(tiny_model_dir, batches, tmp_path):
+    import json
+
+    cfg = _cfg(tiny_model_dir, **{"algo.name": "grpo"})
+    PPOTrainer(cfg, str(tiny_model_dir)).save(str(tmp_path))
+    meta_path = tmp_path / "trainer" / "trainer.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["world_size"] == 1
+    meta_path.write_text(json.dumps(dict(meta, world_size=2)))  # as if written by 2 ranks
+    with pytest.raises(ValueError, match=r"2 rank\(s\) but this trainer runs on 1"):
+        PPOTrainer(cfg, str(tmp_path / "policy"), trainer_state_dir=str(tmp_path / "trainer"))
