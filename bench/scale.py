@@ -6,7 +6,7 @@ bytes a rollout engine receives per iteration, each against the full fine-tune a
 
 What runs: the real `PPOTrainer` (GRPO: actor only, so LoRA's effect is not diluted by a full-size critic),
 ZeRO stage 2 on one rank, `--updates` updates of a synthetic batch (random ids, groups of 4, no padding),
-one optimizer step of `--micro-batch` micro-batches each. Each variant runs in its own fresh process:
+one optimizer step of `--micro-batch` micro-batches each. Each variant runs in its own fresh process(es):
     full        full fine-tune (the baseline every ratio divides by)
     lora        model.lora rank `--lora-rank` on every Linear of the decoder layers (q,k,v,o,gate,up,down)
     gc          full fine-tune + model.gradient_checkpointing
@@ -21,7 +21,9 @@ Bytes to the rollout engine: after one update each variant saves a checkpoint; w
 each iteration is the policy folder's weight files (`reload_weights` reads the whole folder): for LoRA the
 merged weights, the same size as the full model's. `lora_adapter_bytes` is policy/adapter's safetensors: what
 an engine with LoRA support would need instead (ppoflow's engines do not take adapters yet).
-Two-rank throughput is absent: the rank group (train.num_ranks) is not built yet.
+    ranks2      the full fine-tune on 2 data-parallel ranks (2 processes, one thread each, gloo): update
+                tokens/s against `full` on 1 rank (one thread), and each rank's peak memory (rank 0's)
+Tokens/s: response tokens of the batch over the seconds of one update (the second: the first allocates state).
 
 Prints and appends one JSON line to bench/results/scale.jsonl (bench/common.emit).
 """
@@ -46,7 +48,9 @@ VARIANTS = {
     "lora": {"model.lora.target_modules": "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"},
     "gc": {"model.gradient_checkpointing": True},
     "offload": {"train.offload": "optimizer"},
+    "ranks2": {},  # the full fine-tune on 2 data-parallel ranks (2 processes, gloo), each training half the rows
 }
+RANKS = {"ranks2": 2}
 
 
 def _status_kib(field: str) -> int:
@@ -122,8 +126,10 @@ def run_variant(args) -> dict:
         trainer.update(batch)
         seconds.append(time.perf_counter() - start)
     peak = _status_kib("VmHWM")
-    out = Path(tempfile.mkdtemp(dir=work))
+    out = work / f"checkpoint-{args.variant}"  # the same folder on every rank
     trainer.save(str(out))
+    if trainer.actor.global_rank != 0:
+        return {}
     state = _tensor_bytes(trainer.actor.optimizer.state_dict()) + _tensor_bytes(dict(trainer.actor.module.named_parameters()))
     adapter = out / "policy" / "adapter"
     trainable = sum(p.numel() for p in trainer.actor.module.parameters() if p.requires_grad)
@@ -133,6 +139,23 @@ def run_variant(args) -> dict:
             "update_s": round(timed, 3), "response_tokens_per_s": round(tokens / timed, 1),
             "engine_bytes": _weight_bytes(out / "policy"),
             "adapter_bytes": _weight_bytes(adapter) if adapter.is_dir() else None}
+
+
+def _launch(argv: list[str], ranks: int) -> subprocess.CompletedProcess:
+    """Run `argv` as `ranks` processes of one DeepSpeed world (RANK/WORLD_SIZE set); rank 0's output back,
+    the return code of the first rank that failed."""
+    if ranks == 1:
+        return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from engines.trainer.deepspeed_setup import _free_port
+
+    port = str(_free_port())
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(ranks)]
+    outputs = [p.communicate() for p in procs]
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(argv, code, outputs[0][0], "".join(err for _, err in outputs))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         argv_child = [sys.executable, "-m", "bench.scale", "--variant", variant, "--work-dir", str(work),
                       *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                         ("batch", "micro_batch", "prompt_len", "response_len", "updates", "lora_rank")]]
-        done = subprocess.run(argv_child, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = _launch(argv_child, RANKS.get(variant, 1))
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if done.returncode or line is None:
             results[variant] = {"error": (done.stderr or done.stdout)[-400:]}
@@ -171,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
         if "peak_mib" in results[variant] and "peak_mib" in full:
             figures[f"memory_{variant}_over_full"] = round(results[variant]["peak_mib"] / full["peak_mib"], 3)
             figures[f"state_{variant}_over_full"] = round(results[variant]["state_mib"] / full["state_mib"], 3)
+    if "response_tokens_per_s" in results["ranks2"] and "response_tokens_per_s" in full:
+        figures["update_tokens_per_s_2_ranks_over_1"] = round(results["ranks2"]["response_tokens_per_s"]
+                                                              / full["response_tokens_per_s"], 3)
     if "engine_bytes" in results["lora"] and "engine_bytes" in full:
         figures["engine_bytes_lora_over_full"] = round(results["lora"]["engine_bytes"] / full["engine_bytes"], 4)
         figures["lora_adapter_bytes_over_full"] = round(results["lora"]["adapter_bytes"] / full["engine_bytes"], 4)
