@@ -97,7 +97,8 @@ def run_variant(args) -> dict:
     model_dir = build_model_dir(SIZES["tiny"], args.prompt_len + args.response_len, work)
     overrides = {"model.policy_path": str(model_dir), "algo.name": "grpo", "rollout.prompts_per_iteration":
                  args.batch // 4, "rollout.n_samples": 4, "train.micro_batch_size": args.micro_batch,
-                 "train.zero_stage": 2, "rollout.max_new_tokens": args.response_len, "model.attn_implementation": "eager",
+                 "train.zero_stage": 2, "rollout.max_new_tokens": args.response_len,
+                 "model.attn_implementation": "eager",
                  **VARIANTS[args.variant]}
     if args.variant == "lora":
         overrides["model.lora.rank"] = args.lora_rank
@@ -130,12 +131,14 @@ def run_variant(args) -> dict:
     trainer.save(str(out))
     if trainer.actor.global_rank != 0:
         return {}
-    state = _tensor_bytes(trainer.actor.optimizer.state_dict()) + _tensor_bytes(dict(trainer.actor.module.named_parameters()))
+    state = (_tensor_bytes(trainer.actor.optimizer.state_dict())
+             + _tensor_bytes(dict(trainer.actor.module.named_parameters())))
     adapter = out / "policy" / "adapter"
     trainable = sum(p.numel() for p in trainer.actor.module.parameters() if p.requires_grad)
     tokens = args.batch * args.response_len
     timed = min(seconds[1:] or seconds)  # the first update also allocates the AdamW state
-    return {"peak_mib": round((peak - before) / 1024, 1), "state_mib": round(state / 2**20, 1), "trainable_params": trainable,
+    return {"peak_mib": round((peak - before) / 1024, 1), "state_mib": round(state / 2**20, 1),
+            "trainable_params": trainable,
             "update_s": round(timed, 3), "response_tokens_per_s": round(tokens / timed, 1),
             "engine_bytes": _weight_bytes(out / "policy"),
             "adapter_bytes": _weight_bytes(adapter) if adapter.is_dir() else None}

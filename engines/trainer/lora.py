@@ -119,7 +119,8 @@ def merged_state_dict(peft_state: dict[str, torch.Tensor], scaling: float) -> di
     return merged
 
 
-def save_lora_policy(peft_model, full_state: dict[str, torch.Tensor], policy_dir: str | Path, lora_cfg) -> dict[str, str]:
+def save_lora_policy(peft_model, full_state: dict[str, torch.Tensor], policy_dir: str | Path,
+                     lora_cfg) -> dict[str, str]:
     """Write the merged HF folder to policy_dir and the adapter to policy_dir/adapter (module docstring).
 
     full_state: the PeftModel's full state dict (live or ZeRO-3 gathered). Returns {relative name: sha256} of

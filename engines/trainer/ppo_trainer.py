@@ -17,8 +17,9 @@ Loss scale: every micro-batch loss is aggregated (algo.loss_agg, engines/ppo/alg
 denominators of its whole optimizer step (`losses.step_norm`: the step's response tokens, responses, and
 Dr. GRPO's constant) and DeepSpeed's own 1/accumulation scaling is switched off (`scale_wrt_gas=False`), so
 the accumulated gradient is the gradient of the step's aggregated loss however the step is split.
-Several data-parallel ranks (engines/trainer/ranks.py): every rank holds the whole batch (old log-probs and
-advantages are computed on all of it, so group baselines and whitening see every row), trains on its share
+Several data-parallel ranks (one DeepSpeed world started by a launcher): every rank holds the whole batch
+(old log-probs and advantages are computed on all of it, so group baselines and whitening see every row),
+trains on its share
 rows[rank::world] of each step, and aggregates with the WHOLE step's denominators; DeepSpeed averages the
 ranks' gradients, so each rank's loss is multiplied by the world size: the step's gradient is then the
 gradient of the token mean over all tokens of the step on all ranks, as with one rank.

@@ -12,7 +12,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from engines.trainer.checkpoint import gathered_state_dict
@@ -69,8 +68,8 @@ def _two_ranks(model_dir: Path, stage: int, out: Path, ckpt: str = "-") -> tuple
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(REPO), str(model_dir), str(stage), str(out), ckpt],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        argv = [sys.executable, "-c", RANK, str(REPO), str(model_dir), str(stage), str(out), ckpt]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=300) for p in procs]
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{stderr[-3000:]}"

@@ -96,7 +96,8 @@ def _grads_at_first_step(trainer) -> dict[str, torch.Tensor]:
 
     def capture(role, engine):
         if role == "actor" and not grads and engine.is_gradient_accumulation_boundary():
-            grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+            grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters()
+                          if p.grad is not None})
         step(role, engine)
     trainer._engine_step = capture
     return grads

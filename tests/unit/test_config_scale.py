@@ -28,7 +28,8 @@ def test_offload_combinations_deepspeed_supports_are_accepted(overrides):
 
 def test_lora_section_from_dotted_overrides_and_its_bounds():
     cfg = load_config(None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj, v_proj]"])
-    assert cfg.model.lora.rank == 4 and cfg.model.lora.alpha == 16.0 and cfg.model.lora.target_modules == ["q_proj", "v_proj"]
+    lora = cfg.model.lora
+    assert lora.rank == 4 and lora.alpha == 16.0 and lora.target_modules == ["q_proj", "v_proj"]
     assert load_config(None).model.lora is None
     for bad, field in (("model.lora.rank=0", "model.lora.rank"), ("model.lora.dropout=1.0", "model.lora.dropout"),
                        ("model.lora.target_modules=[]", "model.lora.target_modules")):
