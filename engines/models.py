@@ -152,8 +152,12 @@ class ValueHeadModel(nn.Module):
     def gradient_checkpointing_enable(self) -> None:
         self.backbone.gradient_checkpointing_enable()
 
-    def save(self, out_dir: str | Path, tokenizer=None) -> dict[str, str]:
+    def save(self, out_dir: str | Path, tokenizer=None,
+             state_dict: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
         """Write backbone (save_pretrained), value_head.safetensors and critic.json to `out_dir`.
+
+        state_dict: this module's full state dict ("backbone.*", "value_head.*") when its own parameters are
+        not whole (ZeRO-3 partitions them: the trainer passes the gathered copy); None = the live tensors.
 
         Returns {file name: sha256} of the safetensors files, hashed as they were written (engines/hf_save.py).
         """
@@ -162,8 +166,11 @@ class ValueHeadModel(nn.Module):
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        digests = save_pretrained_hashed(self.backbone, out)
-        head = {k: v.detach().contiguous().cpu() for k, v in self.value_head.state_dict().items()}
+        full = self.state_dict() if state_dict is None else state_dict
+        backbone = {k.removeprefix("backbone."): v for k, v in full.items() if k.startswith("backbone.")}
+        digests = save_pretrained_hashed(self.backbone, out, state_dict=backbone if state_dict is not None else None)
+        head = {k.removeprefix("value_head."): v.detach().contiguous().cpu() for k, v in full.items()
+                if k.startswith("value_head.")}
         digests[VALUE_HEAD_FILE] = write_safetensors(head, out / VALUE_HEAD_FILE)
         (out / CRITIC_META_FILE).write_text(json.dumps({"kind": "value_head", "hidden_size": self.config.hidden_size}))
         if tokenizer is not None:

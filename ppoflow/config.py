@@ -102,6 +102,14 @@ class StorageConfig(_Section):
         return opts
 
 
+class LoraConfig(_Section):
+    rank: int = Field(8, ge=1, description="LoRA rank r of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the adapter's output is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+                                      description="Names (last component) of the nn.Linear modules that get an adapter; each must exist in the policy (checked against its config before any work).")
+
+
 class ModelConfig(_Section):
     policy_path: str = Field("./runs/_models/tiny-llama", description="Local Hugging Face folder of the initial policy (loaded with from_pretrained).")
     critic_path: Optional[str] = Field(None, description="Backbone for the critic: a reward-model or causal-LM folder; None = the policy.")
@@ -110,6 +118,7 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="Attention kernel passed to from_pretrained.")
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template when it has one.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in actor and critic.")
+    lora: Optional[LoraConfig] = Field(None, description="LoRA adapters (peft) on the actor: only they train, the frozen base is the reference, checkpoints hold policy/adapter plus the merged policy folder. A critic (algo with a critic) is still fully fine-tuned. Fields: rank (8), alpha (16.0; scale alpha/rank), dropout (0.0), target_modules (q_proj, k_proj, v_proj, o_proj: Linear names the policy must have); e.g. `--set model.lora.rank=16`. None = full fine-tune.")
 
 
 class DataConfig(_Section):
@@ -280,6 +289,22 @@ class TrainConfig(_Section):
         "Leave samples cut off at rollout.max_new_tokens (finish_reason 'length') out of the loss (DAPO's "
         "overlong filtering); they still count in their group's baseline."))
     logprob_chunk: int = Field(128, ge=1, description="Token rows (over all sequences) per chunk of the selective log-softmax.")
+    offload: Literal["none", "optimizer", "optimizer_and_params"] = Field("none", description=(
+        "DeepSpeed ZeRO offload to CPU memory: 'optimizer' (offload_optimizer, ZeRO stage 1-3) keeps the fp32 "
+        "master weights and AdamW state on the CPU and steps there; 'optimizer_and_params' (also offload_param, "
+        "ZeRO stage 3 only) keeps the parameter partitions there too. The step runs torch's AdamW on CPU "
+        "tensors (DeepSpeedCPUAdam would need a JIT-compiled op). On a CPU-only machine everything already "
+        "lives in CPU memory: DeepSpeed accepts the setting, and it moves nothing."))
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> "TrainConfig":
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ValueError(f"train.offload={self.offload!r} needs train.zero_stage 1, 2 or 3 (got 0): ZeRO offload "
+                             f"moves the optimizer partitions, which stage 0 does not have")
+        if self.offload == "optimizer_and_params" and self.zero_stage != 3:
+            raise ValueError(f"train.offload='optimizer_and_params' needs train.zero_stage=3 (got {self.zero_stage}): "
+                             f"only ZeRO-3 partitions the parameters; use train.offload='optimizer' below stage 3")
+        return self
 
 
 class PipelineConfig(_Section):

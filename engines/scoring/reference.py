@@ -5,6 +5,7 @@ are comparable (OpenRLHF and veRL do the same).
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +24,18 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     if not weight_files(model_dir):
         raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
     return folder_fingerprint(model_dir, "*.safetensors")[:16]
+
+
+@contextlib.contextmanager
+def _base_only(peft_model):
+    """peft_model scores as its frozen base: adapters disabled, eval mode; both restored afterwards."""
+    was_training = peft_model.training
+    peft_model.eval()
+    try:
+        with peft_model.disable_adapter():
+            yield
+    finally:
+        peft_model.train(was_training)
 
 
 class ReferenceModel:
@@ -46,6 +59,29 @@ class ReferenceModel:
         # (the default float32 keeps the bare weights fingerprint, so older caches stay valid).
         precision = "" if (dtype, autocast_dtype) == ("float32", None) else f"-{dtype}-autocast-{autocast_dtype}"
         self.fingerprint = weights_fingerprint(path) + precision
+        self._adapter_off = contextlib.nullcontext  # a shared LoRA base: peft's disable_adapter (shared_base)
+
+    @classmethod
+    def shared_base(cls, peft_model, path: str, dtype: str = "float32", temperature: float = 1.0,
+                    micro_batch_size: int = 16, chunk_size: int = 256,
+                    autocast_dtype: Optional[str] = None) -> "ReferenceModel":
+        """The reference as a LoRA actor's frozen base, in the trainer's process: the actor's own module scored
+        inside peft's `disable_adapter()` (and eval mode), so no second copy of the weights is loaded.
+
+        Valid because LoRA never changes the base weights: with adapters off the module computes the initial
+        policy `path` (model.policy_path), whose fingerprint keys the score cache exactly as a loaded reference
+        would. Its weights are not precast (they belong to a trainer). Not thread-safe against a concurrent
+        training step on the same module (the adapters are off while it scores).
+        """
+        ref = cls.__new__(cls)
+        ref.path, ref.model, ref.device = str(path), peft_model, next(peft_model.parameters()).device
+        ref.temperature, ref.micro_batch_size, ref.chunk_size = temperature, micro_batch_size, chunk_size
+        ref.pad_token_id = peft_model.config.pad_token_id or 0
+        ref.autocast_dtype = autocast_dtype
+        precision = "" if (dtype, autocast_dtype) == ("float32", None) else f"-{dtype}-autocast-{autocast_dtype}"
+        ref.fingerprint = weights_fingerprint(path) + precision
+        ref._adapter_off = lambda: _base_only(peft_model)
+        return ref
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
@@ -70,7 +106,7 @@ class ReferenceModel:
         prompt, prompt_mask = left_pad(prompts, max(len(p) for p in prompts), self.pad_token_id)
         response = right_pad(responses, width_r, self.pad_token_id, torch.long)
         response_mask = right_pad([[1] * len(r) for r in responses], width_r, 0, torch.long)
-        with autocast(self.autocast_dtype, self.device):
+        with self._adapter_off(), autocast(self.autocast_dtype, self.device):
             out = policy_forward(self.model, prompt.to(self.device), prompt_mask.to(self.device),
                                  response.to(self.device), response_mask.to(self.device), self.temperature,
                                  self.chunk_size)

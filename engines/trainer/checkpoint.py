@@ -1,8 +1,10 @@
 """Saving and resuming the trainer: open formats only (safetensors + JSON, no pickle).
 
-    out_dir/policy/   HF folder (save_pretrained, safetensors) + tokenizer: from_pretrained and vLLM load it
+    out_dir/policy/   HF folder (save_pretrained, safetensors) + tokenizer: from_pretrained and vLLM load it;
+                      with model.lora the merged weights, plus policy/adapter/ (peft's adapter folder)
     out_dir/critic/   ValueHeadModel.save: backbone + value_head.safetensors + critic.json (algo "ppo" only)
-    out_dir/trainer/  actor_optimizer.{safetensors,json}, critic_optimizer.{...}, rng.{...},
+    out_dir/trainer/  actor_optimizer.{safetensors,json}, critic_optimizer.{...}, rng.{...} (with several ranks
+                      one set per rank: actor_optimizer.rank<r>.*, ...; policy/, critic/, trainer.json by rank 0),
                       trainer.json (update count, KL controller, LR schedulers, engine step counters, the
                       running reward moments of reward.normalize=running, extra_state such as the data
                       cursor), config.json (the resolved run config)
@@ -13,7 +15,14 @@ few Python objects it also holds (the loss-scaler object, the parameter-slice ma
 are derived from the model's structure and are taken from the freshly built engine at load time (with the
 saved loss scale copied in). Loading restores the fp32 master weights too (`load_from_fp32_weights`), so a
 resumed bf16 run continues from full-precision weights, not from the bf16 policy folder.
-ZeRO-3 partitions the parameters themselves; saving under stage 3 is not supported yet (error).
+ZeRO-3 partitions the parameters themselves: the policy (and critic) folders are written from the state dict
+DeepSpeed gathers one module at a time (`engine._zero3_consolidated_16bit_state_dict`, what its own
+`save_16bit_model` uses; every rank must call it, rank 0 receives it). Its tensors have the parameters' dtype:
+float32 on CPU (model.dtype float32, so the folder is full precision), bfloat16 on GPU runs; the fp32 master
+partitions travel in the optimizer state either way. The stage-3 optimizer's state dict (the torch AdamW
+state of the flat fp32 partitions, `fp32_flat_groups`, bookkeeping) is this rank's partition; loading it
+restores the fp32 partitions and copies them into the (partitioned) parameters, so a resumed trainer continues
+from the master weights. A world of one rank holds the whole partition.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from engines.hf_save import save_pretrained_hashed
+from engines.trainer.lora import save_lora_policy
 from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
 
 _TRAINER_FILE = "trainer.json"
@@ -33,6 +43,20 @@ def _is_zero_optimizer(optimizer) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return isinstance(optimizer, DeepSpeedZeroOptimizer)
+
+
+def _is_zero3_optimizer(optimizer) -> bool:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
+
+
+def gathered_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
+    """The module's full state dict: its live tensors below ZeRO-3; under ZeRO-3 the parameters gathered from
+    every rank's partition (copies on CPU), returned on rank 0 and None on the others. Every rank must call it."""
+    if engine.zero_optimization_partition_weights():
+        return engine._zero3_consolidated_16bit_state_dict()
+    return engine.module.state_dict()
 
 
 def _open_format_part(state: dict[str, Any]) -> dict[str, Any]:
@@ -58,13 +82,17 @@ def load_optimizer(engine, folder: Path, stem: str) -> None:
     template.update(saved)
     if loss_scale is not None and hasattr(template.get("loss_scaler"), "cur_scale"):
         template["loss_scaler"].cur_scale = loss_scale
+    # DeepSpeed takes every rank's state and reads its own rank's entry (the same partition layout: rigid)
+    per_rank = [template] * engine.world_size
     if _is_zero_optimizer(optimizer):
-        optimizer.load_state_dict([template], load_optimizer_states=True, load_from_fp32_weights=True)
+        optimizer.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
+    elif _is_zero3_optimizer(optimizer):  # restores the fp32 partitions and the parameters from them
+        optimizer.load_state_dict(per_rank, load_optimizer_states=True)
     elif isinstance(optimizer, torch.optim.Optimizer):
         optimizer.load_state_dict(template)
     else:
         raise NotImplementedError(f"resuming a {type(optimizer).__name__} optimizer is not supported "
-                                  f"(use train.zero_stage 1 or 2)")
+                                  f"(train.zero_stage 0-3 use torch AdamW inside DeepSpeed)")
 
 
 def _engine_counters(engine) -> dict[str, Any]:
@@ -86,9 +114,13 @@ def save_policy(trainer, policy_dir: str | Path) -> dict[str, str]:
 
     Returns {file name: sha256} of the weight files, hashed as they were written (engines/hf_save.py).
     """
-    if trainer.cfg.train.zero_stage == 3:
-        raise NotImplementedError("saving under train.zero_stage=3 is not supported; use stage 0, 1 or 2")
-    digests = save_pretrained_hashed(trainer.actor.module, policy_dir)
+    state = gathered_state_dict(trainer.actor)  # every rank takes part in the gather; rank 0 writes
+    if trainer.actor.global_rank != 0:
+        return {}
+    if trainer.cfg.model.lora is not None:  # merged weights + policy/adapter (engines/trainer/lora.py)
+        digests = save_lora_policy(trainer.actor.module, state, policy_dir, trainer.cfg.model.lora)
+    else:
+        digests = save_pretrained_hashed(trainer.actor.module, policy_dir, state_dict=state)
     trainer.tokenizer.save_pretrained(Path(policy_dir))
     return digests
 
@@ -100,25 +132,39 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
     the optimizer and RNG state: all but a few small JSON files), so the checkpoint need not read them back.
     """
     out = Path(out_dir)
+    rank, world = trainer.actor.global_rank, trainer.actor.world_size
     hashed = _under("policy", save_policy(trainer, out / "policy"))
     if trainer.critic is not None:
-        hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer)))
+        critic_state = gathered_state_dict(trainer.critic)
+        if rank == 0:
+            hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer, critic_state)))
     state_dir = out / "trainer"
-    hashes = dict(save_optimizer(trainer.actor, state_dir, "actor_optimizer"))
+    hashes = dict(save_optimizer(trainer.actor, state_dir, _rank_stem("actor_optimizer", rank, world)))
     engines = {"actor": _engine_counters(trainer.actor)}
     if trainer.critic is not None:
-        hashes.update(save_optimizer(trainer.critic, state_dir, "critic_optimizer"))
+        hashes.update(save_optimizer(trainer.critic, state_dir, _rank_stem("critic_optimizer", rank, world)))
         engines["critic"] = _engine_counters(trainer.critic)
-    hashes.update(save_nested(rng_state(), state_dir, "rng"))
+    hashes.update(save_nested(rng_state(), state_dir, _rank_stem("rng", rank, world)))
+    if world > 1:  # every rank's partition is on disk before rank 0 reports the checkpoint written
+        import torch.distributed as dist
+
+        dist.barrier()
+        if rank != 0:
+            return _under("trainer", hashes)
     extra = dict(trainer.extra_state, **(extra_state or {}))
     meta = {"update_count": trainer.update_count, "kl_controller": trainer.kl_controller.state_dict(),
-            "engines": engines, "extra_state": extra}
+            "engines": engines, "extra_state": extra, "world_size": world}
     if trainer.reward_normalizer is not None:  # reward.normalize=running: the running moments (three floats)
         meta["reward_normalizer"] = trainer.reward_normalizer.state_dict()
     (state_dir / _TRAINER_FILE).write_text(json.dumps(meta, indent=1))
     (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
     hashed.update(_under("trainer", hashes))
     return hashed
+
+
+def _rank_stem(stem: str, rank: int, world: int) -> str:
+    """One rank: `stem` (the files of a 1-rank run keep their names); several: `stem.rank<r>` per rank."""
+    return stem if world == 1 else f"{stem}.rank{rank}"
 
 
 def _under(folder: str, digests: dict[str, str]) -> dict[str, str]:
@@ -141,14 +187,20 @@ def load_trainer_state(trainer, state_dir: str) -> None:
     if has_critic_state != (trainer.critic is not None):
         raise ValueError(f"trainer state {folder} {'has' if has_critic_state else 'lacks'} a critic state but "
                          f"algo.name={trainer.cfg.algo.name!r} {'does not use' if has_critic_state else 'uses'} a critic")
-    load_optimizer(trainer.actor, folder, "actor_optimizer")
+    rank, world = trainer.actor.global_rank, trainer.actor.world_size
+    saved_world = int(meta.get("world_size", 1))
+    if saved_world != world:
+        raise ValueError(f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
+                         f"trainer runs on {world}: resuming on another number of ranks is not supported "
+                         f"(start it on {saved_world} ranks)")
+    load_optimizer(trainer.actor, folder, _rank_stem("actor_optimizer", rank, world))
     _set_engine_counters(trainer.actor, meta["engines"]["actor"])
     if trainer.critic is not None:
-        load_optimizer(trainer.critic, folder, "critic_optimizer")
+        load_optimizer(trainer.critic, folder, _rank_stem("critic_optimizer", rank, world))
         _set_engine_counters(trainer.critic, meta["engines"]["critic"])
     trainer.kl_controller.load_state_dict(meta["kl_controller"])
     if trainer.reward_normalizer is not None and "reward_normalizer" in meta:
         trainer.reward_normalizer.load_state_dict(meta["reward_normalizer"])
     trainer.update_count = int(meta["update_count"])
     trainer.extra_state = dict(meta.get("extra_state") or {})
-    set_rng_state(load_nested(folder, "rng"))
+    set_rng_state(load_nested(folder, _rank_stem("rng", rank, world)))

@@ -4,7 +4,9 @@ One process is rank 0 of world 1 unless a launcher set RANK/WORLD_SIZE; on CPU t
 gloo backend is used (DS_ACCELERATOR=cpu). DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op
 when it starts (35 s on 2 cores, then cached in ~/.cache/torch_extensions; so paid again by every fresh
 container and CI machine). With one rank there is nothing to reduce, so `setup_distributed` marks that op
-unavailable and DeepSpeed falls back to plain torch.distributed; with several CPU ranks it is built as usual.
+unavailable and DeepSpeed falls back to plain torch.distributed. Several CPU ranks use gloo's all-reduce too
+unless PPOFLOW_DS_SHM_COMM=1 (then the op is built: faster all-reduce of large tensors between ranks of one
+node, at the price of that build on every fresh machine, which CI would pay in every job).
 
 Optimizer: AdamW with `torch_adam: true`, i.e. `torch.optim.AdamW(fused=True)` inside DeepSpeed's ZeRO
 wrapper. Why: DeepSpeed's own fused CPU Adam needs a second JIT build (minutes on 2 cores); torch's fused
@@ -16,6 +18,11 @@ flattens and copies every gradient each step (31 ms per step on that Llama, a no
 `make_engine` switches that reduction off (the engine's own `enable_backward_allreduce` flag, which
 DeepSpeed clears itself when it has no process group). ZeRO stages 1-2 keep it: their reduction also
 fills the optimizer's flat partitions.
+
+Offload (train.offload): ZeRO's offload_optimizer / offload_param to "cpu". The optimizer stays torch's AdamW
+(now on CPU tensors); DeepSpeed 0.19.8 accepts that because the optimizer comes from this config, not from
+the caller. Its own DeepSpeedCPUAdam (faster on a GPU machine) would need the `cpu_adam` JIT build. On the
+CPU accelerator DeepSpeed accepts both settings and trains; memory cannot move anywhere cheaper there.
 
 LR schedule: linear warm-up over `warmup_steps` optimizer steps, then constant, linear decay to 0 or
 cosine decay to 0 over the run's remaining steps (`total_steps`).
@@ -48,7 +55,8 @@ def setup_distributed() -> None:
     import deepspeed
 
     if not dist.is_initialized():
-        if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
+        if not torch.cuda.is_available() and (os.environ["WORLD_SIZE"] == "1"
+                                              or os.environ.get("PPOFLOW_DS_SHM_COMM") != "1"):
             _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
@@ -99,12 +107,23 @@ def deepspeed_config(train_cfg, dtype: str, train_batch_size: int, lr: float) ->
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": train_cfg.weight_decay, "torch_adam": True,
                                                   "fused": True}},
-        "zero_optimization": {"stage": train_cfg.zero_stage},
+        "zero_optimization": zero_config(train_cfg.zero_stage, train_cfg.offload),
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+def zero_config(stage: int, offload: str = "none") -> dict[str, Any]:
+    """DeepSpeed's zero_optimization section: the stage, plus offload_optimizer / offload_param to CPU memory
+    for train.offload "optimizer" / "optimizer_and_params" (the config validates the stage first)."""
+    section: dict[str, Any] = {"stage": stage}
+    if offload in ("optimizer", "optimizer_and_params"):
+        section["offload_optimizer"] = {"device": "cpu"}
+    if offload == "optimizer_and_params":
+        section["offload_param"] = {"device": "cpu"}
+    return section
 
 
 def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Callable[[int], float]):
@@ -119,3 +138,14 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Calla
     if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
         engine.enable_backward_allreduce = False  # see the module docstring: reducing over one rank is a copy
     return engine
+
+
+def sum_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
+    """{name: this rank's float} -> {name: the sum over all ranks} (an all-reduce; as is with one rank)."""
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    total = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(total)
+    return dict(zip(values, total.tolist()))

@@ -69,9 +69,11 @@ def build_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_i
 
 
 def _unwrap(model) -> nn.Module:
-    """The nn.Module behind a DeepSpeed engine (`.module`) or a ValueHeadModel (`.backbone`)."""
+    """The nn.Module behind a DeepSpeed engine (`.module`), a ValueHeadModel (`.backbone`) or a peft LoRA
+    model (`get_base_model()`, which forwards `logits_to_keep` and holds the decoder layers)."""
     model = getattr(model, "module", model)
-    return getattr(model, "backbone", model)
+    model = getattr(model, "backbone", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _last_layer_mlp(model) -> Optional[nn.Module]:

@@ -17,7 +17,12 @@ Loss scale: every micro-batch loss is aggregated (algo.loss_agg, engines/ppo/alg
 denominators of its whole optimizer step (`losses.step_norm`: the step's response tokens, responses, and
 Dr. GRPO's constant) and DeepSpeed's own 1/accumulation scaling is switched off (`scale_wrt_gas=False`), so
 the accumulated gradient is the gradient of the step's aggregated loss however the step is split.
-(With several data-parallel ranks DeepSpeed averages ranks; the denominators are then the local step's.)
+Several data-parallel ranks (one DeepSpeed world started by a launcher): every rank holds the whole batch
+(old log-probs and advantages are computed on all of it, so group baselines and whitening see every row),
+trains on its share
+rows[rank::world] of each step, and aggregates with the WHOLE step's denominators; DeepSpeed averages the
+ranks' gradients, so each rank's loss is multiplied by the world size: the step's gradient is then the
+gradient of the token mean over all tokens of the step on all ranks, as with one rank.
 The loss mask is the response mask, without truncated samples when train.mask_truncated is on; with
 algo.tis_cap the policy-gradient tokens carry truncated importance weights (losses.truncated_is_weights).
 
@@ -39,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from engines.models import autocast, load_critic, load_policy, load_tokenizer
+from engines.models import autocast, load_critic, load_tokenizer
 from engines.ppo import advantages as ppo_advantages
 from engines.ppo.algorithms import get_algorithm
 from engines.ppo.kl import kl_penalty
@@ -49,8 +54,9 @@ from engines.ppo.masked import masked_mean, masked_sum
 from engines.ppo.reward_norm import RunningMoments
 from engines.ppo.reward_shaping import shape_scores
 from engines.ppo.rewards import token_level_rewards
-from engines.trainer import checkpoint
-from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
+from engines.trainer import checkpoint, lora
+from engines.trainer.deepspeed_setup import (deepspeed_config, lr_multiplier, make_engine, setup_distributed,
+                                             sum_over_ranks)
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 
@@ -123,9 +129,7 @@ class PPOTrainer:
         self.train_batch_size = cfg.train.train_batch_size or cfg.rollout_batch_size
         steps_per_update = cfg.train.ppo_epochs * (cfg.rollout_batch_size // self.train_batch_size)
         factor = lr_multiplier(cfg.train.warmup_steps, cfg.run.iterations * steps_per_update, cfg.train.lr_schedule)
-        policy = load_policy(policy_dir, cfg.model.dtype, cfg.model.attn_implementation)
-        if cfg.model.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
+        policy = lora.load_actor(cfg, policy_dir)  # with gradient checkpointing / LoRA as configured
         self.actor = make_engine(policy, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size,
                                                           cfg.train.actor_lr), factor)
         self.critic = None
@@ -170,9 +174,14 @@ class PPOTrainer:
         return checkpoint.save_trainer(self, out_dir, extra_state)
 
     def actor_weights(self) -> Optional[dict[str, torch.Tensor]]:
-        """The actor's state dict (its live tensors, not copies) for a rollout engine in this process, or
-        None under ZeRO-3, where a rank holds only its shard of each parameter."""
-        return None if self.cfg.train.zero_stage == 3 else self.actor.module.state_dict()
+        """The actor's state dict (its live tensors, not copies; with LoRA the merged weights) for a rollout
+        engine in this process, or None under ZeRO-3, where a rank holds only its shard of each parameter."""
+        if self.cfg.train.zero_stage == 3:
+            return None
+        if self.cfg.model.lora is not None:  # the base weights with the adapters merged in (new tensors for those)
+            lora_cfg = self.cfg.model.lora
+            return lora.merged_state_dict(self.actor.module.state_dict(), lora_cfg.alpha / lora_cfg.rank)
+        return self.actor.module.state_dict()
 
     def save_policy(self, policy_dir: str) -> None:
         """Only the policy HF folder (for a rollout engine's weight refresh)."""
@@ -288,7 +297,8 @@ class PPOTrainer:
         supplies the forward outputs instead of new forward passes."""
         micro = self.actor.train_micro_batch_size_per_gpu()
         mask_truncated = self.cfg.train.mask_truncated
-        norm = step_norm(batch.select(rows).loss_mask(mask_truncated), self.cfg.loss_agg_norm)
+        norm = step_norm(batch.select(rows).loss_mask(mask_truncated), self.cfg.loss_agg_norm)  # the whole step's
+        rows = rows[self.actor.global_rank::self.actor.world_size]  # this rank's share (module docstring)
         step_losses = {"loss/policy": 0.0, "loss/value": 0.0}
         for start in range(0, len(rows), micro):
             r = rows[start:start + micro]
@@ -300,7 +310,9 @@ class PPOTrainer:
             if self.critic is not None:
                 step_losses["loss/value"] += self._critic_micro_step(
                     mb, loss_mask, values[r], adv.returns[r], norm, sums, first.values if first is not None else None)
-        # The step's loss is the sum of its micro-batch shares (each aggregated with the step's denominators).
+        # The step's loss is the sum of its micro-batch shares (each aggregated with the step's denominators),
+        # over all ranks.
+        step_losses = sum_over_ranks(step_losses, self.actor.world_size)
         sums.add("loss/policy", step_losses["loss/policy"])
         self._add_optim_metrics("actor", self.actor, sums)
         if self.critic is not None:
@@ -348,7 +360,7 @@ class PPOTrainer:
         if not algo.kl_in_reward and self.kl_controller.value > 0:
             loss = loss + self.kl_controller.value * kl_loss(out.logprobs, mb.ref_logprobs, loss_mask,
                                                              algo.kl_estimator, KL_CLAMP, **agg)
-        self.actor.backward(loss, scale_wrt_gas=False)
+        self.actor.backward(loss * self.actor.world_size, scale_wrt_gas=False)  # undo DeepSpeed's rank average
         self._engine_step("actor", self.actor)
         if weight > 0:  # a micro-batch of masked samples only has no tokens to average diagnostics over
             sums.add("policy/clipfrac", pl.clipfrac, weight)
@@ -363,7 +375,7 @@ class PPOTrainer:
             values = self._critic_forward(mb)
         vl = value_loss(values, old_values, returns, loss_mask, self.cfg.algo.value_clip, agg_mode=self.loss_agg,
                         num_tokens=norm.num_tokens, num_seqs=norm.num_seqs, max_len=norm.max_len)
-        self.critic.backward(vl.loss, scale_wrt_gas=False)
+        self.critic.backward(vl.loss * self.critic.world_size, scale_wrt_gas=False)
         self._engine_step("critic", self.critic)
         weight = float(loss_mask.sum())
         if self.cfg.algo.value_clip is not None and weight > 0:  # without a clip there is no clip fraction
