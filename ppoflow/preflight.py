@@ -162,6 +162,20 @@ def storage_problem(cfg: PPOFlowConfig) -> Optional[str]:
         return f"run.root={cfg.run.root!r}: cannot reach bucket {bucket!r} at {endpoint}: {type(e).__name__}: {e}"
 
 
+def lora_target_problem(cfg: PPOFlowConfig) -> str | None:
+    """model.lora.target_modules that are not Linear modules of the policy (read from config.json on the meta
+    device, no weights loaded), or None."""
+    if cfg.model.lora is None or not os.path.isfile(os.path.join(cfg.model.policy_path, "config.json")):
+        return None  # no LoRA, or a missing folder model_folder_problems already names
+    from engines.trainer.lora import check_targets
+
+    try:
+        check_targets(cfg.model.policy_path, cfg.model.lora)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def static_problems(cfg: PPOFlowConfig) -> list[str]:
     """Every problem of the storage root, the data, the model folders and the reward sources (see module doc)."""
     from engines.data import DataError, check_dataset
@@ -172,7 +186,7 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
     except DataError as e:
         problems.append(f"data.path: {e}")
     problems += model_folder_problems(cfg.model.policy_path, "model.policy_path")
-    problems += [p for p in [stop_token_problem(cfg)] if p]
+    problems += [p for p in [stop_token_problem(cfg), lora_target_problem(cfg)] if p]
     if cfg.algo.uses_critic and cfg.model.critic_path:
         problems += model_folder_problems(cfg.model.critic_path, "model.critic_path", need_tokenizer=False)
     for i, source in enumerate(cfg.reward.sources):
