@@ -28,6 +28,7 @@ The recipe (the defaults below; why each):
 On a machine shared with other jobs, OMP_NUM_THREADS=1 keeps torch's threads from spinning against each other
 (seen here: 25 s per iteration with the default threads under a load of 9, 1.6 s with one thread).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,10 +47,18 @@ from bench.common import emit  # noqa: E402
 from engines.ppo.algorithms import ALGO_NAMES  # noqa: E402
 
 RECIPE = {
-    "rollout.prompts_per_iteration": 32, "rollout.n_samples": 4, "rollout.max_new_tokens": 8,
-    "rollout.temperature": 1.0, "train.actor_lr": 5e-4, "train.critic_lr": 5e-4, "train.warmup_steps": 2,
+    "rollout.prompts_per_iteration": 32,
+    "rollout.n_samples": 4,
+    "rollout.max_new_tokens": 8,
+    "rollout.temperature": 1.0,
+    "train.actor_lr": 5e-4,
+    "train.critic_lr": 5e-4,
+    "train.warmup_steps": 2,
     "train.lr_schedule": "cosine",
-    "train.train_batch_size": 64, "train.micro_batch_size": 32, "train.ppo_epochs": 2, "algo.kl_coef": 0.001,
+    "train.train_batch_size": 64,
+    "train.micro_batch_size": 32,
+    "train.ppo_epochs": 2,
+    "algo.kl_coef": 0.001,
 }
 
 
@@ -61,13 +70,26 @@ def build_config(algo: str, engine: str, work: Path, iterations: int, overrides:
     model_dir = ensure_tiny_llama(work / "tiny-llama", seed=0)
     data_dir = ensure_digits_dataset(work / "digits", num_rows=512, seed=0)
     settings = [f"{k}={v}" for k, v in RECIPE.items()]
-    settings += [f"algo.name={algo}", f"rollout.engine={engine}", f"model.policy_path={model_dir}",
-                 f"data.path={data_dir}", f"run.iterations={iterations}", "data.data_source_key=data_source"]
+    settings += [
+        f"algo.name={algo}",
+        f"rollout.engine={engine}",
+        f"model.policy_path={model_dir}",
+        f"data.path={data_dir}",
+        f"run.iterations={iterations}",
+        "data.data_source_key=data_source",
+    ]
     return load_config(None, settings + overrides)
 
 
-def run(algo: str, engine: str, iterations: int, seconds: float, overrides: list[str],
-        work_dir: str | None = None, emit_summary: bool = True) -> dict:
+def run(
+    algo: str,
+    engine: str,
+    iterations: int,
+    seconds: float,
+    overrides: list[str],
+    work_dir: str | None = None,
+    emit_summary: bool = True,
+) -> dict:
     """Train until `iterations` or `seconds` run out; returns the summary figures."""
     from engines.loop import EngineLoop
 
@@ -84,18 +106,33 @@ def run(algo: str, engine: str, iterations: int, seconds: float, overrides: list
             rewards.append(metrics["reward/mean"])
             if reached is None and metrics["reward/mean"] >= 0.9:
                 reached = round(elapsed, 1)
-            print(json.dumps({"iteration": it, "elapsed_s": round(elapsed, 1),
-                              **{k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "iteration": it,
+                        "elapsed_s": round(elapsed, 1),
+                        **{k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)},
+                    }
+                ),
+                flush=True,
+            )
             if elapsed > seconds:
                 break
     finally:
         loop.shutdown()
         if work_dir is None:  # a temp folder of our own: model, data and syncs are not wanted afterwards
             shutil.rmtree(work, ignore_errors=True)
-    figures = {"algo": algo, "engine": loop.engine.name, "first_reward": round(rewards[0], 4),
-               "final_reward": round(rewards[-1], 4), "iterations": len(rewards),
-               "seconds": round(time.perf_counter() - start, 1), "setup_seconds": round(setup_s, 1),
-               "reached_0.9_at_s": reached, "baseline": "iteration 0 (random-init policy)"}
+    figures = {
+        "algo": algo,
+        "engine": loop.engine.name,
+        "first_reward": round(rewards[0], 4),
+        "final_reward": round(rewards[-1], 4),
+        "iterations": len(rewards),
+        "seconds": round(time.perf_counter() - start, 1),
+        "setup_seconds": round(setup_s, 1),
+        "reached_0.9_at_s": reached,
+        "baseline": "iteration 0 (random-init policy)",
+    }
     return emit("learning", figures) if emit_summary else figures
 
 

@@ -26,6 +26,7 @@ per process (OMP) so both variants get the same share of a shared machine.
 Output: a table of every run, the ratios selective / naive (goal: memory <= 0.25, time <= 1.0), and
 one JSON line via bench.common.emit (appended to bench/results/logprobs.jsonl).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,14 +67,16 @@ def _make_run(variant: str, chunk: int, mode: str, logits, token_ids, upstream):
         if variant == VARIANT_NAIVE:
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids[..., None]).squeeze(-1)
         else:
-            logprobs = selective_log_softmax(logits, token_ids, chunk_size=chunk,
-                                             inplace_backward=variant == VARIANT_INPLACE)
+            logprobs = selective_log_softmax(
+                logits, token_ids, chunk_size=chunk, inplace_backward=variant == VARIANT_INPLACE
+            )
         if mode == "forward_backward":
             # autograd.grad hands back d/dlogits without accumulating it into logits.grad (which
             # would copy an in-place gradient out of the logits' storage): as in a model, where the
             # gradient only passes through lm_head's backward. It stays alive until run() returns.
             (grad_logits,) = torch.autograd.grad((logprobs * upstream).sum(), logits)
             del grad_logits
+
     return run
 
 
@@ -92,8 +95,10 @@ def _memory_worker(args: argparse.Namespace) -> dict:
     current_before, peak_before = _rss_kib()
     run()
     _, peak_after = _rss_kib()
-    return {"extra_peak_mib": (peak_after - current_before) / 1024,
-            "setup_slack_mib": (peak_before - current_before) / 1024}  # > 0 would understate the op
+    return {
+        "extra_peak_mib": (peak_after - current_before) / 1024,
+        "setup_slack_mib": (peak_before - current_before) / 1024,
+    }  # > 0 would understate the op
 
 
 def _time_worker(args: argparse.Namespace) -> dict:
@@ -123,10 +128,31 @@ def _time_worker(args: argparse.Namespace) -> dict:
 
 
 def _spawn(args: argparse.Namespace, role: str, mode: str, variant: str = VARIANT_NAIVE, chunk: int = 0) -> dict:
-    command = [sys.executable, "-m", "bench.logprobs", "--worker", role, "--variant", variant, "--mode", mode,
-               "--chunk", str(chunk), "--chunks", args.chunks, "--default-chunk", str(args.default_chunk),
-               "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
-               "--repeats", str(args.repeats)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.logprobs",
+        "--worker",
+        role,
+        "--variant",
+        variant,
+        "--mode",
+        mode,
+        "--chunk",
+        str(chunk),
+        "--chunks",
+        args.chunks,
+        "--default-chunk",
+        str(args.default_chunk),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--vocab",
+        str(args.vocab),
+        "--repeats",
+        str(args.repeats),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     if role == "memory":
         # A fixed glibc mmap threshold: blocks >= 1 MiB are mmap'd and unmapped on free. By default
@@ -161,8 +187,11 @@ def _bench_mode(args: argparse.Namespace, mode: str, chunks: list[int], figures:
         print(f"{mode:<17} {label:<22} {mib:>10.1f} {seconds * 1e3:>10.1f} {memory_ratio:>10.3f} {time_ratio:>10.3f}")
         if variant == "selective":
             figures["by_chunk"].setdefault(str(chunk), {})[mode] = {
-                "extra_mib": round(mib, 1), "ms": round(seconds * 1e3, 2),
-                "memory_ratio": memory_ratio, "time_ratio": time_ratio}
+                "extra_mib": round(mib, 1),
+                "ms": round(seconds * 1e3, 2),
+                "memory_ratio": memory_ratio,
+                "time_ratio": time_ratio,
+            }
         suffix = "_inplace" if variant == VARIANT_INPLACE else ""
         if variant != VARIANT_NAIVE and chunk == args.default_chunk:
             figures[f"memory_ratio_{mode}{suffix}"] = memory_ratio
@@ -192,16 +221,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     chunks = sorted({int(c) for c in args.chunks.split(",")} | {args.default_chunk})
     args.chunks = ",".join(str(c) for c in chunks)
-    print(f"logits ({args.batch}, {args.seq}, {args.vocab}) fp32 = "
-          f"{args.batch * args.seq * args.vocab * 4 / 2**20:.0f} MiB; {args.threads} thread(s) per process")
+    print(
+        f"logits ({args.batch}, {args.seq}, {args.vocab}) fp32 = "
+        f"{args.batch * args.seq * args.vocab * 4 / 2**20:.0f} MiB; {args.threads} thread(s) per process"
+    )
     print(f"{'mode':<17} {'variant':<22} {'extra MiB':>10} {'median ms':>10} {'mem ratio':>10} {'time ratio':>10}")
-    figures: dict = {"baseline": "torch.log_softmax(logits, -1).gather", "batch": args.batch,
-                     "seq": args.seq, "vocab": args.vocab, "dtype": "float32", "threads": args.threads,
-                     "repeats": args.repeats, "default_chunk": args.default_chunk, "by_chunk": {}}
+    figures: dict = {
+        "baseline": "torch.log_softmax(logits, -1).gather",
+        "batch": args.batch,
+        "seq": args.seq,
+        "vocab": args.vocab,
+        "dtype": "float32",
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "default_chunk": args.default_chunk,
+        "by_chunk": {},
+    }
     for mode in MODES:
         _bench_mode(args, mode, chunks, figures)
-    figures["forward_goals_met"] = (figures["memory_ratio_forward"] <= 0.25
-                                    and figures["time_ratio_forward"] <= 1.0)
+    figures["forward_goals_met"] = figures["memory_ratio_forward"] <= 0.25 and figures["time_ratio_forward"] <= 1.0
     return emit("logprobs", figures)
 
 

@@ -19,6 +19,7 @@ Baseline: the bare engine loop. Figures:
   iteration), where that fixed cost dominates.
 - overhead_s_per_iter: pipeline minus bare seconds per iteration, per workload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,20 +45,35 @@ WORKLOADS = {  # rollout settings per workload; everything else is shared
 
 def bench_config(workdir: str, run: str, iterations: int, workload: str = "tiny"):
     from engines.toy.model import ensure_tiny_llama
-    from engines.toy.task import ensure_digits_dataset
     from engines.toy.run_config import toy_config
+    from engines.toy.task import ensure_digits_dataset
 
     model = ensure_tiny_llama(os.path.join(workdir, "model"))
     data = ensure_digits_dataset(os.path.join(workdir, "data"))
-    return toy_config(os.path.join(workdir, "runs"), run, model, data, iterations=iterations, seed=0, sections={
-        "data": {"data_source_key": None},
-        "rollout": {"engine": "hf", "max_new_tokens": 8, **WORKLOADS[workload]},
-        "algo": {"name": "ppo", "kl_coef": 0.01},
-        "train": {"micro_batch_size": 32, "train_batch_size": None, "ppo_epochs": 2, "actor_lr": 2e-3,
-                  "critic_lr": 2e-3, "warmup_steps": 0, "lr_schedule": "constant"},
-        "score": {"cache": False},  # the bare loop has no cache; keep the work identical
-        "pipeline": {"retries": 0, "retry_delay_s": 5.0},
-    })
+    return toy_config(
+        os.path.join(workdir, "runs"),
+        run,
+        model,
+        data,
+        iterations=iterations,
+        seed=0,
+        sections={
+            "data": {"data_source_key": None},
+            "rollout": {"engine": "hf", "max_new_tokens": 8, **WORKLOADS[workload]},
+            "algo": {"name": "ppo", "kl_coef": 0.01},
+            "train": {
+                "micro_batch_size": 32,
+                "train_batch_size": None,
+                "ppo_epochs": 2,
+                "actor_lr": 2e-3,
+                "critic_lr": 2e-3,
+                "warmup_steps": 0,
+                "lr_schedule": "constant",
+            },
+            "score": {"cache": False},  # the bare loop has no cache; keep the work identical
+            "pipeline": {"retries": 0, "retry_delay_s": 5.0},
+        },
+    )
 
 
 def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
@@ -66,11 +82,13 @@ def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
     ends: list[float] = []
     if variant == "pipeline":
         from flows.training import ppo_training
+
         result = ppo_training(cfg.model_dump(mode="json"))
         ends = [row["time/finished_unix"] for row in result["iterations"]]
         rewards = [row["reward/mean"] for row in result["iterations"]]
     else:
         from engines.loop import EngineLoop
+
         loop = EngineLoop(cfg)
         rewards = []
         for i in range(1, iterations + 1):
@@ -80,13 +98,35 @@ def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
 
 
 def run_variant(variant: str, workdir: str, iterations: int, workload: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "DS_ACCELERATOR": "cpu",
-           "PREFECT_HOME": os.path.join(workdir, "prefect-home"), "PYTHONUNBUFFERED": "1",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        "DS_ACCELERATOR": "cpu",
+        "PREFECT_HOME": os.path.join(workdir, "prefect-home"),
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    }
     env.pop("PREFECT_API_URL", None)  # the embedded default: Prefect's local ephemeral server
-    out = subprocess.run([sys.executable, "-m", "bench.overhead", "--worker", variant, "--workdir", workdir,
-                          "--iterations", str(iterations), "--workload", workload], cwd=REPO, env=env, capture_output=True, text=True)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{\"variant\"")]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.overhead",
+            "--worker",
+            variant,
+            "--workdir",
+            workdir,
+            "--iterations",
+            str(iterations),
+            "--workload",
+            workload,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"variant"')]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{variant} worker failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
     data = json.loads(lines[-1])
@@ -105,9 +145,14 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
             times[variant].append(data["per_iteration_s"])
             rewards[variant] = data["rewards"]
     pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
-    return {"pipeline_s_per_iter": round(pipeline, 3), "bare_s_per_iter": round(bare, 3),
-            "ratio": round(pipeline / bare, 3), "overhead_s_per_iter": round(pipeline - bare, 3),
-            "same_rewards": rewards["pipeline"] == rewards["bare"], "rewards_pipeline": rewards["pipeline"]}
+    return {
+        "pipeline_s_per_iter": round(pipeline, 3),
+        "bare_s_per_iter": round(bare, 3),
+        "ratio": round(pipeline / bare, 3),
+        "overhead_s_per_iter": round(pipeline - bare, 3),
+        "same_rewards": rewards["pipeline"] == rewards["bare"],
+        "rewards_pipeline": rewards["pipeline"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,9 +171,13 @@ def main(argv: list[str] | None = None) -> None:
     workloads = ["batch", "tiny"] if a.workload == "both" else [a.workload]
     with tempfile.TemporaryDirectory(prefix="ppoflow-overhead-") as workdir:
         results = {w: measure(w, a.iterations, a.rounds, workdir) for w in workloads}
-    figures = {"baseline": "bare engine loop (no Prefect, no storage)", "iterations": a.iterations,
-               "rounds": a.rounds, "goal": "<= 1.05",
-               "workloads": {w: {"rollout": WORKLOADS[w], **r} for w, r in results.items()}}
+    figures = {
+        "baseline": "bare engine loop (no Prefect, no storage)",
+        "iterations": a.iterations,
+        "rounds": a.rounds,
+        "goal": "<= 1.05",
+        "workloads": {w: {"rollout": WORKLOADS[w], **r} for w, r in results.items()},
+    }
     if "batch" in results:
         figures["ratio"] = results["batch"]["ratio"]
     if "tiny" in results:

@@ -32,6 +32,7 @@ against other load on a shared machine). tiny adds the mean reward at the last i
 (goal: ppoflow >= TRL) and greedy accuracy on 64 held-out prompts. Per-iteration curves go to
 bench/results/peer_trl_curves_<size>.json (plots: python -m bench.plots).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ TRL_SIDE = REPO_ROOT / "bench" / "trl_side"
 @dataclass(frozen=True)
 class Size:
     """One benchmark size: the model to build and how long each trainer runs."""
+
     name: str
     model_kwargs: dict
     iterations: int
@@ -68,14 +70,20 @@ SIZES = {
     # A random Llama of 10.3M parameters (3 layers, hidden 512, head_dim 64). Measured on the project's
     # 2-core machine, one thread, 2026-11-21: TRL PPO (frozen gc) spent 7.3 CPU-s per iteration (4 layers:
     # 9.8, so 2 layers would sit near the 5 s floor); 3 iterations x 4 PPO trainers x 3 seeds ~ 5 minutes.
-    "small": Size("small", {"hidden_size": 512, "num_heads": 8, "num_layers": 3, "intermediate_size": 1536},
-                  iterations=3, greedy_eval=False, timeout_s=900),
+    "small": Size(
+        "small",
+        {"hidden_size": 512, "num_heads": 8, "num_layers": 3, "intermediate_size": 1536},
+        iterations=3,
+        greedy_eval=False,
+        timeout_s=900,
+    ),
 }
 
 
 @dataclass(frozen=True)
 class Trainer:
     """One side of the comparison: `command(model_dir, seed, iterations, greedy)` builds its argv."""
+
     name: str
     algo: str  # "ppo" | "grpo"
     command: Callable[[Path, int, int, bool], list[str]]
@@ -85,18 +93,44 @@ class Trainer:
 def _trl_command(venv: str, script: str, *extra: str):
     def command(model_dir: Path, seed: int, iterations: int, greedy: bool) -> list[str]:
         from bench.trl_env import ensure_venv
-        argv = [str(ensure_venv(venv)), str(TRL_SIDE / script), "--model", str(model_dir), "--seed", str(seed),
-                "--iterations", str(iterations), *extra]
+
+        argv = [
+            str(ensure_venv(venv)),
+            str(TRL_SIDE / script),
+            "--model",
+            str(model_dir),
+            "--seed",
+            str(seed),
+            "--iterations",
+            str(iterations),
+            *extra,
+        ]
         return argv + (["--greedy-eval"] if greedy else [])
+
     return command
 
 
 def _ppoflow_command(variant: str, algo: str):
     def command(model_dir: Path, seed: int, iterations: int, greedy: bool) -> list[str]:
-        argv = [sys.executable, "-m", "bench.ppoflow_side", "--variant", variant, "--algo", algo,
-                "--model", str(model_dir), "--seed", str(seed), "--iterations", str(iterations),
-                "--work-dir", str(WORK_DIR / "runs")]
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.ppoflow_side",
+            "--variant",
+            variant,
+            "--algo",
+            algo,
+            "--model",
+            str(model_dir),
+            "--seed",
+            str(seed),
+            "--iterations",
+            str(iterations),
+            "--work-dir",
+            str(WORK_DIR / "runs"),
+        ]
         return argv + (["--greedy-eval"] if greedy else [])
+
     return command
 
 
@@ -105,7 +139,9 @@ def _ppoflow_available(variant: str) -> Callable[[], Optional[str]]:
         if not (REPO_ROOT / "bench" / "ppoflow_side.py").exists():
             return "not available: bench/ppoflow_side.py does not exist yet"
         from bench.ppoflow_side import variant_unavailable  # the ppoflow side knows what it needs
+
         return variant_unavailable(variant)
+
     return available
 
 
@@ -122,6 +158,7 @@ TRAINERS = [
 
 
 # ---- the harness: schedule, run, parse, aggregate -------------------------------------------------------
+
 
 def alternating_schedule(trainers: list[str], seeds: list[int]) -> list[tuple[int, str]]:
     """(seed, trainer) in run order: every trainer once per seed, the trainers in the same order each seed.
@@ -158,8 +195,15 @@ def parse_records(stdout: str) -> tuple[list[dict], Optional[dict]]:
 
 def run_one(trainer: Trainer, size: Size, model_dir: Path, seed: int) -> dict:
     """Run one trainer process; returns {trainer, seed, ok, iterations, final, wall_s, error}."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(REPO_ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(REPO_ROOT),
+        "DS_ACCELERATOR": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     result: dict[str, Any] = {"trainer": trainer.name, "seed": seed, "ok": False, "iterations": [], "final": None}
     start = time.perf_counter()
     try:
@@ -197,8 +241,13 @@ def summarize_trainer(runs: list[dict], iterations: int) -> dict:
     summary["train_s"] = _mean([r["final"].get("train_s") for r in ok])
     # this process's CPU seconds per iteration: what wall time would be on an idle machine (one thread);
     # misses helper processes, see bench/trl_side/common.Stopwatch
-    summary["cpu_iter_s"] = _mean([r["iterations"][-1]["cpu_s"] / len(r["iterations"]) for r in ok
-                                   if r["iterations"] and r["iterations"][-1].get("cpu_s") is not None])
+    summary["cpu_iter_s"] = _mean(
+        [
+            r["iterations"][-1]["cpu_s"] / len(r["iterations"])
+            for r in ok
+            if r["iterations"] and r["iterations"][-1].get("cpu_s") is not None
+        ]
+    )
     steady = [statistics.median([i["iter_s"] for i in r["iterations"][1:]]) for r in ok if len(r["iterations"]) > 1]
     summary["iter_s_steady"] = _mean(steady)  # median after the first iteration (warm-up left out)
     summary["setup_s"] = _mean([r["final"].get("setup_s") for r in ok])
@@ -216,6 +265,7 @@ def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional
 
 def headline(summaries: dict[str, dict], iterations: int, unavailable: dict[str, str]) -> dict:
     """The figures of the final JSON line, from the per-trainer summaries."""
+
     def get(name: str, key: str):
         return summaries.get(name, {}).get(key)
 
@@ -240,7 +290,8 @@ def headline(summaries: dict[str, dict], iterations: int, unavailable: dict[str,
         f"ppoflow_{reward_key}": get("ppoflow_pipeline", reward_key) or get("ppoflow_engine", reward_key),
         f"trl_{reward_key}": get("trl_ppo_frozen", reward_key),
         f"trl_bf16_{reward_key}": get("trl_ppo_bf16", reward_key),
-        f"grpo_ppoflow_{reward_key}": get("ppoflow_grpo_pipeline", reward_key) or get("ppoflow_grpo_engine", reward_key),
+        f"grpo_ppoflow_{reward_key}": get("ppoflow_grpo_pipeline", reward_key)
+        or get("ppoflow_grpo_engine", reward_key),
         f"grpo_trl_{reward_key}": get("trl_grpo", reward_key),
     }
     for name, why in unavailable.items():
@@ -250,9 +301,11 @@ def headline(summaries: dict[str, dict], iterations: int, unavailable: dict[str,
 
 # ---- the run ---------------------------------------------------------------------------------------------
 
+
 def build_model(size: Size) -> Path:
     """The shared model folder of this size under bench/.work (built once, reused by every process)."""
     from engines.toy.model import ensure_tiny_llama
+
     return ensure_tiny_llama(WORK_DIR / "models" / size.name, **size.model_kwargs)
 
 
@@ -274,9 +327,15 @@ def save_curves(size: Size, runs: list[dict]) -> Path:
     """Per-iteration records of every run, for the plots (bench/plots.py); overwritten each run of a size."""
     path = RESULTS_DIR / f"peer_trl_curves_{size.name}.json"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    curves = [{"trainer": r["trainer"], "seed": r["seed"], "ok": r["ok"],
-               "iterations": [{k: i[k] for k in ("iteration", "reward_mean", "wall_s")} for i in r["iterations"]]}
-              for r in runs]
+    curves = [
+        {
+            "trainer": r["trainer"],
+            "seed": r["seed"],
+            "ok": r["ok"],
+            "iterations": [{k: i[k] for k in ("iteration", "reward_mean", "wall_s")} for i in r["iterations"]],
+        }
+        for r in runs
+    ]
     path.write_text(json.dumps({"size": size.name, "runs": curves}))
     return path
 
@@ -300,18 +359,29 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_one(by_name[name], size, model_dir, seed)
         runs.append(result)
         final = result["final"] or {}
-        print(f"# {name} seed {seed}: ok={result['ok']} train_s={final.get('train_s')} "
-              f"reward_last={final.get('reward_last')} {result.get('error', '')[-300:]}", file=sys.stderr, flush=True)
-    summaries = {name: summarize_trainer([r for r in runs if r["trainer"] == name], size.iterations)
-                 for name in by_name}
+        print(
+            f"# {name} seed {seed}: ok={result['ok']} train_s={final.get('train_s')} "
+            f"reward_last={final.get('reward_last')} {result.get('error', '')[-300:]}",
+            file=sys.stderr,
+            flush=True,
+        )
+    summaries = {
+        name: summarize_trainer([r for r in runs if r["trainer"] == name], size.iterations) for name in by_name
+    }
     save_curves(size, runs)
     from bench.ppoflow_side import CPU_SETTINGS
 
-    figures = {"size": size.name, "iterations": size.iterations, "seeds": a.seeds, "threads_per_process": 1,
-               "model": {"path": str(model_dir.relative_to(REPO_ROOT)), **size.model_kwargs},
-               "ppoflow_settings": CPU_SETTINGS,
-               **headline(summaries, size.iterations, unavailable), "trainers": summaries,
-               "plots": write_plots(size.name)}
+    figures = {
+        "size": size.name,
+        "iterations": size.iterations,
+        "seeds": a.seeds,
+        "threads_per_process": 1,
+        "model": {"path": str(model_dir.relative_to(REPO_ROOT)), **size.model_kwargs},
+        "ppoflow_settings": CPU_SETTINGS,
+        **headline(summaries, size.iterations, unavailable),
+        "trainers": summaries,
+        "plots": write_plots(size.name),
+    }
     return emit("peer_trl", figures)
 
 

@@ -6,6 +6,7 @@ Writes bench/results/peer_trl_tiny_reward_vs_iteration.png and ..._vs_seconds.pn
 Needs matplotlib (the `dev` extra); raises ModuleNotFoundError saying so, FileNotFoundError naming the
 curves file when the benchmark has not run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def plot(size: str = "tiny") -> list[Path]:
         raise FileNotFoundError(f"{path} does not exist: run `python -m bench.peer_trl --size {size}` first")
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError as e:

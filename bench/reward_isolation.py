@@ -20,6 +20,7 @@ Figures per contract: thread_s, process_s, ratio = process_s / thread_s, overhea
 imports, once per process). Check (fails the run): both variants give the same rewards.
 Ends with one JSON line via bench.common.emit (appended to bench/results/reward_isolation.jsonl).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,15 @@ def digits_batch(samples: int, seed: int = 0):
             responses.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 16))))
             labels.append(label)
     n = len(prompts)
-    return RewardBatch(prompts=prompts, responses=responses, prompt_ids=[[]] * n, response_ids=[[]] * n,
-                       labels=labels, data_sources=["digits"] * n, sample_ids=[f"sample {i}" for i in range(n)])
+    return RewardBatch(
+        prompts=prompts,
+        responses=responses,
+        prompt_ids=[[]] * n,
+        response_ids=[[]] * n,
+        labels=labels,
+        data_sources=["digits"] * n,
+        sample_ids=[f"sample {i}" for i in range(n)],
+    )
 
 
 def time_source(source, batch, repeats: int) -> tuple[float, float, list[float]]:
@@ -73,8 +81,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     batch = digits_batch(args.samples)
-    figures: dict = {"baseline": "isolation: thread (a worker thread of the scoring process)",
-                     "samples": len(batch), "repeats": args.repeats, "contracts": {}}
+    figures: dict = {
+        "baseline": "isolation: thread (a worker thread of the scoring process)",
+        "samples": len(batch),
+        "repeats": args.repeats,
+        "contracts": {},
+    }
     for contract, spec in CONTRACTS.items():
         results = {}
         for isolation in ("thread", "process"):
@@ -86,9 +98,13 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"{contract}: the process gave other rewards than the thread")
         calls = len(batch) if contract == "verl" else -(-len(batch) // 64)
         figures["contracts"][contract] = {
-            "calls": calls, "thread_s": round(t_s, 5), "process_s": round(p_s, 5), "ratio": round(p_s / t_s, 2),
+            "calls": calls,
+            "thread_s": round(t_s, 5),
+            "process_s": round(p_s, 5),
+            "ratio": round(p_s / t_s, 2),
             "overhead_us_per_call": round(1e6 * (p_s - t_s) / calls, 1),
-            "worker_start_s": round(max(0.0, (p_first - p_s) - (t_first - t_s)), 3)}
+            "worker_start_s": round(max(0.0, (p_first - p_s) - (t_first - t_s)), 3),
+        }
     figures["verl_ratio"] = figures["contracts"]["verl"]["ratio"]
     figures["openrlhf_ratio"] = figures["contracts"]["openrlhf"]["ratio"]
     return emit("reward_isolation", figures)

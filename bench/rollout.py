@@ -19,6 +19,7 @@ VLLM_CPU_NUM_OF_RESERVED_CPU are set unless already set), as HF generate's torch
 Figures: generated tokens per second for each side and their ratio vllm/hf (goal >= 5).
 Ends with one JSON line (bench/common.py emit), appended to bench/results/rollout.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,9 +75,16 @@ def time_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, repeats:
 
     def run(b) -> int:
         with torch.no_grad():
-            out = model.generate(**b, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **b,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         return (out.shape[1] - b["input_ids"].shape[1]) * out.shape[0]
 
     run({k: v[:16] for k, v in batch.items()})  # warm-up, excluded
@@ -118,15 +126,25 @@ def main(argv: list[str] | None = None) -> dict:
         raise RuntimeError(f"unequal work: vllm generated {vllm['tokens']}, hf {hf['tokens']}, expected {expected}")
     vllm_tps, hf_tps = vllm["tokens"] / vllm["seconds"], hf["tokens"] / hf["seconds"]
     print(f"vLLM {vllm_tps:,.0f} tok/s  HF generate {hf_tps:,.0f} tok/s  ratio {vllm_tps / hf_tps:.2f}x (goal >= 5x)")
-    return emit("rollout", {
-        "baseline": "transformers generate (batched, sdpa, fp32)", "model": a.model, "model_config": MODELS[a.model] or "hidden 128, 2 layers",
-        "prompts": a.prompts, "new_tokens": a.new_tokens, "generated_tokens": expected,
-        "vllm_tokens_per_s": round(vllm_tps, 1), "hf_tokens_per_s": round(hf_tps, 1),
-        "ratio_vllm_over_hf": round(vllm_tps / hf_tps, 2), "goal_ratio": 5.0,
-        "vllm_startup_s": round(vllm["startup_s"], 1), "vllm_reload_weights_s": round(vllm["reload_s"], 3),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "vllm_cpu_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-    })
+    return emit(
+        "rollout",
+        {
+            "baseline": "transformers generate (batched, sdpa, fp32)",
+            "model": a.model,
+            "model_config": MODELS[a.model] or "hidden 128, 2 layers",
+            "prompts": a.prompts,
+            "new_tokens": a.new_tokens,
+            "generated_tokens": expected,
+            "vllm_tokens_per_s": round(vllm_tps, 1),
+            "hf_tokens_per_s": round(hf_tps, 1),
+            "ratio_vllm_over_hf": round(vllm_tps / hf_tps, 2),
+            "goal_ratio": 5.0,
+            "vllm_startup_s": round(vllm["startup_s"], 1),
+            "vllm_reload_weights_s": round(vllm["reload_s"], 3),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "vllm_cpu_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        },
+    )
 
 
 if __name__ == "__main__":  # required: vLLM's engine core runs in a spawned process

@@ -27,6 +27,7 @@ Tokens/s: response tokens of the batch over the seconds of one update (the secon
 
 Prints and appends one JSON line to bench/results/scale.jsonl (bench/common.emit).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,6 +80,7 @@ def _tensor_bytes(obj) -> int:
         elif isinstance(x, (list, tuple)):
             for v in x:
                 walk(v)
+
     walk(obj)
     return sum(seen.values())
 
@@ -95,11 +97,17 @@ def run_variant(args) -> dict:
     torch.set_num_threads(1)
     work = Path(args.work_dir)
     model_dir = build_model_dir(SIZES["tiny"], args.prompt_len + args.response_len, work)
-    overrides = {"model.policy_path": str(model_dir), "algo.name": "grpo", "rollout.prompts_per_iteration":
-                 args.batch // 4, "rollout.n_samples": 4, "train.micro_batch_size": args.micro_batch,
-                 "train.zero_stage": 2, "rollout.max_new_tokens": args.response_len,
-                 "model.attn_implementation": "eager",
-                 **VARIANTS[args.variant]}
+    overrides = {
+        "model.policy_path": str(model_dir),
+        "algo.name": "grpo",
+        "rollout.prompts_per_iteration": args.batch // 4,
+        "rollout.n_samples": 4,
+        "train.micro_batch_size": args.micro_batch,
+        "train.zero_stage": 2,
+        "rollout.max_new_tokens": args.response_len,
+        "model.attn_implementation": "eager",
+        **VARIANTS[args.variant],
+    }
     if args.variant == "lora":
         overrides["model.lora.rank"] = args.lora_rank
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
@@ -108,8 +116,13 @@ def run_variant(args) -> dict:
     prompt = torch.randint(4, vocab, (args.batch, args.prompt_len), generator=g).tolist()
     response = torch.randint(4, vocab, (args.batch, args.response_len), generator=g).tolist()
     ref = (-torch.rand(args.batch, args.response_len, generator=g) * 5).tolist()
-    batch = ExperienceBatch.from_lists(prompt, response, torch.rand(args.batch, generator=g).tolist(), ref,
-                                       group_ids=[i // 4 for i in range(args.batch)])
+    batch = ExperienceBatch.from_lists(
+        prompt,
+        response,
+        torch.rand(args.batch, generator=g).tolist(),
+        ref,
+        group_ids=[i // 4 for i in range(args.batch)],
+    )
     # Libraries loaded lazily by the build (DeepSpeed, its ops, peft, the Llama code: ~300 MiB of RSS) are loaded
     # first, so the measured increase is the trainer's own memory.
     import deepspeed  # noqa: F401
@@ -117,6 +130,7 @@ def run_variant(args) -> dict:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     from engines.trainer.deepspeed_setup import setup_distributed
+
     setup_distributed()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
     before = _status_kib("VmRSS")
@@ -131,17 +145,22 @@ def run_variant(args) -> dict:
     trainer.save(str(out))
     if trainer.actor.global_rank != 0:
         return {}
-    state = (_tensor_bytes(trainer.actor.optimizer.state_dict())
-             + _tensor_bytes(dict(trainer.actor.module.named_parameters())))
+    state = _tensor_bytes(trainer.actor.optimizer.state_dict()) + _tensor_bytes(
+        dict(trainer.actor.module.named_parameters())
+    )
     adapter = out / "policy" / "adapter"
     trainable = sum(p.numel() for p in trainer.actor.module.parameters() if p.requires_grad)
     tokens = args.batch * args.response_len
     timed = min(seconds[1:] or seconds)  # the first update also allocates the AdamW state
-    return {"peak_mib": round((peak - before) / 1024, 1), "state_mib": round(state / 2**20, 1),
-            "trainable_params": trainable,
-            "update_s": round(timed, 3), "response_tokens_per_s": round(tokens / timed, 1),
-            "engine_bytes": _weight_bytes(out / "policy"),
-            "adapter_bytes": _weight_bytes(adapter) if adapter.is_dir() else None}
+    return {
+        "peak_mib": round((peak - before) / 1024, 1),
+        "state_mib": round(state / 2**20, 1),
+        "trainable_params": trainable,
+        "update_s": round(timed, 3),
+        "response_tokens_per_s": round(tokens / timed, 1),
+        "engine_bytes": _weight_bytes(out / "policy"),
+        "adapter_bytes": _weight_bytes(adapter) if adapter.is_dir() else None,
+    }
 
 
 def _launch(argv: list[str], ranks: int) -> subprocess.CompletedProcess:
@@ -152,10 +171,24 @@ def _launch(argv: list[str], ranks: int) -> subprocess.CompletedProcess:
     from engines.trainer.deepspeed_setup import _free_port
 
     port = str(_free_port())
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-             for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for r in range(ranks)
+    ]
     outputs = [p.communicate() for p in procs]
     code = next((p.returncode for p in procs if p.returncode), 0)
     return subprocess.CompletedProcess(argv, code, outputs[0][0], "".join(err for _, err in outputs))
@@ -178,9 +211,19 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-scale-"))
     results = {}
     for variant in VARIANTS:
-        argv_child = [sys.executable, "-m", "bench.scale", "--variant", variant, "--work-dir", str(work),
-                      *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                        ("batch", "micro_batch", "prompt_len", "response_len", "updates", "lora_rank")]]
+        argv_child = [
+            sys.executable,
+            "-m",
+            "bench.scale",
+            "--variant",
+            variant,
+            "--work-dir",
+            str(work),
+            *[
+                f"--{k.replace('_', '-')}={getattr(args, k)}"
+                for k in ("batch", "micro_batch", "prompt_len", "response_len", "updates", "lora_rank")
+            ],
+        ]
         done = _launch(argv_child, RANKS.get(variant, 1))
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if done.returncode or line is None:
@@ -189,17 +232,25 @@ def main(argv: list[str] | None = None) -> None:
         results[variant] = json.loads(line.removeprefix("RESULT "))
         print(variant, results[variant], flush=True)
     full = results["full"]
-    figures = {"model": "llama hidden 512 x 3 layers (bench/update_mfu tiny, ~10M params)", "algo": "grpo",
-               "zero_stage": 2, "batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
-               "lora_rank": args.lora_rank, "memory": "peak RSS increase (VmHWM - RSS before build), MiB",
-               "variants": results}
+    figures = {
+        "model": "llama hidden 512 x 3 layers (bench/update_mfu tiny, ~10M params)",
+        "algo": "grpo",
+        "zero_stage": 2,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "response_len": args.response_len,
+        "lora_rank": args.lora_rank,
+        "memory": "peak RSS increase (VmHWM - RSS before build), MiB",
+        "variants": results,
+    }
     for variant in ("lora", "gc", "offload"):
         if "peak_mib" in results[variant] and "peak_mib" in full:
             figures[f"memory_{variant}_over_full"] = round(results[variant]["peak_mib"] / full["peak_mib"], 3)
             figures[f"state_{variant}_over_full"] = round(results[variant]["state_mib"] / full["state_mib"], 3)
     if "response_tokens_per_s" in results["ranks2"] and "response_tokens_per_s" in full:
-        figures["update_tokens_per_s_2_ranks_over_1"] = round(results["ranks2"]["response_tokens_per_s"]
-                                                              / full["response_tokens_per_s"], 3)
+        figures["update_tokens_per_s_2_ranks_over_1"] = round(
+            results["ranks2"]["response_tokens_per_s"] / full["response_tokens_per_s"], 3
+        )
     if "engine_bytes" in results["lora"] and "engine_bytes" in full:
         figures["engine_bytes_lora_over_full"] = round(results["lora"]["engine_bytes"] / full["engine_bytes"], 4)
         figures["lora_adapter_bytes_over_full"] = round(results["lora"]["adapter_bytes"] / full["engine_bytes"], 4)

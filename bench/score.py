@@ -32,6 +32,7 @@ Ratios: warm_over_cold = cold s / warm s (goal >= 20); batched_over_per_sample =
 reference log-probs equal per-sample ones within 1e-4 (float32 rounding of other matmul shapes).
 Ends with one JSON line via bench.common.emit (appended to bench/results/score.jsonl).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,17 @@ def digits_rollout_inputs(tokenizer, num_prompts: int, n_samples: int, seed: int
         for sample_index in range(n_samples):
             words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 16)))
             response_ids = tokenizer(words, add_special_tokens=False)["input_ids"]
-            inputs.append(ScoringInput(prompt=prompt, response=tokenizer.decode(response_ids, skip_special_tokens=True),
-                                       prompt_ids=prompt_ids, response_ids=response_ids, label=label,
-                                       data_source="digits", sample_id=f"prompt {prompt_index} sample {sample_index}"))
+            inputs.append(
+                ScoringInput(
+                    prompt=prompt,
+                    response=tokenizer.decode(response_ids, skip_special_tokens=True),
+                    prompt_ids=prompt_ids,
+                    response_ids=response_ids,
+                    label=label,
+                    data_source="digits",
+                    sample_id=f"prompt {prompt_index} sample {sample_index}",
+                )
+            )
     return inputs
 
 
@@ -72,14 +81,19 @@ def build_scorer(workdir: Path, micro_batch_size: int):
 
     policy = build_tiny_llama(workdir / "tiny-llama", seed=0)
     reward_model = build_tiny_reward_model(workdir / "tiny-rm", seed=0)
-    cfg = build_config({
-        "model": {"policy_path": str(policy)},
-        "train": {"micro_batch_size": micro_batch_size},
-        "reward": {"sources": [
-            {"kind": "model", "target": str(reward_model), "name": "rm", "weight": 0.1, "batch_size": 64},
-            {"kind": "function", "target": "engines.toy.task:reward_func", "name": "digits", "weight": 1.0},
-        ]},
-    }, "bench.score")
+    cfg = build_config(
+        {
+            "model": {"policy_path": str(policy)},
+            "train": {"micro_batch_size": micro_batch_size},
+            "reward": {
+                "sources": [
+                    {"kind": "model", "target": str(reward_model), "name": "rm", "weight": 0.1, "batch_size": 64},
+                    {"kind": "function", "target": "engines.toy.task:reward_func", "name": "digits", "weight": 1.0},
+                ]
+            },
+        },
+        "bench.score",
+    )
     return Scorer(cfg)
 
 
@@ -97,9 +111,23 @@ def rewards_per_sample(scorer, inputs: list) -> list:
     """Every reward source called with one sample at a time, the reference batched; raw outputs only."""
     from engines.rewards.base import RewardBatch
 
-    rewards = [[source.score(RewardBatch([x.prompt], [x.response], [x.prompt_ids], [x.response_ids], [x.label],
-                                         [x.data_source], [x.sample_id]))[0]
-                for source in scorer.sources] for x in inputs]
+    rewards = [
+        [
+            source.score(
+                RewardBatch(
+                    [x.prompt],
+                    [x.response],
+                    [x.prompt_ids],
+                    [x.response_ids],
+                    [x.label],
+                    [x.data_source],
+                    [x.sample_id],
+                )
+            )[0]
+            for source in scorer.sources
+        ]
+        for x in inputs
+    ]
     return [rewards, scorer.reference.logprobs([x.prompt_ids for x in inputs], [x.response_ids for x in inputs])]
 
 
@@ -117,13 +145,17 @@ def run_variants(scorer, inputs: list, cache_root: Path, repeats: int) -> tuple[
     seconds["per_sample_rewards"], _ = timed(lambda: rewards_per_sample(scorer, inputs), repeats)
     seconds["batched"], (results["batched"], _) = timed(lambda: score_with_cache(scorer, inputs, None), repeats)
     seconds["cold"], (results["cold"], cold_stats) = timed(
-        lambda: score_with_cache(scorer, inputs, ScoreCache(fs, next(folders))), repeats)
+        lambda: score_with_cache(scorer, inputs, ScoreCache(fs, next(folders))), repeats
+    )
     filled = str(cache_root / f"cold-{repeats - 1}")
     seconds["warm"], (results["warm"], warm_stats) = timed(
-        lambda: score_with_cache(scorer, inputs, ScoreCache(fs, filled)), repeats)
+        lambda: score_with_cache(scorer, inputs, ScoreCache(fs, filled)), repeats
+    )
     if cold_stats.hits != 0 or warm_stats.hits != len(inputs) or warm_stats.computed != 0:
-        raise AssertionError(f"cold run had {cold_stats.hits} hits, warm run {warm_stats.hits} of {len(inputs)} "
-                             f"with {warm_stats.computed} computed: the variants did not run as described")
+        raise AssertionError(
+            f"cold run had {cold_stats.hits} hits, warm run {warm_stats.hits} of {len(inputs)} "
+            f"with {warm_stats.computed} computed: the variants did not run as described"
+        )
     return seconds, results
 
 
@@ -133,8 +165,10 @@ def check_results(results: dict) -> float:
         raise AssertionError("warm-cache results differ from the cold run's")
     worst = 0.0
     for batched, alone in zip(results["batched"], results["per_sample"]):
-        worst = max([worst, abs(batched.reward - alone.reward)]
-                    + [abs(a - b) for a, b in zip(batched.ref_logprobs, alone.ref_logprobs)])
+        worst = max(
+            [worst, abs(batched.reward - alone.reward)]
+            + [abs(a - b) for a, b in zip(batched.ref_logprobs, alone.ref_logprobs)]
+        )
     if worst > 1e-4:
         raise AssertionError(f"batched and per-sample scores differ by {worst:.3g} (> 1e-4)")
     return worst
@@ -165,11 +199,15 @@ def main(argv: list[str] | None = None) -> dict:
     worst = check_results(results)
     rows = len(inputs)
     rows_per_s = {name: round(rows / s, 1) for name, s in seconds.items()}
-    ratios = {"warm_over_cold": round(seconds["cold"] / seconds["warm"], 1),
-              "batched_over_per_sample": round(seconds["per_sample"] / seconds["batched"], 1),
-              "batched_over_per_sample_rewards": round(seconds["per_sample_rewards"] / seconds["batched"], 1)}
-    print(f"{rows} rows, {len({(tuple(x.prompt_ids), tuple(x.response_ids)) for x in inputs})} distinct pairs, "
-          f"{args.threads} thread(s), median of {args.repeats}")
+    ratios = {
+        "warm_over_cold": round(seconds["cold"] / seconds["warm"], 1),
+        "batched_over_per_sample": round(seconds["per_sample"] / seconds["batched"], 1),
+        "batched_over_per_sample_rewards": round(seconds["per_sample_rewards"] / seconds["batched"], 1),
+    }
+    print(
+        f"{rows} rows, {len({(tuple(x.prompt_ids), tuple(x.response_ids)) for x in inputs})} distinct pairs, "
+        f"{args.threads} thread(s), median of {args.repeats}"
+    )
     for name in ("per_sample", "per_sample_rewards", "batched", "cold", "warm"):
         print(f"  {name:<18} {seconds[name]:8.3f} s  {rows_per_s[name]:>10.1f} rows/s")
     for name, value in ratios.items():
@@ -177,10 +215,20 @@ def main(argv: list[str] | None = None) -> dict:
         if name in GOALS:
             goal = f"goal >= {GOALS[name]:g}x: {'met' if value >= GOALS[name] else 'NOT met'}"
         print(f"  {name:<31} {value:7.1f}x  ({goal})")
-    return emit("score", {"rows": rows, "threads": args.threads, "repeats": args.repeats,
-                          "micro_batch": args.micro_batch, "seconds": {k: round(v, 4) for k, v in seconds.items()},
-                          "rows_per_s": rows_per_s, **ratios, "goals": GOALS,
-                          "batched_vs_per_sample_max_abs_diff": worst})
+    return emit(
+        "score",
+        {
+            "rows": rows,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "micro_batch": args.micro_batch,
+            "seconds": {k: round(v, 4) for k, v in seconds.items()},
+            "rows_per_s": rows_per_s,
+            **ratios,
+            "goals": GOALS,
+            "batched_vs_per_sample_max_abs_diff": worst,
+        },
+    )
 
 
 if __name__ == "__main__":

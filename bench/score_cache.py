@@ -12,13 +12,15 @@ per variant (`--storage local`: a temp folder; `s3`: a bucket on moto's S3 serve
   one segment per put for ever;
 - compacted: `ScoreCache(compact_at=16)`, the default.
 Figures per variant (`--storage local`: a temp folder; `s3`: a bucket on moto's S3 server, started here on
-127.0.0.1 with dummy credentials, where each segment read is a GET and each put a PUT): segments left in the folder; `put_s`, the seconds of all puts (compaction included);
+127.0.0.1 with dummy credentials, where each segment read is a GET and each put a PUT): segments left in the
+folder; `put_s`, the seconds of all puts (compaction included);
 `cold_lookup_s`, a NEW ScoreCache's first `get_many` of one iteration's keys, as a score stage in a fresh
 process (a pool worker, a retry after a crash) pays it: list the folder and read every segment (median of
 --repeats). Ratio: cold_lookup_speedup = uncompacted / compacted cold_lookup_s; put_cost_ratio = compacted /
 uncompacted put_s (what the merges cost the writer). Check (fails the run): both variants' fresh readers
 return equal values for every key of the first and the last put.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +47,10 @@ def entries_of(put: int, entries: int) -> dict[str, dict]:
     for i in range(entries):
         key = hashlib.sha256(f"bench/{put}/{i}".encode()).hexdigest()
         seed = int(key[:8], 16)
-        out[key] = {"reward_components": {"function": float(seed % 2), "length": float(seed % 9)},
-                    "ref_logprobs": [-((seed >> j) % 64) / 8 for j in range(8)]}
+        out[key] = {
+            "reward_components": {"function": float(seed % 2), "length": float(seed % 9)},
+            "ref_logprobs": [-((seed >> j) % 64) / 8 for j in range(8)],
+        }
     return out
 
 
@@ -66,8 +70,12 @@ def run_variant(fs, folder: str, compact_at: int, puts: int, entries: int, repea
         values = {**reader.get_many(list(entries_of(0, entries))), **found}
     segments = len(list_files(fs, folder))
     fs.rm(folder, recursive=True)
-    return {"segments": segments, "put_s": round(put_s, 3), "cold_lookup_s": round(statistics.median(lookups), 4),
-            "_values": values}
+    return {
+        "segments": segments,
+        "put_s": round(put_s, 3),
+        "cold_lookup_s": round(statistics.median(lookups), 4),
+        "_values": values,
+    }
 
 
 @contextlib.contextmanager
@@ -82,8 +90,11 @@ def storage(kind: str) -> Iterator[tuple[Any, str]]:
         return
     from moto.server import ThreadedMotoServer
 
-    for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         os.environ.setdefault(key, value)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -104,16 +115,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--storage", choices=["local", "s3"], default="local")
     a = p.parse_args(argv)
     with storage(a.storage) as (fs, base):
-        results = {name: run_variant(fs, f"{base}/{name}", compact_at, a.puts, a.entries, a.repeats)
-                   for name, compact_at in (("uncompacted", 0), ("compacted", 16))}
+        results = {
+            name: run_variant(fs, f"{base}/{name}", compact_at, a.puts, a.entries, a.repeats)
+            for name, compact_at in (("uncompacted", 0), ("compacted", 16))
+        }
     if results["uncompacted"].pop("_values") != results["compacted"].pop("_values"):
         raise SystemExit("compacted and uncompacted caches return different values")
     base, ours = results["uncompacted"], results["compacted"]
-    return emit("score_cache", {
-        "puts": a.puts, "entries_per_put": a.entries, "storage": a.storage, "baseline": "uncompacted (compact_at=0)",
-        "variants": results,
-        "cold_lookup_speedup": round(base["cold_lookup_s"] / ours["cold_lookup_s"], 2),
-        "put_cost_ratio": round(ours["put_s"] / base["put_s"], 3)})
+    return emit(
+        "score_cache",
+        {
+            "puts": a.puts,
+            "entries_per_put": a.entries,
+            "storage": a.storage,
+            "baseline": "uncompacted (compact_at=0)",
+            "variants": results,
+            "cold_lookup_speedup": round(base["cold_lookup_s"] / ours["cold_lookup_s"], 2),
+            "put_cost_ratio": round(ours["put_s"] / base["put_s"], 3),
+        },
+    )
 
 
 if __name__ == "__main__":

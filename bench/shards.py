@@ -16,6 +16,7 @@ hash verification (`verify=False`) and this machine's sha256 speed, because hash
 write and on read is most of the price: with sha256 at S MiB/s and a page-cache read at R MiB/s, a
 verified read cannot beat S*R/(S+R). Ends with one JSON line (bench/common.py emit).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,29 +100,43 @@ def main(argv=None) -> dict:
         mib = manifest.bytes / 2**20
 
         raw_dir = os.path.join(work, "raw")
-        t = time_interleaved({
-            "write": lambda: write_shards(fs, stage, table, "scored", max_rows=4096 * 1024, max_bytes=PART_BYTES),
-            "raw_write": lambda: raw_write(raw_dir, parts),
-            "read": lambda: read_shards(fs, stage),
-            "read_unverified": lambda: read_shards(fs, stage, verify=False),
-            "raw_read": lambda: raw_read(raw_dir, len(parts)),
-        }, args.repeats)
+        t = time_interleaved(
+            {
+                "write": lambda: write_shards(fs, stage, table, "scored", max_rows=4096 * 1024, max_bytes=PART_BYTES),
+                "raw_write": lambda: raw_write(raw_dir, parts),
+                "read": lambda: read_shards(fs, stage),
+                "read_unverified": lambda: read_shards(fs, stage, verify=False),
+                "raw_read": lambda: raw_read(raw_dir, len(parts)),
+            },
+            args.repeats,
+        )
         hash_speed = max(sha256_mib_s(parts[0]) for _ in range(args.repeats))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     write_s, read_s, raw_write_s, raw_read_s = t["write"], t["read"], t["raw_write"], t["raw_read"]
     ratio = (raw_write_s + raw_read_s) / (write_s + read_s)
-    return emit("shards", {
-        "baseline": "raw open().write/read of the same Arrow IPC bytes",
-        "rows": table.num_rows, "parts": len(parts), "mib": round(mib, 1),
-        "ppoflow_write_mib_s": round(mib / write_s, 1), "ppoflow_read_mib_s": round(mib / read_s, 1),
-        "raw_write_mib_s": round(mib / raw_write_s, 1), "raw_read_mib_s": round(mib / raw_read_s, 1),
-        "write_ratio": round(raw_write_s / write_s, 3), "read_ratio": round(raw_read_s / read_s, 3),
-        "read_unverified_ratio": round(raw_read_s / t["read_unverified"], 3),
-        "write_read_ratio": round(ratio, 3), "goal_ratio": 0.5, "goal_met": ratio >= 0.5,
-        "sha256_mib_s": round(hash_speed, 1), "load_avg_1m": round(os.getloadavg()[0], 2),
-    })
+    return emit(
+        "shards",
+        {
+            "baseline": "raw open().write/read of the same Arrow IPC bytes",
+            "rows": table.num_rows,
+            "parts": len(parts),
+            "mib": round(mib, 1),
+            "ppoflow_write_mib_s": round(mib / write_s, 1),
+            "ppoflow_read_mib_s": round(mib / read_s, 1),
+            "raw_write_mib_s": round(mib / raw_write_s, 1),
+            "raw_read_mib_s": round(mib / raw_read_s, 1),
+            "write_ratio": round(raw_write_s / write_s, 3),
+            "read_ratio": round(raw_read_s / read_s, 3),
+            "read_unverified_ratio": round(raw_read_s / t["read_unverified"], 3),
+            "write_read_ratio": round(ratio, 3),
+            "goal_ratio": 0.5,
+            "goal_met": ratio >= 0.5,
+            "sha256_mib_s": round(hash_speed, 1),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+        },
+    )
 
 
 if __name__ == "__main__":

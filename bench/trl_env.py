@@ -17,6 +17,7 @@ in their metadata), so both sides run the same Llama modelling code.
 Failure modes: a pip error raises RuntimeError naming the venv and the failing command; a half-made venv
 (no `.ready` marker) is removed and made again on the next call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,10 @@ def venv_python(name: str) -> Path:
 def _run(cmd: list[str], name: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"creating TRL venv {name!r}: `{' '.join(cmd)}` failed "
-                           f"(rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"creating TRL venv {name!r}: `{' '.join(cmd)}` failed "
+            f"(rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
 
 
 def ensure_venv(name: str) -> Path:
@@ -66,7 +69,7 @@ def ensure_venv(name: str) -> Path:
     constraints.write_text(TORCH_SPEC + "\n")
     _run(pip + ["-c", str(constraints), TRL_SPECS[name], TRANSFORMERS_SPEC], name)
     freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
-    if "+cpu" not in next((l for l in freeze.splitlines() if l.startswith("torch==")), ""):
+    if "+cpu" not in next((line for line in freeze.splitlines() if line.startswith("torch==")), ""):
         raise RuntimeError(f"TRL venv {name!r} holds a torch that is not the CPU build:\n{freeze}")
     (root / READY_MARKER).write_text(freeze)
     return venv_python(name)

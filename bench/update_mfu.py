@@ -32,6 +32,7 @@ each model more (a third of a forward+backward).
 MFU = FLOPs / seconds / peak, peak = the GPU's dense bf16 peak (H100/H200 SXM: 989.4 TFLOP/s); None on CPU
 or an unknown GPU. Figures also give the peak memory allocated (GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,14 +74,18 @@ def layer_params(size: ModelSize) -> int:
     return 4 * d * d + 3 * d * f + 2 * d
 
 
-def update_flops(size: ModelSize, batch: int, prompt_len: int, response_len: int, epochs: int,
-                 old_from_first_forward: bool) -> float:
+def update_flops(
+    size: ModelSize, batch: int, prompt_len: int, response_len: int, epochs: int, old_from_first_forward: bool
+) -> float:
     """Model FLOPs of one PPO update (actor + critic), the convention of the module docstring."""
     seq = prompt_len + response_len - 1
     tokens = batch * seq
     d, f = size.hidden_size, size.intermediate_size
-    body = (6 * size.num_layers * layer_params(size) * tokens + 12 * size.num_layers * d * seq * tokens
-            - 6 * 3 * d * f * batch * (seq - response_len))  # last layer's MLP: response columns only
+    body = (
+        6 * size.num_layers * layer_params(size) * tokens
+        + 12 * size.num_layers * d * seq * tokens
+        - 6 * 3 * d * f * batch * (seq - response_len)
+    )  # last layer's MLP: response columns only
     head = 6 * d * size.vocab_size * batch * response_len
     train_pass = (body + head) + body  # actor, critic
     extra_forward = 0 if old_from_first_forward else train_pass / 3  # a forward is a third of forward+backward
@@ -90,8 +95,11 @@ def update_flops(size: ModelSize, batch: int, prompt_len: int, response_len: int
 def plain_step_flops(size: ModelSize, batch: int, seq: int) -> float:
     """Model FLOPs of one causal-LM training step of the actor: every position through the LM head."""
     tokens = batch * seq
-    return (6 * size.num_layers * layer_params(size) * tokens + 12 * size.num_layers * size.hidden_size * seq * tokens
-            + 6 * size.hidden_size * size.vocab_size * tokens)
+    return (
+        6 * size.num_layers * layer_params(size) * tokens
+        + 12 * size.num_layers * size.hidden_size * seq * tokens
+        + 6 * size.hidden_size * size.vocab_size * tokens
+    )
 
 
 def peak_flops(device: str) -> Optional[float]:
@@ -115,9 +123,15 @@ def build_model_dir(size: ModelSize, seq: int, work: Path) -> Path:
 
     folder = work / f"llama-{size.hidden_size}x{size.num_layers}-v{size.vocab_size}"
     if not (folder / "config.json").exists():
-        build_tiny_llama(folder, vocab_size=size.vocab_size, hidden_size=size.hidden_size,
-                         num_layers=size.num_layers, num_heads=size.num_heads,
-                         intermediate_size=size.intermediate_size, max_position_embeddings=max(256, seq))
+        build_tiny_llama(
+            folder,
+            vocab_size=size.vocab_size,
+            hidden_size=size.hidden_size,
+            num_layers=size.num_layers,
+            num_heads=size.num_heads,
+            intermediate_size=size.intermediate_size,
+            max_position_embeddings=max(256, seq),
+        )
     return folder
 
 
@@ -142,13 +156,28 @@ def attention(device: str) -> str:
 def make_config(model_dir: Path, device: str, batch: int, micro_batch: int, epochs: int, response_len: int):
     from ppoflow.config import load_config
 
-    precision = ["model.dtype=float32", "model.autocast_dtype=bfloat16",
-                 f"model.attn_implementation={attention(device)}"]
-    return load_config(None, [f"model.policy_path={model_dir}", "algo.name=ppo", f"rollout.prompts_per_iteration={batch}",
-                              "rollout.n_samples=1", f"rollout.max_new_tokens={response_len}",
-                              f"train.ppo_epochs={epochs}", f"train.train_batch_size={batch}",
-                              f"train.micro_batch_size={micro_batch}", "train.zero_stage=0",
-                              "train.lr_schedule=constant", "train.warmup_steps=0", *precision])
+    precision = [
+        "model.dtype=float32",
+        "model.autocast_dtype=bfloat16",
+        f"model.attn_implementation={attention(device)}",
+    ]
+    return load_config(
+        None,
+        [
+            f"model.policy_path={model_dir}",
+            "algo.name=ppo",
+            f"rollout.prompts_per_iteration={batch}",
+            "rollout.n_samples=1",
+            f"rollout.max_new_tokens={response_len}",
+            f"train.ppo_epochs={epochs}",
+            f"train.train_batch_size={batch}",
+            f"train.micro_batch_size={micro_batch}",
+            "train.zero_stage=0",
+            "train.lr_schedule=constant",
+            "train.warmup_steps=0",
+            *precision,
+        ],
+    )
 
 
 def time_ppo_update(cfg, model_dir: Path, batch_data, device: str, updates: int) -> tuple[list[float], bool]:
@@ -236,12 +265,19 @@ def main(argv: list[str] | None = None) -> dict:
     peak = peak_flops(device)
     params = size.num_layers * layer_params(size) + 2 * size.vocab_size * size.hidden_size + size.hidden_size
     figures = {
-        "size": a.size, "device": torch.cuda.get_device_name() if gpu else "cpu", "params": params,
-        "batch": batch, "micro_batch": micro, "prompt_len": prompt_len, "response_len": response_len,
-        "epochs": a.epochs, "precision": "float32 weights + bfloat16 autocast",
+        "size": a.size,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "params": params,
+        "batch": batch,
+        "micro_batch": micro,
+        "prompt_len": prompt_len,
+        "response_len": response_len,
+        "epochs": a.epochs,
+        "precision": "float32 weights + bfloat16 autocast",
         "baseline": "plain_step: bare causal-LM step of the actor alone (torch AdamW, no DeepSpeed, no critic)",
         "old_from_first_forward": reuse,
-        "update_s": round(ppo_med, 6), "plain_step_s": round(plain_med, 6),
+        "update_s": round(ppo_med, 6),
+        "plain_step_s": round(plain_med, 6),
         # tokens trained per second: each of the batch's tokens passes through actor and critic `epochs` times
         "update_tokens_per_s": round(tokens * a.epochs / ppo_med, 1),
         "plain_tokens_per_s": round(tokens / plain_med, 1),
@@ -250,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
         "plain_tflops": round(plain_flops / plain_med / 1e12, 3),
         "mfu": round(ppo_flops / ppo_med / peak, 4) if peak else None,
         "plain_mfu": round(plain_flops / plain_med / peak, 4) if peak else None,
-        "mfu_goal": 0.40, "peak_tflops": peak / 1e12 if peak else None,
+        "mfu_goal": 0.40,
+        "peak_tflops": peak / 1e12 if peak else None,
         "peak_mem_gib": round(ppo_peak_mem, 2) if ppo_peak_mem is not None else None,
     }
     return emit("update_mfu", figures)

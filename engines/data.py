@@ -10,6 +10,7 @@ Tokenisation: the prompt text (wrapped with the tokenizer's chat template when t
 tokenizer has one) is encoded once up front, so an over-long prompt is an error naming its row before any
 expensive work starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,11 +52,13 @@ def _utf8_problem(path: Path) -> Optional[str]:
             try:
                 block.decode("utf-8")
             except UnicodeDecodeError as e:
-                before = block[:e.start]
+                before = block[: e.start]
                 column = e.start - (before.rfind(b"\n") + 1)
                 line += before.count(b"\n")
-                return (f"dataset {str(path)!r} line {line}: not UTF-8 "
-                        f"(byte 0x{block[e.start]:02x} at byte {column} of the line)")
+                return (
+                    f"dataset {str(path)!r} line {line}: not UTF-8 "
+                    f"(byte 0x{block[e.start]:02x} at byte {column} of the line)"
+                )
             line += block.count(b"\n")
     return None
 
@@ -110,16 +113,21 @@ def _jsonl_problem(path: Path, keys: list[tuple[str, str]]) -> tuple[int, Option
                 if key not in record:
                     return rows, f"{where}: no key {key!r} ({role}); keys present: {sorted(record)}"
             if keys and not isinstance(record[keys[0][1]], str):
-                return rows, (f"{where}: the prompt ({keys[0][0]}={keys[0][1]!r}) is a "
-                              f"{type(record[keys[0][1]]).__name__}, expected text")
+                return rows, (
+                    f"{where}: the prompt ({keys[0][0]}={keys[0][1]!r}) is a "
+                    f"{type(record[keys[0][1]]).__name__}, expected text"
+                )
             rows += 1
     return rows, None
 
 
 def _column_keys(data_cfg) -> list[tuple[str, str]]:
     """(config field, column) for the columns the config names; the prompt first."""
-    keys = [("data.prompt_key", data_cfg.prompt_key), ("data.label_key", data_cfg.label_key),
-            ("data.data_source_key", data_cfg.data_source_key)]
+    keys = [
+        ("data.prompt_key", data_cfg.prompt_key),
+        ("data.label_key", data_cfg.label_key),
+        ("data.data_source_key", data_cfg.data_source_key),
+    ]
     return [(role, key) for role, key in keys if key is not None]
 
 
@@ -158,15 +166,19 @@ def check_dataset(data_cfg) -> int:
     elif path.suffix == ".parquet":
         columns, types, rows = _parquet_schema(path)
     else:
-        raise DataError(f"dataset {data_cfg.path!r}: unsupported file type {path.suffix!r} "
-                        f"(data.path: a datasets folder, .jsonl or .parquet)")
+        raise DataError(
+            f"dataset {data_cfg.path!r}: unsupported file type {path.suffix!r} "
+            f"(data.path: a datasets folder, .jsonl or .parquet)"
+        )
     for role, key in keys:
         if key not in columns:
             raise DataError(f"dataset {data_cfg.path!r} has no column {key!r} ({role}); columns present: {columns}")
     prompt_type = types[columns.index(keys[0][1])]
     if prompt_type not in ("string", "large_string"):
-        raise DataError(f"dataset {data_cfg.path!r}: the prompt column {keys[0][1]!r} holds {prompt_type}, "
-                        f"expected text (data.prompt_key)")
+        raise DataError(
+            f"dataset {data_cfg.path!r}: the prompt column {keys[0][1]!r} holds {prompt_type}, "
+            f"expected text (data.prompt_key)"
+        )
     if rows == 0:
         raise DataError(f"dataset {data_cfg.path!r} has no rows (data.path)")
     return rows
@@ -189,8 +201,9 @@ def _folder_schema(path: Path) -> tuple[list[str], list[str], int]:
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"dataset folder {str(path)!r} cannot be opened with datasets.load_from_disk: "
-                        f"{type(e).__name__}: {e}") from None
+        raise DataError(
+            f"dataset folder {str(path)!r} cannot be opened with datasets.load_from_disk: {type(e).__name__}: {e}"
+        ) from None
     schema = rows.data.schema
     return list(schema.names), [str(t) for t in schema.types], len(rows)
 
@@ -247,8 +260,11 @@ class PromptSource:
         self.tokenizer = tokenizer
         rows = _load_rows(data_cfg.path)
         columns = list(rows.column_names)
-        for role, key in (("data.prompt_key", data_cfg.prompt_key), ("data.label_key", data_cfg.label_key),
-                          ("data.data_source_key", data_cfg.data_source_key)):
+        for role, key in (
+            ("data.prompt_key", data_cfg.prompt_key),
+            ("data.label_key", data_cfg.label_key),
+            ("data.data_source_key", data_cfg.data_source_key),
+        ):
             if key is not None and key not in columns:
                 raise KeyError(f"dataset {data_cfg.path!r} has no column {key!r} ({role}); columns present: {columns}")
         if len(rows) == 0:
@@ -265,8 +281,9 @@ class PromptSource:
     def _render(self, text: str) -> str:
         if not self.use_chat_template:
             return text
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
 
     def _encode(self, row: int, text: str) -> list[int]:
         # A chat template writes its own special tokens; plain text gets the tokenizer's (e.g. BOS).
@@ -274,8 +291,10 @@ class PromptSource:
         if not ids:
             raise ValueError(f"dataset {self.cfg.path!r} row {row}: prompt is empty after tokenisation")
         if len(ids) > self.cfg.max_prompt_tokens:
-            raise ValueError(f"dataset {self.cfg.path!r} row {row}: prompt has {len(ids)} tokens, more than "
-                             f"data.max_prompt_tokens={self.cfg.max_prompt_tokens}")
+            raise ValueError(
+                f"dataset {self.cfg.path!r} row {row}: prompt has {len(ids)} tokens, more than "
+                f"data.max_prompt_tokens={self.cfg.max_prompt_tokens}"
+            )
         return ids
 
     def row_indices(self, iteration: int, count: int, seed: int) -> list[int]:
@@ -288,13 +307,20 @@ class PromptSource:
         epoch, offset = divmod(start, n)
         while len(rows) < count:
             order = epoch_permutation(n, seed, epoch)
-            take = order[offset:offset + count - len(rows)]
+            take = order[offset : offset + count - len(rows)]
             rows.extend(take)
             epoch, offset = epoch + 1, 0
         return rows
 
     def prompts_for_iteration(self, iteration: int, count: int, seed: int) -> list[PromptRecord]:
         """`count` prompts of `iteration`; the same (seed, iteration, count) always gives the same list."""
-        return [PromptRecord(index=i, text=self.texts[i], prompt_ids=list(self.prompt_ids[i]),
-                             label=self.labels[i], data_source=self.data_sources[i])
-                for i in self.row_indices(iteration, count, seed)]
+        return [
+            PromptRecord(
+                index=i,
+                text=self.texts[i],
+                prompt_ids=list(self.prompt_ids[i]),
+                label=self.labels[i],
+                data_source=self.data_sources[i],
+            )
+            for i in self.row_indices(iteration, count, seed)
+        ]

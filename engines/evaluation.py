@@ -9,6 +9,7 @@ correct; drawing n >= k samples and using the estimator has lower variance than 
 
 Pure Python; the eval stage (issue 21, the lead's) samples and scores, then calls `eval_metrics`.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,14 +33,13 @@ def eval_metrics(rewards: Sequence[float], group_size: int, ks: Sequence[int] = 
     Raises ValueError for an empty list, a length not a multiple of group_size, or a k outside [1, group_size].
     """
     if not rewards or group_size < 1 or len(rewards) % group_size:
-        raise ValueError(f"eval_metrics: {len(rewards)} rewards is not a non-empty multiple of "
-                         f"group_size={group_size}")
+        raise ValueError(f"eval_metrics: {len(rewards)} rewards is not a non-empty multiple of group_size={group_size}")
     bad_k = [k for k in ks if not 1 <= k <= group_size]
     if bad_k:
         raise ValueError(f"eval_metrics: k {bad_k} outside [1, group_size={group_size}]")
     metrics = {"eval/reward_mean": sum(rewards) / len(rewards)}
     if all(r in (0.0, 1.0) for r in rewards):
-        correct = [int(sum(rewards[p:p + group_size])) for p in range(0, len(rewards), group_size)]
+        correct = [int(sum(rewards[p : p + group_size])) for p in range(0, len(rewards), group_size)]
         for k in ks:
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(group_size, c, k) for c in correct) / len(correct)
     return metrics

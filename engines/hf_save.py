@@ -14,6 +14,7 @@ which is swapped for the duration of the call, under a lock, and only for the ca
 thread saving at the same time gets the original). A transformers version without that name saves the
 ordinary way and returns no digests; the checkpoint then hashes the files by reading them.
 """
+
 from __future__ import annotations
 
 import os

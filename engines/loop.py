@@ -7,6 +7,7 @@ runs the same functions and writes their tables to shards in between, this loop 
 memory. `EngineLoop` strings them together and times each under `timing/<stage>`; it is the baseline the
 overhead and peer benchmarks measure the pipeline against.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -79,9 +80,16 @@ class EngineLoop:
         sync_policy(self.trainer, self.engine, self.work_dir / "policy", self.policy_version)
         t4 = time.perf_counter()
         metrics = dict(update.metrics)
-        metrics.update({"iteration": iteration, "timing/rollout": t1 - t0, "timing/score": t2 - t1,
-                        "timing/update": t3 - t2, "timing/sync": t4 - t3,
-                        "rollout/stop_fraction": rollout.column("finish_reason").to_pylist().count("stop") / rollout.num_rows})
+        metrics.update(
+            {
+                "iteration": iteration,
+                "timing/rollout": t1 - t0,
+                "timing/score": t2 - t1,
+                "timing/update": t3 - t2,
+                "timing/sync": t4 - t3,
+                "rollout/stop_fraction": rollout.column("finish_reason").to_pylist().count("stop") / rollout.num_rows,
+            }
+        )
         return metrics
 
     def save_policy(self) -> Path:

@@ -10,6 +10,7 @@ folder (`*ForSequenceClassification` with one label: its `score` head initialise
 shapes fit). A saved critic is a folder with the backbone (`save_pretrained`: config.json + safetensors),
 `value_head.safetensors` and `critic.json`; no pickle anywhere.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,10 @@ def weight_files(folder: str | Path) -> list[Path]:
 def _check_model_dir(path: str | Path, what: str) -> Path:
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{what} folder {str(folder)!r} has no config.json (expected a Hugging Face "
-                                f"folder written by save_pretrained)")
+        raise FileNotFoundError(
+            f"{what} folder {str(folder)!r} has no config.json (expected a Hugging Face "
+            f"folder written by save_pretrained)"
+        )
     return folder
 
 
@@ -107,8 +110,9 @@ def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: s
     """The causal-LM policy (`AutoModelForCausalLM`) in train mode, on CPU; the caller moves it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(_check_model_dir(path, "policy")), dtype=torch_dtype(dtype),
-                                                 attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(_check_model_dir(path, "policy")), dtype=torch_dtype(dtype), attn_implementation=attn_implementation
+    )
     model.train()
     return model
 
@@ -143,17 +147,23 @@ class ValueHeadModel(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         return self.value_head(out.last_hidden_state).squeeze(-1).float()
 
     def gradient_checkpointing_enable(self) -> None:
         self.backbone.gradient_checkpointing_enable()
 
-    def save(self, out_dir: str | Path, tokenizer=None,
-             state_dict: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
+    def save(
+        self, out_dir: str | Path, tokenizer=None, state_dict: Optional[dict[str, torch.Tensor]] = None
+    ) -> dict[str, str]:
         """Write backbone (save_pretrained), value_head.safetensors and critic.json to `out_dir`.
 
         state_dict: this module's full state dict ("backbone.*", "value_head.*") when its own parameters are
@@ -169,8 +179,11 @@ class ValueHeadModel(nn.Module):
         full = self.state_dict() if state_dict is None else state_dict
         backbone = {k.removeprefix("backbone."): v for k, v in full.items() if k.startswith("backbone.")}
         digests = save_pretrained_hashed(self.backbone, out, state_dict=backbone if state_dict is not None else None)
-        head = {k.removeprefix("value_head."): v.detach().contiguous().cpu() for k, v in full.items()
-                if k.startswith("value_head.")}
+        head = {
+            k.removeprefix("value_head."): v.detach().contiguous().cpu()
+            for k, v in full.items()
+            if k.startswith("value_head.")
+        }
         digests[VALUE_HEAD_FILE] = write_safetensors(head, out / VALUE_HEAD_FILE)
         (out / CRITIC_META_FILE).write_text(json.dumps({"kind": "value_head", "hidden_size": self.config.hidden_size}))
         if tokenizer is not None:

@@ -19,6 +19,7 @@ past the last checkpoint (the retry rebuilds from the committed checkpoint and e
 The rollout engines have their own registry (engines/rollout/registry.py) because they refresh weights in
 place instead of being rebuilt.
 """
+
 from __future__ import annotations
 
 import enum

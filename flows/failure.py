@@ -10,6 +10,7 @@ an int `iteration` and a stage name in `stage` (flows/stages.py runs every stage
 storage errors add the root URL and its endpoint. The resume command is the command that failed:
 a run resumes at LATEST + 1, and inside the failed iteration at the first stage without a cached result.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ def resume_command(argv: Optional[list[str]] = None) -> str:
     return shlex.join(["ppoflow", *args])
 
 
-def describe_failure(exc: BaseException, cfg: Optional[PPOFlowConfig], log_path: Optional[str],
-                     argv: Optional[list[str]] = None) -> str:
+def describe_failure(
+    exc: BaseException, cfg: Optional[PPOFlowConfig], log_path: Optional[str], argv: Optional[list[str]] = None
+) -> str:
     """The message block printed on the terminal (see the module docstring); no traceback."""
     lines = [f"ppoflow: error: {_message(exc)}"]
     stage, iteration = failed_stage(exc.__traceback__)

@@ -8,6 +8,7 @@ The metrics row is written after the commit (it holds the checkpoint's timing), 
 between the two leaves a committed iteration without its row; the next start of the run rebuilds that row
 from the iteration's stage records (`recover_missing_rows`): every committed iteration has its row once.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,16 +25,21 @@ from ppoflow.config import as_config
 from storage.layout import RunLayout, layout_for
 
 
-def iteration_metrics(iteration: int, manifests: dict[str, StageManifest],
-                      timings: dict[str, float] | None) -> dict[str, Any]:
+def iteration_metrics(
+    iteration: int, manifests: dict[str, StageManifest], timings: dict[str, float] | None
+) -> dict[str, Any]:
     """The metrics row of an iteration; timings None (a row rebuilt after a crash) leaves timing/* out."""
     update = manifests["update"].metrics
     score = manifests["score"]
-    row: dict[str, Any] = {"iteration": iteration, "reward/mean": score.reward_mean,
-                           "kl/mean": update.get("kl/mean"),
-                           "score/cache_hits": score.cache_hits, "score/cache_misses": score.cache_misses,
-                           "rollout/rows": manifests["rollout"].rows,
-                           "rollout/engine": manifests["rollout"].engine}
+    row: dict[str, Any] = {
+        "iteration": iteration,
+        "reward/mean": score.reward_mean,
+        "kl/mean": update.get("kl/mean"),
+        "score/cache_hits": score.cache_hits,
+        "score/cache_misses": score.cache_misses,
+        "rollout/rows": manifests["rollout"].rows,
+        "rollout/engine": manifests["rollout"].engine,
+    }
     row.update({k: v for k, v in update.items() if k not in row})
     if timings is not None:
         row.update({f"timing/{stage}": seconds for stage, seconds in timings.items()})

@@ -24,6 +24,7 @@ For a run on object storage the log file is written to a local mirror folder,
 $PPOFLOW_CACHE, else ~/.cache/ppoflow), and copied to `<run>/logs/` in the bucket when the command ends
 (`OutputCapture.publish`): object stores have no append.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,9 @@ log = logging.getLogger("ppoflow.cli")
 
 def local_cache_root(local_cache_dir: Optional[str] = None) -> str:
     """storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow (as storage/checkpoints.py)."""
-    return (local_cache_dir or os.environ.get("PPOFLOW_CACHE")
-            or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow"))
+    return (
+        local_cache_dir or os.environ.get("PPOFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow")
+    )
 
 
 def mirror_dir(root_url: str, run_name: str, local_cache_dir: Optional[str] = None) -> str:
@@ -66,7 +68,7 @@ def log_dir_for(cfg: PPOFlowConfig) -> tuple[str, Optional[str]]:
     """(local folder the log file is written to, remote folder URL it is copied to, or None when local)."""
     root = str(cfg.run.root)
     if _is_local_root(root):
-        local_root = root[len("file://"):] if root.startswith("file://") else root
+        local_root = root[len("file://") :] if root.startswith("file://") else root
         return os.path.join(os.path.abspath(local_root), cfg.run.name, "logs"), None
     mirror = mirror_dir(root, cfg.run.name, cfg.storage.local_cache_dir)
     return os.path.join(mirror, "logs"), root.rstrip("/") + f"/{cfg.run.name}/logs"
@@ -103,13 +105,15 @@ class OutputCapture:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         self._saved = {fd: os.dup(fd) for fd in (1, 2)}
-        self.terminal = io.TextIOWrapper(os.fdopen(os.dup(self._saved[1]), "wb", buffering=0),
-                                         write_through=True, line_buffering=True)
+        self.terminal = io.TextIOWrapper(
+            os.fdopen(os.dup(self._saved[1]), "wb", buffering=0), write_through=True, line_buffering=True
+        )
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if self.verbose:
             read_fd, write_fd = os.pipe()
-            self._tee = threading.Thread(target=_tee, args=(read_fd, log_fd, self._saved[1]), daemon=True,
-                                         name="ppoflow-log-tee")
+            self._tee = threading.Thread(
+                target=_tee, args=(read_fd, log_fd, self._saved[1]), daemon=True, name="ppoflow-log-tee"
+            )
             self._tee.start()
             target = write_fd
         else:
@@ -170,8 +174,11 @@ def _tee(read_fd: int, log_fd: int, terminal_fd: int) -> None:
 
 
 def _note_start(path: str) -> None:
-    print(f"==== ppoflow {' '.join(sys.argv[1:])} (pid {os.getpid()}, "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC) log {path}", flush=True)
+    print(
+        f"==== ppoflow {' '.join(sys.argv[1:])} (pid {os.getpid()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC) log {path}",
+        flush=True,
+    )
 
 
 def log_file_name(command: str) -> str:

@@ -8,6 +8,7 @@ it works for a run in progress, a finished one, and one on S3):
 A key absent from every row is left out of its panel (a metric shows a measured value or is absent).
 Drawn with matplotlib's Agg backend: no display needed.
 """
+
 from __future__ import annotations
 
 import os

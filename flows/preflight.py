@@ -12,6 +12,7 @@
 Problems of steps 1 and 2 are gathered and raised as one PreflightError (a ConfigError, which the CLI prints
 as a message, not a traceback). Nothing here writes to the run's storage.
 """
+
 from __future__ import annotations
 
 from ppoflow.config import PPOFlowConfig
@@ -39,8 +40,11 @@ def deployment_problems(cfg: PPOFlowConfig) -> list[str]:
         existing = sorted(f"{flows.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
         api = client.api_url
     known = ", ".join(existing) if existing else "none"
-    return [f"pipeline.stage_pools.{stage}: deployment {name!r} does not exist on the Prefect server at {api} "
-            f"(deployments there: {known}; `prefect deploy --all` creates ppoflow's)" for stage, name in missing]
+    return [
+        f"pipeline.stage_pools.{stage}: deployment {name!r} does not exist on the Prefect server at {api} "
+        f"(deployments there: {known}; `prefect deploy --all` creates ppoflow's)"
+        for stage, name in missing
+    ]
 
 
 def check_prompt_lengths(cfg: PPOFlowConfig) -> None:

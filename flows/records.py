@@ -6,6 +6,7 @@ per iteration; rewriting an iteration's line (after a retry) replaces it, never 
 records are rewritten whole in one PUT; metrics.jsonl gets the next iteration's line appended on a local
 disk and is rewritten whole otherwise (S3 has no append).
 """
+
 from __future__ import annotations
 
 import json
@@ -92,7 +93,8 @@ def record_metrics(layout: RunLayout, row: dict[str, Any]) -> None:
         with layout.fs.open(path, "rb") as f:
             data = f.read()
     kept = [(_iteration_of(old), old) for old in _complete_lines(data)]
-    rows = sorted([item for item in kept if item[0] != iteration] + [(iteration, line.rstrip(b"\n"))],
-                  key=lambda item: item[0])
+    rows = sorted(
+        [item for item in kept if item[0] != iteration] + [(iteration, line.rstrip(b"\n"))], key=lambda item: item[0]
+    )
     write_bytes_atomic(layout.fs, path, b"".join(old + b"\n" for _, old in rows))
     track_row(layout, row)

@@ -6,6 +6,7 @@ and the persisted Prefect results of its update and checkpoint stages are forgot
 `ppoflow train` recomputes that iteration from the one before it (rollout and score come back from cache:
 their shards are intact) instead of being handed the manifest of a checkpoint that is gone.
 """
+
 from __future__ import annotations
 
 from ppoflow.config import StorageConfig
@@ -27,5 +28,7 @@ def repair_run(root: str, run: str, storage_cfg: StorageConfig | None = None) ->
         return f"run {run}: checkpoint {latest} verifies (every file's size and sha256): nothing to repair"
     where = quarantine(layout, latest)
     forget_stage_results(layout, latest, ("update", "checkpoint"))
-    return (f"run {run}: checkpoint {latest} is corrupt ({error}); moved to {where}. Start the run again "
-            f"(the same `ppoflow train` command) to recompute iteration {latest} from checkpoint {latest - 1}.")
+    return (
+        f"run {run}: checkpoint {latest} is corrupt ({error}); moved to {where}. Start the run again "
+        f"(the same `ppoflow train` command) to recompute iteration {latest} from checkpoint {latest - 1}."
+    )

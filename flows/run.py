@@ -4,6 +4,7 @@ What the terminal shows (everything else goes to the run's log file, flows/logs.
 iteration as the iteration commits (a table: header once, then rows), a progress bar with the elapsed
 time and an ETA, and at the end where the shards, checkpoints, metrics, TensorBoard events and log are.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,16 @@ from ppoflow.config import PPOFlowConfig, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 # (metrics key, header, width, format): the per-iteration table.
-_COLUMNS = [("iteration", "iter", 5, "{}"), ("reward/mean", "reward", 8, "{:.3f}"), ("kl/mean", "kl", 9, "{:.4f}"),
-            ("timing/rollout", "rollout s", 10, "{:.1f}"), ("timing/score", "score s", 8, "{:.1f}"),
-            ("timing/update", "update s", 9, "{:.1f}"), ("timing/checkpoint", "ckpt s", 7, "{:.1f}"),
-            ("timing/iteration", "iter s", 7, "{:.1f}")]
+_COLUMNS = [
+    ("iteration", "iter", 5, "{}"),
+    ("reward/mean", "reward", 8, "{:.3f}"),
+    ("kl/mean", "kl", 9, "{:.4f}"),
+    ("timing/rollout", "rollout s", 10, "{:.1f}"),
+    ("timing/score", "score s", 8, "{:.1f}"),
+    ("timing/update", "update s", 9, "{:.1f}"),
+    ("timing/checkpoint", "ckpt s", 7, "{:.1f}"),
+    ("timing/iteration", "iter s", 7, "{:.1f}"),
+]
 
 
 def _fmt(row: dict[str, Any], key: str, fmt: str) -> str:
@@ -79,9 +86,18 @@ def progress_bar(console: Console) -> Progress:
     """The bar: description, bar, N/M, elapsed, ETA. Rows printed with `progress.console.print` go above it."""
     # No redirects: on a terminal rich would swap sys.stdout/sys.stderr for proxies that print above the
     # bar, bringing back every library line that flows/logs.py sends to the log file.
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                    console=console, redirect_stdout=False, redirect_stderr=False)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("elapsed"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )
 
 
 def _watch(table: IterationTable, stop: threading.Event) -> None:
@@ -99,8 +115,10 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
     layout = layout_for(cfg)
     already = min(latest_iteration(layout) or 0, cfg.run.iterations) if layout.fs.exists(layout.run_dir) else 0
     if already:
-        console.print(f"run {cfg.run.name}: resuming after iteration {already} (LATEST) at "
-                      f"{layout.url(layout.run_dir)}", highlight=False)
+        console.print(
+            f"run {cfg.run.name}: resuming after iteration {already} (LATEST) at {layout.url(layout.run_dir)}",
+            highlight=False,
+        )
     stop = threading.Event()
     with progress_bar(console) as progress:
         task_id = progress.add_task(f"run {cfg.run.name}", total=cfg.run.iterations, completed=already)
@@ -137,8 +155,11 @@ def demo_config(overrides: list[str], root: str = "./runs") -> PPOFlowConfig:
     Builds nothing: `prepare_demo` makes the model and the dataset (once) before training.
     """
     root_path = os.path.abspath(root)
-    base = [f"run.root={root_path}", f"model.policy_path={os.path.join(root_path, '_models', 'tiny-llama')}",
-            f"data.path={os.path.join(root_path, '_data', 'digits')}"]
+    base = [
+        f"run.root={root_path}",
+        f"model.policy_path={os.path.join(root_path, '_models', 'tiny-llama')}",
+        f"data.path={os.path.join(root_path, '_data', 'digits')}",
+    ]
     return load_config(DEMO_CONFIG, base + list(overrides))
 
 

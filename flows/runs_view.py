@@ -1,4 +1,5 @@
 """`ppoflow runs ls` and `ppoflow runs show RUN`: runs under a root, an iteration table, committed checkpoints."""
+
 from __future__ import annotations
 
 from rich.console import Group
@@ -43,8 +44,10 @@ def runs_show(root: str, run: str, storage_cfg: StorageConfig | None = None) -> 
         metrics.add_column(k, justify="right")
     for row in rows:
         cells = [row.get(k) for k in keys]
-        metrics.add_row(*["-" if c is None else (f"{c:.4g}" if isinstance(c, float) else str(c)) for c in cells],
-                        "yes" if is_committed(layout, row["iteration"]) else "no")
+        metrics.add_row(
+            *["-" if c is None else (f"{c:.4g}" if isinstance(c, float) else str(c)) for c in cells],
+            "yes" if is_committed(layout, row["iteration"]) else "no",
+        )
     latest = latest_iteration(layout)
     info = Table(show_header=False)
     info.add_row("run folder", layout.url(layout.run_dir))

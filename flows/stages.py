@@ -13,14 +13,23 @@ stage's flow (below) on that deployment's work pool, waits for it, checks its fi
 manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
 the same; only the process (and machine) differs.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from prefect import flow
 
-from engines.stages.manifests import (STAGE_MANIFESTS, CheckpointManifest, HandOff, PolicyRef, RolloutManifest,
-                                      ScoreManifest, StageManifest, UpdateManifest)
+from engines.stages.manifests import (
+    STAGE_MANIFESTS,
+    CheckpointManifest,
+    HandOff,
+    PolicyRef,
+    RolloutManifest,
+    ScoreManifest,
+    StageManifest,
+    UpdateManifest,
+)
 from flows.records import read_stage_record, write_stage_record
 from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
@@ -33,30 +42,38 @@ class StageFailed(RuntimeError):
 
 
 def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
-    delays = [cfg.pipeline.retry_delay_s * 2 ** k for k in range(cfg.pipeline.retries)] or 0
-    configured = STAGE_TASKS[stage].with_options(retries=cfg.pipeline.retries, retry_delay_seconds=delays,
-                                                 result_storage=result_storage_for(cfg))
+    delays = [cfg.pipeline.retry_delay_s * 2**k for k in range(cfg.pipeline.retries)] or 0
+    configured = STAGE_TASKS[stage].with_options(
+        retries=cfg.pipeline.retries, retry_delay_seconds=delays, result_storage=result_storage_for(cfg)
+    )
     manifest = configured(cfg, iteration, **inputs)
     write_stage_record(layout_for(cfg), iteration, stage, manifest.model_dump(mode="json"))
     return manifest
 
 
-def run_stage_on_pool(cfg: PPOFlowConfig, stage: str, deployment: str, iteration: int,
-                      **inputs: HandOff) -> StageManifest:
+def run_stage_on_pool(
+    cfg: PPOFlowConfig, stage: str, deployment: str, iteration: int, **inputs: HandOff
+) -> StageManifest:
     from prefect.deployments import run_deployment
 
-    params = {"config": cfg.model_dump(mode="json"), "iteration": iteration,
-              **{name: value.model_dump(mode="json") for name, value in inputs.items()}}
-    child = run_deployment(name=deployment, parameters=params, timeout=None,
-                           flow_run_name=f"{stage}-iter-{iteration}")
+    params = {
+        "config": cfg.model_dump(mode="json"),
+        "iteration": iteration,
+        **{name: value.model_dump(mode="json") for name, value in inputs.items()},
+    }
+    child = run_deployment(name=deployment, parameters=params, timeout=None, flow_run_name=f"{stage}-iter-{iteration}")
     if child.state is None or not child.state.is_completed():
         state = child.state.type.value if child.state else "unknown"
-        raise StageFailed(f"stage {stage} of iteration {iteration} ran as flow run {child.name} ({child.id}) "
-                          f"on deployment {deployment!r} and ended {state}")
+        raise StageFailed(
+            f"stage {stage} of iteration {iteration} ran as flow run {child.name} ({child.id}) "
+            f"on deployment {deployment!r} and ended {state}"
+        )
     record = read_stage_record(layout_for(cfg), iteration, stage)
     if record is None:
-        raise StageFailed(f"stage {stage} of iteration {iteration} completed on {deployment!r} "
-                          f"but wrote no stage record under the run's storage")
+        raise StageFailed(
+            f"stage {stage} of iteration {iteration} completed on {deployment!r} "
+            f"but wrote no stage record under the run's storage"
+        )
     return STAGE_MANIFESTS[stage].model_validate(record)
 
 

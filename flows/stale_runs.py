@@ -9,6 +9,7 @@ and its process is gone (same host, pid not alive), the flow run and its Running
 set to Crashed with a message that says what happened. A record from another host is left alone (this
 process cannot see that host's processes); Prefect's own heartbeat automation covers that case when set up.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,11 @@ def active_record_path(layout: RunLayout) -> str:
 def claim_run(layout: RunLayout, flow_run_id: Optional[str]) -> Optional[dict[str, Any]]:
     """Record this process as the run's active one; returns the previous record (None if there was none)."""
     previous = read_json(layout.fs, active_record_path(layout))
-    write_json(layout.fs, active_record_path(layout),
-               {"flow_run_id": flow_run_id, "host": socket.gethostname(), "pid": os.getpid()})
+    write_json(
+        layout.fs,
+        active_record_path(layout),
+        {"flow_run_id": flow_run_id, "host": socket.gethostname(), "pid": os.getpid()},
+    )
     return previous
 
 
@@ -42,8 +46,14 @@ def is_dead_here(record: dict[str, Any]) -> bool:
 def mark_crashed(flow_run_id: str, message: str) -> list[str]:
     """Set the flow run and its Running/Pending subflow runs and task runs to Crashed; returns their names."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId, FlowRunFilterState,
-                                                FlowRunFilterStateType, TaskRunFilter, TaskRunFilterFlowRunId)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
     from prefect.states import Crashed
 
     marked: list[str] = []
@@ -52,11 +62,13 @@ def mark_crashed(flow_run_id: str, message: str) -> list[str]:
         if root.state is None or root.state.type.value not in LIVE_STATES:
             return marked
         live = FlowRunFilterState(type=FlowRunFilterStateType(any_=list(LIVE_STATES)))
-        subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[root.id]), state=live))
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[root.id]), state=live)
+        )
         flow_runs = [root, *subflows]
-        tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
-            flow_run_id=TaskRunFilterFlowRunId(any_=[fr.id for fr in flow_runs])))
+        tasks = client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[fr.id for fr in flow_runs]))
+        )
         for task_run in tasks:
             if task_run.state is not None and task_run.state.type.value in LIVE_STATES:
                 client.set_task_run_state(task_run.id, Crashed(message=message), force=True)

@@ -20,6 +20,7 @@ includes "/".
 
 Tracker failures never fail an iteration: metrics.jsonl is the record; a tracker is a view of it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,11 @@ log = logging.getLogger("ppoflow.tracker")
 
 def numeric_metrics(row: dict[str, Any]) -> dict[str, float]:
     """The row's numeric metrics (bools and strings left out, "iteration" is the step, not a metric)."""
-    return {k: float(v) for k, v in row.items()
-            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def _remote(layout: RunLayout) -> bool:
@@ -50,8 +54,7 @@ def tensorboard_dir_for(layout: RunLayout) -> str:
         return os.path.join(layout.run_dir, "tensorboard")
     from flows.logs import mirror_dir
 
-    return os.path.join(mirror_dir(layout.root_url, layout.run_name, layout.storage_cfg.local_cache_dir),
-                        "tensorboard")
+    return os.path.join(mirror_dir(layout.root_url, layout.run_name, layout.storage_cfg.local_cache_dir), "tensorboard")
 
 
 _ROWS_PER_FILE = 100  # a new event file every 100 rows: on S3 each upload copies one small file whole
@@ -117,15 +120,21 @@ class _OptionalTrackers:
         if os.environ.get("WANDB_PROJECT"):
             try:
                 import wandb  # noqa: F401 - optional
+
                 self.wandb = wandb
                 if wandb.run is None:
-                    wandb.init(project=os.environ["WANDB_PROJECT"], name=layout.run_name, resume="allow",
-                               id=f"ppoflow-{layout.run_name}")
+                    wandb.init(
+                        project=os.environ["WANDB_PROJECT"],
+                        name=layout.run_name,
+                        resume="allow",
+                        id=f"ppoflow-{layout.run_name}",
+                    )
             except ImportError:
                 log.info("WANDB_PROJECT is set but wandb is not installed; not logging to wandb")
         if os.environ.get("MLFLOW_TRACKING_URI"):
             try:
                 import mlflow  # noqa: F401 - optional
+
                 self.mlflow = mlflow
                 if mlflow.active_run() is None:
                     mlflow.set_experiment(layout.run_name)

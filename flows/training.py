@@ -4,6 +4,7 @@ Starting at LATEST + 1 makes a new flow run with the same run name a resume, and
 flow run (UI, `prefect flow-run retry`) skips committed iterations entirely and, inside the failed one,
 the stages whose results are cached.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,8 @@ from flows.artifacts import start_progress, update_progress
 from flows.iteration import ppo_iteration, recover_missing_rows
 from flows.preflight import preflight
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
-from storage.checkpoints import latest_iteration
 from ppoflow.config import as_config
+from storage.checkpoints import latest_iteration
 from storage.layout import layout_for
 
 
@@ -31,10 +32,12 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     logger = get_run_logger()
     _crash_stale_run(cfg, layout, logger)
     for iteration in recover_missing_rows(layout, start - 1):
-        logger.warning("iteration %d was committed but its metrics row was not written (the process died in "
-                       "between): rebuilt from its stage records", iteration)
-    logger.info("run %s at %s: iterations %d..%d", cfg.run.name, layout.url(layout.run_dir), start,
-                cfg.run.iterations)
+        logger.warning(
+            "iteration %d was committed but its metrics row was not written (the process died in "
+            "between): rebuilt from its stage records",
+            iteration,
+        )
+    logger.info("run %s at %s: iterations %d..%d", cfg.run.name, layout.url(layout.run_dir), start, cfg.run.iterations)
     progress = start_progress(cfg, start - 1)
     rows: list[dict[str, Any]] = []
     cfg_json = cfg.model_dump(mode="json")
@@ -49,10 +52,19 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
         rows.append(row)
         update_progress(progress, cfg, iteration)
         kl = row.get("kl/mean")
-        logger.info("iteration %d: reward %.3f kl %s (%.1f s)", iteration, row["reward/mean"],
-                    "-" if kl is None else f"{kl:.4f}", row["timing/iteration"])
-    return {"run_uri": layout.url(layout.run_dir), "first_iteration": start,
-            "last_iteration": cfg.run.iterations, "iterations": rows}
+        logger.info(
+            "iteration %d: reward %.3f kl %s (%.1f s)",
+            iteration,
+            row["reward/mean"],
+            "-" if kl is None else f"{kl:.4f}",
+            row["timing/iteration"],
+        )
+    return {
+        "run_uri": layout.url(layout.run_dir),
+        "first_iteration": start,
+        "last_iteration": cfg.run.iterations,
+        "iterations": rows,
+    }
 
 
 def _crash_stale_run(cfg, layout, logger) -> None:
@@ -65,14 +77,20 @@ def _crash_stale_run(cfg, layout, logger) -> None:
         return
     if not is_dead_here(previous):
         return
-    message = (f"the process that ran it (pid {previous['pid']} on {previous['host']}) died; found by the next "
-               f"start of run {cfg.run.name!r} (flow run {current}), which resumed from the last commit")
+    message = (
+        f"the process that ran it (pid {previous['pid']} on {previous['host']}) died; found by the next "
+        f"start of run {cfg.run.name!r} (flow run {current}), which resumed from the last commit"
+    )
     try:
         marked = mark_crashed(previous["flow_run_id"], message)
     except Exception as e:  # an unknown flow run (another Prefect server, a wiped database): nothing to mark
         logger.warning("could not mark the previous flow run %s Crashed: %s", previous["flow_run_id"], e)
         return
     if marked:
-        logger.warning("marked %d runs of the dead process Crashed (%s); retry them with `prefect flow-run retry "
-                       "%s --entrypoint flows/training.py:ppo_training`", len(marked), ", ".join(marked[:4]),
-                       previous["flow_run_id"])
+        logger.warning(
+            "marked %d runs of the dead process Crashed (%s); retry them with `prefect flow-run retry "
+            "%s --entrypoint flows/training.py:ppo_training`",
+            len(marked),
+            ", ".join(marked[:4]),
+            previous["flow_run_id"],
+        )

@@ -16,6 +16,7 @@ What the worker decides, not the submitting flow: a task's retries (`--retries`)
 persist (Prefect's default result storage; on several machines point PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK
 and PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK at a shared block, e.g. S3).
 """
+
 from __future__ import annotations
 
 from typing import Sequence

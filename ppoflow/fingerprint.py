@@ -13,6 +13,7 @@ Cost: the first call on a folder reads every byte once (~20 s for 14 GB of weigh
 same process read nothing while the files' sizes and mtimes stay. A missing path raises FileNotFoundError
 naming it; an empty folder fingerprints as the hash of nothing (callers that need files say so).
 """
+
 from __future__ import annotations
 
 import hashlib

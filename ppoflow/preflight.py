@@ -15,6 +15,7 @@ What is checked (`static_problems`), in the order a run would meet it:
 Nothing here writes, so a refused start leaves an existing run's files as they were. The Prefect part
 (deployments named in `pipeline.stage_pools`) and the tokenised prompt lengths are in flows/preflight.py.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -111,8 +112,10 @@ def stop_token_problem(cfg: PPOFlowConfig) -> Optional[str]:
         return None  # the folder's own check reports it
     outside = [t for t in cfg.rollout.stop_token_ids if isinstance(vocab, int) and t >= vocab]
     if outside:
-        return (f"rollout.stop_token_ids: {outside} not below the policy's vocab_size {vocab} "
-                f"({cfg.model.policy_path}/config.json)")
+        return (
+            f"rollout.stop_token_ids: {outside} not below the policy's vocab_size {vocab} "
+            f"({cfg.model.policy_path}/config.json)"
+        )
     return None
 
 

@@ -1,4 +1,5 @@
 """The config reference, generated from the config model (README's table comes from here)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel

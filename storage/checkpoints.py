@@ -16,6 +16,7 @@ which is idempotent. A committed checkpoint is never written into or overwritten
 write is durable when it returns (storage/fs.py fsyncs file and folder), so the order above also holds
 after a machine crash: files before the marker, the marker before retention deletes an older checkpoint.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -116,7 +117,7 @@ def remove_stale_scratch(parent: str) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        parts = name[len(_SCRATCH_PREFIX):].split(".") if name.startswith(_SCRATCH_PREFIX) else []
+        parts = name[len(_SCRATCH_PREFIX) :].split(".") if name.startswith(_SCRATCH_PREFIX) else []
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
             continue
         if int(parts[1]) == os.getpid() or pid_alive(int(parts[1])):
@@ -144,8 +145,9 @@ def checkpoint_scratch(layout: RunLayout) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=f"{_SCRATCH_PREFIX}{_host_tag()}.{os.getpid()}.", dir=parent)
 
 
-def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str, move: bool = False,
-                          known_sha256: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def save_checkpoint_files(
+    layout: RunLayout, iteration: int, local_dir: str, move: bool = False, known_sha256: Optional[dict[str, str]] = None
+) -> dict[str, Any]:
     """Upload `local_dir` (policy/, critic/, trainer/, ...) as iteration `iteration`'s staged checkpoint.
 
     move: the files of `local_dir` are scratch the caller gives up; on local storage they are renamed into
@@ -178,8 +180,9 @@ def save_checkpoint_files(layout: RunLayout, iteration: int, local_dir: str, mov
     return staged
 
 
-def commit_checkpoint(layout: RunLayout, iteration: int, meta: Optional[dict[str, Any]] = None,
-                      keep_last: int = 2) -> dict[str, Any]:
+def commit_checkpoint(
+    layout: RunLayout, iteration: int, meta: Optional[dict[str, Any]] = None, keep_last: int = 2
+) -> dict[str, Any]:
     """Commit the staged checkpoint of `iteration`: marker, then LATEST, then retention. Idempotent.
 
     Returns the marker. Raises CheckpointError when nothing is staged or a staged file is missing or
@@ -191,8 +194,11 @@ def commit_checkpoint(layout: RunLayout, iteration: int, meta: Optional[dict[str
         marker = _write_marker(layout, iteration, meta or {})
     latest = latest_iteration(layout)
     if latest is None or latest <= iteration:
-        fsutil.write_json(layout.fs, layout.latest_path,
-                          {"iteration": iteration, "uri": layout.url(target), "committed_at": marker["committed_at"]})
+        fsutil.write_json(
+            layout.fs,
+            layout.latest_path,
+            {"iteration": iteration, "uri": layout.url(target), "committed_at": marker["committed_at"]},
+        )
     apply_retention(layout, keep_last)
     return marker
 
@@ -204,16 +210,24 @@ def _write_marker(layout: RunLayout, iteration: int, meta: dict[str, Any]) -> di
     except ValueError as e:
         raise CheckpointError(f"cannot commit iteration {iteration}: {e}") from None
     if not staged or not staged.get("files"):
-        raise CheckpointError(f"cannot commit iteration {iteration}: nothing staged at {layout.url(target)} "
-                              f"(no {STAGED_NAME}; did the update stage finish?)")
+        raise CheckpointError(
+            f"cannot commit iteration {iteration}: nothing staged at {layout.url(target)} "
+            f"(no {STAGED_NAME}; did the update stage finish?)"
+        )
     present = fsutil.list_files(layout.fs, target)
     for rel, info in staged["files"].items():
         if present.get(rel) != info["bytes"]:
             found = "missing" if rel not in present else f"{present[rel]} bytes"
-            raise CheckpointError(f"cannot commit iteration {iteration}: staged file "
-                                  f"{layout.url(fsutil.join(target, rel))} is {found}, expected {info['bytes']} bytes")
-    marker = {"iteration": iteration, "files": staged["files"], "meta": meta,
-              "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+            raise CheckpointError(
+                f"cannot commit iteration {iteration}: staged file "
+                f"{layout.url(fsutil.join(target, rel))} is {found}, expected {info['bytes']} bytes"
+            )
+    marker = {
+        "iteration": iteration,
+        "files": staged["files"],
+        "meta": meta,
+        "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
     fsutil.write_json(layout.fs, fsutil.join(target, MARKER_NAME), marker)
     return marker
 
@@ -280,15 +294,21 @@ def apply_retention(layout: RunLayout, keep_last: int) -> list[int]:
     return removed
 
 
-def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional[str] = None,
-                    verify: bool = True, parts: Optional[Sequence[str]] = None) -> str:
+def load_checkpoint(
+    layout: RunLayout,
+    iteration: int,
+    local_cache_dir: Optional[str] = None,
+    verify: bool = True,
+    parts: Optional[Sequence[str]] = None,
+) -> str:
     """A local folder holding committed checkpoint `iteration` (policy/, critic/, trainer/).
 
     Remote checkpoints are copied under `local_cache_dir` (default: `checkpoint_cache_dir(layout)`), which
-    then keeps only the storage.checkpoint_cache_keep most recently used copies; local ones are used in place. With `verify`, every file is checked against the marker's
-    size and sha256. `parts` (e.g. ("policy",)): only those top-level folders are copied and verified, so a
-    rollout worker does not download and hash the optimizer state it never reads (two thirds of the bytes
-    with AdamW); other folders of the returned path may then be absent or unverified.
+    then keeps only the storage.checkpoint_cache_keep most recently used copies; local ones are used in place.
+    With `verify`, every file is checked against the marker's size and sha256. `parts` (e.g. ("policy",)):
+    only those top-level folders are copied and verified, so a rollout worker does not download and hash the
+    optimizer state it never reads (two thirds of the bytes with AdamW); other folders of the returned path
+    may then be absent or unverified.
     Raises CheckpointError when not committed or a part is not in it, CheckpointCorruptError naming the file.
     """
     marker = read_commit_marker(layout, iteration)
@@ -324,8 +344,11 @@ def load_checkpoint(layout: RunLayout, iteration: int, local_cache_dir: Optional
 def checkpoint_cache_dir(layout: RunLayout) -> str:
     """The local folder holding this run's copies of remote checkpoints, one subfolder per commit marker:
     storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow; then checkpoints/<run name>."""
-    base = (layout.storage_cfg.local_cache_dir or os.environ.get("PPOFLOW_CACHE")
-            or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow"))
+    base = (
+        layout.storage_cfg.local_cache_dir
+        or os.environ.get("PPOFLOW_CACHE")
+        or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow")
+    )
     return os.path.join(base, "checkpoints", layout.run_name)
 
 
@@ -371,5 +394,7 @@ def _verify_files(local_dir: str, files: dict[str, dict[str, Any]], source_url: 
         if size != info["bytes"]:
             raise CheckpointCorruptError(f"checkpoint file {where} has {size} bytes, marker says {info['bytes']}")
         if file_sha256(path) != info["sha256"]:
-            raise CheckpointCorruptError(f"checkpoint file {where} fails its sha256 check; `ppoflow runs repair RUN` "
-                                         f"quarantines the checkpoint so the next start recomputes it")
+            raise CheckpointCorruptError(
+                f"checkpoint file {where} fails its sha256 check; `ppoflow runs repair RUN` "
+                f"quarantines the checkpoint so the next start recomputes it"
+            )

@@ -13,6 +13,7 @@ Atomic writes, by filesystem:
 Never use `fs.open(path, "wb")` for data that must not be half-written: fsspec's buffered files commit
 on `__exit__` even when the block raised, which would publish a truncated object.
 """
+
 from __future__ import annotations
 
 import errno
@@ -257,15 +258,22 @@ def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
     except FileNotFoundError:
         return {}
     prefix = path.rstrip("/") + "/"
-    return {name[len(prefix):]: int(info.get("size") or 0) for name, info in found.items()
-            if name.startswith(prefix) and info.get("type", "file") == "file"}
+    return {
+        name[len(prefix) :]: int(info.get("size") or 0)
+        for name, info in found.items()
+        if name.startswith(prefix) and info.get("type", "file") == "file"
+    }
 
 
 _COMPLETE = ".ppoflow-complete"
 
 
-def materialize(fs: fsspec.AbstractFileSystem, path: str, local_cache_dir: Optional[str] = None,
-                parts: Optional[Sequence[str]] = None) -> str:
+def materialize(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    local_cache_dir: Optional[str] = None,
+    parts: Optional[Sequence[str]] = None,
+) -> str:
     """A local folder with the contents of folder `path`; `path` itself when the filesystem is local.
 
     Meant for immutable folders (committed checkpoints): a copy already complete in the cache (it has

@@ -5,6 +5,7 @@ above them; local paths and s3:// alike. A folder counts as a stage folder when 
 `_manifest.json` (committed) or `part-*.arrow` files without one (not committed). Only committed
 folders are read by `show` and `stats`, through the same verified reader the pipeline uses.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -17,8 +18,8 @@ from rich.text import Text
 
 from ppoflow.config import StorageConfig
 from storage import fs as fsutil
-from storage.shards import MANIFEST_NAME, Manifest, read_manifest, read_part, require_manifest
 from storage.schema import check_columns
+from storage.shards import MANIFEST_NAME, Manifest, read_manifest, read_part, require_manifest
 
 _WIDE_COLUMNS = 6  # more columns than this are shown one row per block
 
@@ -31,8 +32,10 @@ def find_stage_dirs(fs, path: str) -> dict[str, Optional[Manifest]]:
         folder, _, name = ("/" + rel).rpartition("/")
         if name == MANIFEST_NAME or (name.startswith("part-") and name.endswith(".arrow")):
             folders.add(folder.lstrip("/"))
-    return {fsutil.join(path, rel) if rel else path: read_manifest(fs, fsutil.join(path, rel) if rel else path)
-            for rel in sorted(folders)}
+    return {
+        fsutil.join(path, rel) if rel else path: read_manifest(fs, fsutil.join(path, rel) if rel else path)
+        for rel in sorted(folders)
+    }
 
 
 def _stage_dirs_or_error(uri: str, storage_cfg: Optional[StorageConfig]):
@@ -44,7 +47,7 @@ def _stage_dirs_or_error(uri: str, storage_cfg: Optional[StorageConfig]):
 
 
 def _relative(path: str, root: str) -> str:
-    return path[len(root):].lstrip("/") or "."
+    return path[len(root) :].lstrip("/") or "."
 
 
 def _human_bytes(n: int) -> str:
@@ -74,16 +77,22 @@ def part_problems(fs, folder: str, manifest: Manifest) -> list[str]:
     return problems
 
 
-def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None,
-              broken: Optional[list[str]] = None) -> Table:
+def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None, broken: Optional[list[str]] = None) -> Table:
     """One row per stage folder under `uri`: folder, kind, parts, rows, bytes, committed, check.
 
     `check` is "ok" or what `part_problems` found; the folders with a problem are appended to `broken`.
     """
     fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
     table = Table(title=f"shards under {uri}")
-    for name, justify in (("folder", "left"), ("kind", "left"), ("parts", "right"), ("rows", "right"),
-                          ("bytes", "right"), ("committed", "center"), ("check", "left")):
+    for name, justify in (
+        ("folder", "left"),
+        ("kind", "left"),
+        ("parts", "right"),
+        ("rows", "right"),
+        ("bytes", "right"),
+        ("committed", "center"),
+        ("check", "left"),
+    ):
         table.add_column(name, justify=justify)
     for folder, manifest in found.items():
         if manifest is None:
@@ -94,15 +103,22 @@ def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None,
         if problems and broken is not None:
             broken.append(fsutil.url_of(fs, folder))
         check = "[green]ok[/green]" if not problems else "[red]broken: " + "; ".join(problems) + "[/red]"
-        table.add_row(_relative(folder, root), manifest.kind, str(len(manifest.parts)), f"{manifest.rows:,}",
-                      _human_bytes(manifest.bytes), "[green]yes[/green]", check)
+        table.add_row(
+            _relative(folder, root),
+            manifest.kind,
+            str(len(manifest.parts)),
+            f"{manifest.rows:,}",
+            _human_bytes(manifest.bytes),
+            "[green]yes[/green]",
+            check,
+        )
     return table
 
 
 def describe_metadata(schema: pa.Schema) -> str:
     """The ppoflow.* schema metadata of a part as "key=value" pairs ("" when it has none)."""
     meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items() if k.startswith(b"ppoflow.")}
-    return ", ".join(f"{k[len('ppoflow.'):]}={v}" for k, v in meta.items())
+    return ", ".join(f"{k[len('ppoflow.') :]}={v}" for k, v in meta.items())
 
 
 def _cell(value: Any, width: int = 48) -> str:
@@ -116,8 +132,9 @@ def _cell(value: Any, width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = None,
-                storage_cfg: Optional[StorageConfig] = None):
+def shards_show(
+    uri: str, rows: int = 10, columns: Optional[Sequence[str]] = None, storage_cfg: Optional[StorageConfig] = None
+):
     """The first `rows` rows of one committed stage folder (only `columns` when given), as a rich renderable.
 
     Lists show their length then the first elements ("[12] 5, 9, …"). Raises ValueError listing the
@@ -125,8 +142,9 @@ def shards_show(uri: str, rows: int = 10, columns: Optional[Sequence[str]] = Non
     """
     fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
     if len(found) > 1:
-        raise ValueError(f"{uri} holds {len(found)} stage folders; show one of: "
-                         + ", ".join(_relative(f, root) for f in found))
+        raise ValueError(
+            f"{uri} holds {len(found)} stage folders; show one of: " + ", ".join(_relative(f, root) for f in found)
+        )
     folder = next(iter(found))
     manifest = require_manifest(fs, folder)
     selected = check_columns(manifest.kind, columns)
@@ -188,8 +206,13 @@ def stage_stats(fs, folder: str) -> dict[str, Any]:
     if "reward" in wanted:
         reward = data.column("reward")
         q = pc.quantile(reward, q=[0.1, 0.5, 0.9]).to_pylist() if data.num_rows else [None] * 3
-        out["reward"] = {"mean": pc.mean(reward).as_py(), "std": pc.stddev(reward, ddof=0).as_py(),
-                         "q10": q[0], "q50": q[1], "q90": q[2]}
+        out["reward"] = {
+            "mean": pc.mean(reward).as_py(),
+            "std": pc.stddev(reward, ddof=0).as_py(),
+            "q10": q[0],
+            "q50": q[1],
+            "q90": q[2],
+        }
     out["policy_versions"] = sorted(pc.unique(data.column("policy_version")).to_pylist())
     counts = pc.value_counts(data.column("finish_reason")).to_pylist()
     out["finish_reasons"] = {c["values"]: c["counts"] for c in counts}
@@ -205,8 +228,17 @@ def shards_stats(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Table
     fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
     table = Table(title=f"shard statistics under {uri}")
     table.caption = "lengths in tokens as mean/max; reward std over samples; finish reasons as counts"
-    for name in ("folder", "kind", "rows", "prompt len", "response len", "reward mean±std", "reward q10/50/90",
-                 "versions", "finish"):
+    for name in (
+        "folder",
+        "kind",
+        "rows",
+        "prompt len",
+        "response len",
+        "reward mean±std",
+        "reward q10/50/90",
+        "versions",
+        "finish",
+    ):
         table.add_column(name, justify="left" if name in ("folder", "kind") else "right", no_wrap=True)
     for folder, manifest in found.items():
         if manifest is None:
@@ -214,7 +246,9 @@ def shards_stats(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Table
         s = stage_stats(fs, folder)
         r = s.get("reward")
         table.add_row(
-            _relative(folder, root), s["kind"], f"{s['rows']:,}",
+            _relative(folder, root),
+            s["kind"],
+            f"{s['rows']:,}",
             f"{_fmt(s['prompt_len']['mean'])}/{s['prompt_len']['max']}",
             f"{_fmt(s['response_len']['mean'])}/{s['response_len']['max']}",
             f"{_fmt(r['mean'])}±{_fmt(r['std'])}" if r else "-",

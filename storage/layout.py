@@ -11,6 +11,7 @@
 Paths are returned without protocol (what the filesystem `.fs` takes); `.url(path)` gives them back
 as URLs (s3://...) for manifests, logs and other processes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,14 @@ _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 # Keys that say where a run is, not what it is: a run folder copied to another root, bucket or endpoint
 # resumes there (config.yaml is rewritten with the new values), and so does a run extended to more iterations.
-LOCATION_KEYS = ("run.root", "run.iterations", "storage.endpoint_url", "storage.region", "storage.profile",
-                 "storage.local_cache_dir")
+LOCATION_KEYS = (
+    "run.root",
+    "run.iterations",
+    "storage.endpoint_url",
+    "storage.region",
+    "storage.profile",
+    "storage.local_cache_dir",
+)
 
 
 class ConfigConflictError(ValueError):
@@ -81,8 +88,13 @@ class RunLayout:
         self._root = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"root_url": self.root_url, "run_name": self.run_name, "storage_cfg": self.storage_cfg,
-                "_fs": None, "_root": None}
+        return {
+            "root_url": self.root_url,
+            "run_name": self.run_name,
+            "storage_cfg": self.storage_cfg,
+            "_fs": None,
+            "_root": None,
+        }
 
     def __repr__(self) -> str:
         return f"RunLayout({self.root_url!r}, {self.run_name!r})"
@@ -156,7 +168,8 @@ class RunLayout:
                     f"{self.url(self.config_path)} holds another config (hash {_config_hash(old)}) than this "
                     f"run's (hash {_config_hash(new)}); differing keys: {', '.join(changed)}. Use a new "
                     f"run.name, or restore the saved config (only {', '.join(LOCATION_KEYS)} may change on "
-                    f"resume).")
+                    f"resume)."
+                )
         fsutil.write_bytes_atomic(self.fs, self.config_path, cfg_yaml.encode())
 
 

@@ -8,6 +8,7 @@ for a person to look at, and its metrics row is left to be replaced when N is re
     check_latest(layout)       (N, None) when checkpoint N verifies, (N, the error) when it does not
     quarantine(layout, N)      move checkpoint N out of checkpoints/; returns where it went
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -39,9 +40,11 @@ def quarantine(layout: RunLayout, iteration: int) -> str:
     layout.fs.mv(layout.checkpoint_dir(iteration), dest, recursive=True)
     previous = latest_iteration(layout)
     if previous is not None:
-        fsutil.write_json(layout.fs, layout.latest_path,
-                          {"iteration": previous, "uri": layout.url(layout.checkpoint_dir(previous)),
-                           "repaired_from": iteration})
+        fsutil.write_json(
+            layout.fs,
+            layout.latest_path,
+            {"iteration": previous, "uri": layout.url(layout.checkpoint_dir(previous)), "repaired_from": iteration},
+        )
     else:
         fsutil.remove_files(layout.fs, [layout.latest_path])
     return layout.url(dest)

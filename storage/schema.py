@@ -15,6 +15,7 @@ experience: scored + old_logprobs, values, advantages, returns (list<float32>, l
 Bump SCHEMA_VERSION whenever a column is added, removed or changes type; readers refuse a shard of
 another version with SchemaMismatchError instead of guessing.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -48,8 +49,9 @@ _SCORED_EXTRA = [
     pa.field("ref_logprobs", _FLOATS, nullable=False),
     pa.field("score_cache_hit", pa.bool_(), nullable=False),
 ]
-_EXPERIENCE_EXTRA = [pa.field(name, _FLOATS, nullable=False)
-                     for name in ("old_logprobs", "values", "advantages", "returns")]
+_EXPERIENCE_EXTRA = [
+    pa.field(name, _FLOATS, nullable=False) for name in ("old_logprobs", "values", "advantages", "returns")
+]
 
 SCHEMAS: dict[str, pa.Schema] = {
     "rollout": pa.schema(_ROLLOUT),
@@ -83,18 +85,25 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
     for field in schema:
         got = found.get(field.name)
         if got is None:
-            raise SchemaMismatchError(f"{where}: {kind} column {field.name!r} is missing "
-                                      f"(expected {field.type}); found columns: {', '.join(found) or 'none'}")
+            raise SchemaMismatchError(
+                f"{where}: {kind} column {field.name!r} is missing "
+                f"(expected {field.type}); found columns: {', '.join(found) or 'none'}"
+            )
         if got.type != field.type:
-            raise SchemaMismatchError(f"{where}: {kind} column {field.name!r} has type {got.type}, "
-                                      f"expected {field.type}")
+            raise SchemaMismatchError(
+                f"{where}: {kind} column {field.name!r} has type {got.type}, expected {field.type}"
+            )
         if not field.nullable and table.column(field.name).null_count:
-            raise SchemaMismatchError(f"{where}: {kind} column {field.name!r} holds "
-                                      f"{table.column(field.name).null_count} null(s) but is not nullable")
+            raise SchemaMismatchError(
+                f"{where}: {kind} column {field.name!r} holds "
+                f"{table.column(field.name).null_count} null(s) but is not nullable"
+            )
     extra = [name for name in found if name not in schema.names]
     if extra:
-        raise SchemaMismatchError(f"{where}: columns {extra} are not in the {kind} schema "
-                                  f"(schema version {SCHEMA_VERSION}); add them to storage/schema.py first")
+        raise SchemaMismatchError(
+            f"{where}: columns {extra} are not in the {kind} schema "
+            f"(schema version {SCHEMA_VERSION}); add them to storage/schema.py first"
+        )
     return table.select(schema.names).cast(schema)
 
 

@@ -27,6 +27,7 @@ eviction. Unreadable segments are skipped (logged) rather than failing the score
 always safe. A process keeps the values of the segments it has read, log-probs as float32 arrays (4 bytes
 each, as on disk), and forgets a segment's entries once a listing shows it gone.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,19 +46,26 @@ from storage import fs as fsutil
 
 log = logging.getLogger(__name__)
 
-SEGMENT_SCHEMA = pa.schema([
-    pa.field("key", pa.string(), nullable=False),
-    pa.field("reward_components", pa.string(), nullable=False),  # JSON object name -> float
-    pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=False),
-])
+SEGMENT_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("reward_components", pa.string(), nullable=False),  # JSON object name -> float
+        pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=False),
+    ]
+)
 
 
 def _check_value(key: str, value: Any) -> tuple[str, list[float]]:
     """The value as (components JSON, ref log-probs); ValueError naming the key when malformed."""
-    if not isinstance(value, dict) or not isinstance(value.get("reward_components"), dict) \
-            or not isinstance(value.get("ref_logprobs"), (list, tuple)):
-        raise ValueError(f"score cache entry {key!r} must be {{'reward_components': {{name: float}}, "
-                         f"'ref_logprobs': [float, ...]}}, got {str(value)[:120]}")
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("reward_components"), dict)
+        or not isinstance(value.get("ref_logprobs"), (list, tuple))
+    ):
+        raise ValueError(
+            f"score cache entry {key!r} must be {{'reward_components': {{name: float}}, "
+            f"'ref_logprobs': [float, ...]}}, got {str(value)[:120]}"
+        )
     try:
         components = {str(k): float(v) for k, v in value["reward_components"].items()}
         logprobs = [float(x) for x in value["ref_logprobs"]]
@@ -116,7 +124,7 @@ class ScoreCache:
         # key -> (components JSON, float32 log-probs view, name of the segment it was last read from)
         self._entries: dict[str, tuple[str, np.ndarray, str]] = {}
         self._segment_keys: dict[str, list[str]] = {}  # segments read, and their keys
-        self._seen_segments: set[str] = set()           # read, or skipped as unreadable
+        self._seen_segments: set[str] = set()  # read, or skipped as unreadable
 
     def __repr__(self) -> str:
         return f"ScoreCache({fsutil.url_of(self.fs, self.dir)!r}, hits={self.hits}, misses={self.misses})"
@@ -126,8 +134,11 @@ class ScoreCache:
         return len(self._entries)
 
     def _segment_sizes(self) -> dict[str, int]:
-        return {name: size for name, size in fsutil.list_files(self.fs, self.dir).items()
-                if "/" not in name and _segment_level(name) is not None}
+        return {
+            name: size
+            for name, size in fsutil.list_files(self.fs, self.dir).items()
+            if "/" not in name and _segment_level(name) is not None
+        }
 
     def _read_segment(self, name: str, missing_ok: bool = True) -> Optional[pa.Table]:
         """The segment's table; None when it is gone (evicted, merged) or unreadable (logged).
@@ -160,7 +171,7 @@ class ScoreCache:
         for chunk in table.column("ref_logprobs").chunks:
             values = chunk.flatten().to_numpy(zero_copy_only=False)
             ends = np.cumsum(chunk.value_lengths().to_numpy(zero_copy_only=False))
-            views.extend(values[end - length:end] for end, length in zip(ends, np.diff(ends, prepend=0)))
+            views.extend(values[end - length : end] for end, length in zip(ends, np.diff(ends, prepend=0)))
         for key, comp, logprobs in zip(keys, components, views):
             self._entries[key] = (comp, logprobs, name)
         self._segment_keys[name] = keys
@@ -242,7 +253,7 @@ class ScoreCache:
             if not full:
                 return made
             try:
-                name = self._merge(by_level[full[0]][:self.compact_at], full[0] + 1)
+                name = self._merge(by_level[full[0]][: self.compact_at], full[0] + 1)
             except _MergedElsewhere:
                 return made  # another writer is merging this level; it finishes the job
             if name in made:
@@ -286,7 +297,9 @@ class ScoreCache:
                 break
             total -= sizes[name]
             removed.append(name)
-        fsutil.remove_files(self.fs, [fsutil.join(self.dir, name) for name in removed])  # gone already: evicted elsewhere
+        fsutil.remove_files(
+            self.fs, [fsutil.join(self.dir, name) for name in removed]
+        )  # gone already: evicted elsewhere
         return removed
 
     def total_bytes(self) -> int:

@@ -22,6 +22,7 @@ so a part copied alone still says where it came from (`pyarrow.ipc.open_file(f).
 No streaming writer: a part's name carries the total part count ("-of-00004"), which is known only at
 the end, and renaming afterwards is not atomic on S3. Stages hold their (small) table in memory anyway.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,10 +55,10 @@ class ShardCorruptError(IOError):
 
 @dataclass(frozen=True)
 class PartInfo:
-    name: str      # file name inside the stage folder
+    name: str  # file name inside the stage folder
     rows: int
     bytes: int
-    sha256: str    # hex digest of the part's bytes
+    sha256: str  # hex digest of the part's bytes
 
 
 @dataclass(frozen=True)
@@ -81,20 +82,34 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (a few KB even for hundreds of parts); what stage tasks hand to Prefect."""
-        return {"format": MANIFEST_FORMAT, "kind": self.kind, "schema_version": self.schema_version,
-                "rows": self.rows, "bytes": self.bytes, "content_hash": self.content_hash,
-                "columns": schema_for(self.kind).names if self.kind in ("rollout", "scored", "experience") else [],
-                "parts": [vars(p).copy() for p in self.parts], "uri": self.uri}
+        return {
+            "format": MANIFEST_FORMAT,
+            "kind": self.kind,
+            "schema_version": self.schema_version,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "content_hash": self.content_hash,
+            "columns": schema_for(self.kind).names if self.kind in ("rollout", "scored", "experience") else [],
+            "parts": [vars(p).copy() for p in self.parts],
+            "uri": self.uri,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], uri: str = "") -> "Manifest":
         """Raises KeyError/TypeError/ValueError on a malformed dict (callers turn it into ShardCorruptError)."""
         if data.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format is {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        parts = tuple(PartInfo(str(p["name"]), int(p["rows"]), int(p["bytes"]), str(p["sha256"]))
-                      for p in data["parts"])
-        return cls(kind=str(data["kind"]), schema_version=int(data["schema_version"]), rows=int(data["rows"]),
-                   bytes=int(data["bytes"]), parts=parts, uri=uri or str(data.get("uri", "")))
+        parts = tuple(
+            PartInfo(str(p["name"]), int(p["rows"]), int(p["bytes"]), str(p["sha256"])) for p in data["parts"]
+        )
+        return cls(
+            kind=str(data["kind"]),
+            schema_version=int(data["schema_version"]),
+            rows=int(data["rows"]),
+            bytes=int(data["bytes"]),
+            parts=parts,
+            uri=uri or str(data.get("uri", "")),
+        )
 
 
 def part_name(index: int, count: int) -> str:
@@ -140,11 +155,11 @@ def _read_local_hashing(path: str, verify: bool) -> tuple[memoryview, Optional[s
     position = 0
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as pool:
         while position < size:
-            count = f.readinto(data[position:position + _READ_CHUNK])
+            count = f.readinto(data[position : position + _READ_CHUNK])
             if not count:
                 break  # the file shrank since stat(): the size check reports it
             if verify:
-                pool.submit(digest.update, data[position:position + count])  # one worker: in order
+                pool.submit(digest.update, data[position : position + count])  # one worker: in order
             position += count
     return data[:position], (digest.hexdigest() if verify else None)
 
@@ -204,9 +219,13 @@ def shard_metadata(cfg, iteration: int, stage: str) -> dict[str, str]:
 
     # The JSON dump is what config.yaml holds (to_yaml dumps it; YAML gives the same values back), without
     # the YAML round trip (~10 ms, three times an iteration).
-    return {"ppoflow.run": cfg.run.name, "ppoflow.iteration": str(int(iteration)), "ppoflow.stage": str(stage),
-            "ppoflow.config_hash": _config_hash(cfg.model_dump(mode="json")),
-            "ppoflow.version": ppoflow_version()}
+    return {
+        "ppoflow.run": cfg.run.name,
+        "ppoflow.iteration": str(int(iteration)),
+        "ppoflow.stage": str(stage),
+        "ppoflow.config_hash": _config_hash(cfg.model_dump(mode="json")),
+        "ppoflow.version": ppoflow_version(),
+    }
 
 
 def _schema_metadata(kind: str, metadata: Optional[dict[str, str]]) -> dict[str, str]:
@@ -214,15 +233,23 @@ def _schema_metadata(kind: str, metadata: Optional[dict[str, str]]) -> dict[str,
     out = {"ppoflow.kind": kind, "ppoflow.schema_version": str(SCHEMA_VERSION)}
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not key.startswith(METADATA_PREFIX) or not isinstance(value, str):
-            raise ValueError(f"shard metadata {key!r}: {value!r}: keys must be strings starting with "
-                             f"{METADATA_PREFIX!r} and values strings")
+            raise ValueError(
+                f"shard metadata {key!r}: {value!r}: keys must be strings starting with "
+                f"{METADATA_PREFIX!r} and values strings"
+            )
         out[key] = value
     return out
 
 
-def write_shards(fs: fsspec.AbstractFileSystem, stage_dir: str, table: pa.Table, kind: str,
-                 max_rows: int = 4096, max_bytes: int = 256 * 2**20,
-                 metadata: Optional[dict[str, str]] = None) -> Manifest:
+def write_shards(
+    fs: fsspec.AbstractFileSystem,
+    stage_dir: str,
+    table: pa.Table,
+    kind: str,
+    max_rows: int = 4096,
+    max_bytes: int = 256 * 2**20,
+    metadata: Optional[dict[str, str]] = None,
+) -> Manifest:
     """Replace the contents of `stage_dir` with `table` as parts plus a manifest (written last).
 
     `table` must match `kind`'s schema (storage/schema.py): SchemaMismatchError otherwise, raised
@@ -242,9 +269,14 @@ def write_shards(fs: fsspec.AbstractFileSystem, stage_dir: str, table: pa.Table,
         buffer = serialize_part(table.slice(offset, length))
         digest = _write_hashing(fs, fsutil.join(stage_dir, name), buffer)
         parts.append(PartInfo(name=name, rows=length, bytes=buffer.size, sha256=digest))
-    manifest = Manifest(kind=kind, schema_version=SCHEMA_VERSION, rows=table.num_rows,
-                        bytes=sum(p.bytes for p in parts), parts=tuple(parts),
-                        uri=fsutil.url_of(fs, stage_dir))
+    manifest = Manifest(
+        kind=kind,
+        schema_version=SCHEMA_VERSION,
+        rows=table.num_rows,
+        bytes=sum(p.bytes for p in parts),
+        parts=tuple(parts),
+        uri=fsutil.url_of(fs, stage_dir),
+    )
     _commit_manifest(fs, stage_dir, manifest)
     return manifest
 
@@ -273,17 +305,20 @@ def require_manifest(fs: fsspec.AbstractFileSystem, stage_dir: str) -> Manifest:
     manifest = read_manifest(fs, stage_dir)
     url = fsutil.url_of(fs, stage_dir)
     if manifest is None:
-        raise NotCommittedError(f"{url} is not committed: no {MANIFEST_NAME} (its stage never finished, "
-                                f"or is being rewritten)")
+        raise NotCommittedError(
+            f"{url} is not committed: no {MANIFEST_NAME} (its stage never finished, or is being rewritten)"
+        )
     if manifest.schema_version != SCHEMA_VERSION:
-        raise SchemaMismatchError(f"{url}: shards have schema version {manifest.schema_version}, this ppoflow "
-                                  f"reads version {SCHEMA_VERSION}")
+        raise SchemaMismatchError(
+            f"{url}: shards have schema version {manifest.schema_version}, this ppoflow reads version {SCHEMA_VERSION}"
+        )
     schema_for(manifest.kind)  # unknown kind -> ValueError naming it
     return manifest
 
 
-def read_part(fs: fsspec.AbstractFileSystem, stage_dir: str, part: PartInfo, kind: str,
-              verify: bool = True) -> pa.Table:
+def read_part(
+    fs: fsspec.AbstractFileSystem, stage_dir: str, part: PartInfo, kind: str, verify: bool = True
+) -> pa.Table:
     """One verified part as a table. Raises ShardCorruptError / SchemaMismatchError naming the part."""
     path = fsutil.join(stage_dir, part.name)
     url = fsutil.url_of(fs, path)
@@ -310,8 +345,9 @@ def read_part(fs: fsspec.AbstractFileSystem, stage_dir: str, part: PartInfo, kin
     return table
 
 
-def read_shards(fs: fsspec.AbstractFileSystem, stage_dir: str, columns: Optional[Sequence[str]] = None,
-                verify: bool = True) -> pa.Table:
+def read_shards(
+    fs: fsspec.AbstractFileSystem, stage_dir: str, columns: Optional[Sequence[str]] = None, verify: bool = True
+) -> pa.Table:
     """The committed table of `stage_dir` (only the listed parts), optionally only some columns.
 
     Raises NotCommittedError (no manifest), ShardCorruptError (a part missing, truncated, hash

@@ -3,6 +3,7 @@
 Token ids are random in [0, vocab); per-token float columns have the response's length, as the real
 stages write them. Deterministic for a given seed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,16 @@ def _ragged(lengths: np.ndarray, values: np.ndarray, value_type: pa.DataType) ->
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, value_type))
 
 
-def synthetic_table(kind: str, num_rows: int, seed: int = 0, prompt_len: int = 64, response_len: int = 128,
-                    vocab: int = 32000, iteration: int = 1, group_size: int = 4) -> pa.Table:
+def synthetic_table(
+    kind: str,
+    num_rows: int,
+    seed: int = 0,
+    prompt_len: int = 64,
+    response_len: int = 128,
+    vocab: int = 32000,
+    iteration: int = 1,
+    group_size: int = 4,
+) -> pa.Table:
     """A `kind` table of `num_rows` samples; lengths vary uniformly in [1, prompt_len] / [1, response_len].
 
     Samples come in groups of `group_size` sharing a prompt (as with rollout.n_samples).

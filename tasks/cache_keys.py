@@ -5,6 +5,7 @@ and resumes at the first stage without one. A changed input or setting changes t
 is never reused. An input hand-off (engines/stages/manifests.py) counts by its `identity()` (a content
 hash), any other parameter by its JSON form.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,16 +28,17 @@ def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict
     identities = {k: v.identity() if isinstance(v, HandOff) else v for k, v in inputs.items()}
     # Not the storage root: results persist under the run's own folder, so a run moved to another root or
     # bucket finds its completed stages again (the root is where the run is, not what it computes).
-    digest = json_hash({"inputs": identities, "config": cfg.section_hash(*STAGE_SECTIONS[stage]),
-                        "seed": cfg.run.seed})
+    digest = json_hash({"inputs": identities, "config": cfg.section_hash(*STAGE_SECTIONS[stage]), "seed": cfg.run.seed})
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
 
 
 def cache_key_fn(stage: str):
     """A Prefect cache_key_fn for a stage task whose parameters are (config, iteration, **input hand-offs)."""
+
     def _key(_context, parameters: dict[str, Any]) -> str:
         inputs = {k: v for k, v in parameters.items() if k not in ("config", "iteration")}
         return stage_cache_key(as_config(parameters["config"]), stage, int(parameters["iteration"]), inputs)
+
     return _key
 
 

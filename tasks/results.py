@@ -2,6 +2,7 @@
 
 The results are the stage manifests (small JSON), so any worker that can read the run's storage finds them.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -4,6 +4,7 @@ Each task declares its cache key (tasks/cache_keys.py) and persists its result, 
 under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
 body validates the config and calls the stage function, looked up on its module at call time.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +15,7 @@ from engines.stages import checkpoint as checkpoint_stage
 from engines.stages import rollout as rollout_stage
 from engines.stages import score as score_stage
 from engines.stages import update as update_stage
-from engines.stages.manifests import (CheckpointManifest, PolicyRef, RolloutManifest, ScoreManifest,
-                                      UpdateManifest)
+from engines.stages.manifests import CheckpointManifest, PolicyRef, RolloutManifest, ScoreManifest, UpdateManifest
 from ppoflow.config import PPOFlowConfig, as_config
 from tasks.cache_keys import cache_key_fn
 
@@ -23,8 +23,14 @@ Config = PPOFlowConfig | dict[str, Any]
 
 
 def _stage_task(stage: str, body):
-    return task(body, name=stage, task_run_name=f"{stage}-iter-{{iteration}}", cache_key_fn=cache_key_fn(stage),
-                persist_result=True, result_serializer="json")
+    return task(
+        body,
+        name=stage,
+        task_run_name=f"{stage}-iter-{{iteration}}",
+        cache_key_fn=cache_key_fn(stage),
+        persist_result=True,
+        result_serializer="json",
+    )
 
 
 def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManifest:
@@ -43,5 +49,9 @@ def _checkpoint(config: Config, iteration: int, update: UpdateManifest) -> Check
     return checkpoint_stage.run_checkpoint(as_config(config), iteration, update)
 
 
-STAGE_TASKS = {"rollout": _stage_task("rollout", _rollout), "score": _stage_task("score", _score),
-               "update": _stage_task("update", _update), "checkpoint": _stage_task("checkpoint", _checkpoint)}
+STAGE_TASKS = {
+    "rollout": _stage_task("rollout", _rollout),
+    "score": _stage_task("score", _score),
+    "update": _stage_task("update", _update),
+    "checkpoint": _stage_task("checkpoint", _checkpoint),
+}

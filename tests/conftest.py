@@ -1,4 +1,5 @@
 """Shared fixtures live in tests/fixtures/, one file per real component (models, S3 server, Prefect server)."""
+
 import atexit
 import os
 import shutil

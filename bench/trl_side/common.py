@@ -11,6 +11,7 @@ with an "event" key is a record; everything else (library logs) is ignored.
     {"event": "final", "iterations": n, "setup_s": s before training, "train_s": s in training,
      "iter_s_mean": float, "reward_last": float, "greedy_reward": float|None, "greedy_exact": float|None}
 """
+
 from __future__ import annotations
 
 import json
@@ -44,13 +45,29 @@ def emit_record(event: str, **fields: Any) -> dict:
     return record
 
 
-def emit_final(trainer: str, seed: int, records: list, setup_s: float, train_s: float,
-               greedy: tuple[Any, Any] = (None, None), **extra: Any) -> dict:
+def emit_final(
+    trainer: str,
+    seed: int,
+    records: list,
+    setup_s: float,
+    train_s: float,
+    greedy: tuple[Any, Any] = (None, None),
+    **extra: Any,
+) -> dict:
     """The closing record every side prints: timings, the last iteration's reward, the greedy evaluation."""
-    return emit_record("final", trainer=trainer, **extra, seed=seed, iterations=len(records), setup_s=setup_s,
-                       train_s=train_s, iter_s_mean=train_s / max(len(records), 1),
-                       reward_last=records[-1]["reward_mean"] if records else None,
-                       greedy_reward=greedy[0], greedy_exact=greedy[1])
+    return emit_record(
+        "final",
+        trainer=trainer,
+        **extra,
+        seed=seed,
+        iterations=len(records),
+        setup_s=setup_s,
+        train_s=train_s,
+        iter_s_mean=train_s / max(len(records), 1),
+        reward_last=records[-1]["reward_mean"] if records else None,
+        greedy_reward=greedy[0],
+        greedy_exact=greedy[1],
+    )
 
 
 def drop_console_callbacks(trainer) -> None:
@@ -116,11 +133,16 @@ def greedy_eval(model, tokenizer, max_new_tokens: int = TARGET_LENGTH) -> tuple[
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            **batch,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     model.train(was_training)
     end_ids = (tokenizer.eos_token_id, tokenizer.pad_token_id)
-    responses = out[:, batch["input_ids"].shape[1]:].tolist()
+    responses = out[:, batch["input_ids"].shape[1] :].tolist()
     rewards = [response_reward(r, label, tokenizer, end_ids) for r, label in zip(responses, rows["label"])]
     return sum(rewards) / len(rewards), sum(1 for r in rewards if r == 1.0) / len(rewards)
 
@@ -138,7 +160,16 @@ def progress_callback(stopwatch: "Stopwatch", records: list, reward_key: str, ex
             if logs and reward_key in logs:
                 wall_s, iter_s = stopwatch.lap()
                 extras = {name: logs.get(key) for name, key in (extra_keys or {}).items()}
-                records.append(emit_record("iteration", iteration=state.global_step, reward_mean=logs[reward_key],
-                                           wall_s=wall_s, iter_s=iter_s, cpu_s=stopwatch.cpu_s(), **extras))
+                records.append(
+                    emit_record(
+                        "iteration",
+                        iteration=state.global_step,
+                        reward_mean=logs[reward_key],
+                        wall_s=wall_s,
+                        iter_s=iter_s,
+                        cpu_s=stopwatch.cpu_s(),
+                        **extras,
+                    )
+                )
 
     return ProgressLines()

@@ -12,6 +12,7 @@ that would tilt the timing are undone: gradient_checkpointing False and bf16 Fal
 The reward is the digits rule on the completion's token ids (bench/trl_side/common.response_reward, the
 same values as engines.toy.task.digit_reward on the decoded text), given the `label` column.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, drop_console_callbacks, emit_final,
-                                   greedy_eval, progress_callback,  # noqa: E402
-                                   make_rows, one_thread, response_reward)
+from bench.trl_side.common import (
+    DATASET_ROWS,
+    DATASET_SEED,
+    Stopwatch,
+    drop_console_callbacks,
+    emit_final,
+    greedy_eval,  # noqa: E402
+    make_rows,
+    one_thread,
+    progress_callback,
+    response_reward,
+)
 
 PROMPTS_PER_ITERATION, SAMPLES_PER_PROMPT, RESPONSE_LENGTH = 8, 8, 8
 
@@ -34,7 +44,7 @@ def digits_reward_func(tokenizer):
 
     def digits(prompts, completions, completion_ids, label, **_):
         """GRPOTrainer reward contract: one float per completion; `label` comes from the dataset column."""
-        return [response_reward(ids, l, tokenizer, end_ids) for ids, l in zip(completion_ids, label)]
+        return [response_reward(ids, lab, tokenizer, end_ids) for ids, lab in zip(completion_ids, label)]
 
     return digits
 
@@ -51,16 +61,40 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
     rows = make_rows(DATASET_ROWS, DATASET_SEED)
     train = Dataset.from_dict({"prompt": rows["prompt"], "label": rows["label"]})
     config = GRPOConfig(
-        output_dir=output_dir, seed=seed, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, bf16=False, gradient_checkpointing=False, use_vllm=False,
-        per_device_train_batch_size=PROMPTS_PER_ITERATION * SAMPLES_PER_PROMPT, num_generations=SAMPLES_PER_PROMPT,
-        steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1, max_steps=iterations,
-        max_completion_length=RESPONSE_LENGTH, temperature=1.0, learning_rate=1e-3, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, beta=0.05, epsilon=0.2,
+        output_dir=output_dir,
+        seed=seed,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_vllm=False,
+        per_device_train_batch_size=PROMPTS_PER_ITERATION * SAMPLES_PER_PROMPT,
+        num_generations=SAMPLES_PER_PROMPT,
+        steps_per_generation=1,
+        num_iterations=1,
+        gradient_accumulation_steps=1,
+        max_steps=iterations,
+        max_completion_length=RESPONSE_LENGTH,
+        temperature=1.0,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        beta=0.05,
+        epsilon=0.2,
     )
-    trainer = GRPOTrainer(model=policy, reward_funcs=digits_reward_func(tokenizer), args=config,
-                          train_dataset=train, processing_class=tokenizer,
-                          callbacks=[progress_callback(stopwatch, records, "reward", None)])
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=digits_reward_func(tokenizer),
+        args=config,
+        train_dataset=train,
+        processing_class=tokenizer,
+        callbacks=[progress_callback(stopwatch, records, "reward", None)],
+    )
     drop_console_callbacks(trainer)
     return trainer, tokenizer, policy
 

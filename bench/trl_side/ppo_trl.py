@@ -28,6 +28,7 @@ those collections skip the long-lived objects (models, tensors, modules): the pe
 box on CPU. --precision bf16 sets PPOConfig(bf16=True) (accelerate's bfloat16 autocast; weights and AdamW
 stay float32) and eager attention: the settings ppoflow's side runs with, for the ratio at equal precision.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,30 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.trl_side.common import (DATASET_ROWS, DATASET_SEED, Stopwatch, drop_console_callbacks, emit_final,
-                                   greedy_eval, progress_callback,  # noqa: E402
-                                   make_rows, one_thread, response_reward)
+from bench.trl_side.common import (
+    DATASET_ROWS,
+    DATASET_SEED,
+    Stopwatch,
+    drop_console_callbacks,
+    emit_final,
+    greedy_eval,  # noqa: E402
+    make_rows,
+    one_thread,
+    progress_callback,
+    response_reward,
+)
 
 PROMPTS_PER_ITERATION = 64
 RESPONSE_LENGTH = 8
 # TRL's logged metrics carried into each iteration record, to see why a run learns or does not
-DIAGNOSTICS = {"kl": "objective/kl", "entropy": "objective/entropy", "clipfrac": "policy/clipfrac_avg",
-               "approxkl": "policy/approxkl_avg", "ratio": "val/ratio", "value_loss": "loss/value_avg"}
+DIAGNOSTICS = {
+    "kl": "objective/kl",
+    "entropy": "objective/entropy",
+    "clipfrac": "policy/clipfrac_avg",
+    "approxkl": "policy/approxkl_avg",
+    "ratio": "val/ratio",
+    "value_loss": "loss/value_avg",
+}
 
 
 def _rule_backbone_class():
@@ -65,7 +81,7 @@ def _rule_backbone_class():
         def __init__(self, tokenizer, prompts: list[str], labels: list[str]) -> None:
             super().__init__()
             self.tokenizer = tokenizer
-            self.label_by_prompt = {tuple(tokenizer(p)["input_ids"]): l for p, l in zip(prompts, labels)}
+            self.label_by_prompt = {tuple(tokenizer(p)["input_ids"]): lab for p, lab in zip(prompts, labels)}
             self.prompt_lengths = sorted({len(k) for k in self.label_by_prompt})
             self.end_ids = (tokenizer.eos_token_id, tokenizer.pad_token_id)
 
@@ -100,8 +116,15 @@ def _rule_backbone_class():
     return DigitsRuleReward
 
 
-def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, stopwatch: Stopwatch, records: list,
-                  precision: str = "fp32"):
+def build_trainer(
+    model_dir: str,
+    seed: int,
+    iterations: int,
+    output_dir: str,
+    stopwatch: Stopwatch,
+    records: list,
+    precision: str = "fp32",
+):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -117,20 +140,50 @@ def build_trainer(model_dir: str, seed: int, iterations: int, output_dir: str, s
     rows = make_rows(DATASET_ROWS, DATASET_SEED)
     train = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in rows["prompt"]]})
     config = PPOConfig(
-        output_dir=output_dir, seed=seed, use_cpu=True, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, num_sample_generations=0,
-        per_device_train_batch_size=PROMPTS_PER_ITERATION, gradient_accumulation_steps=1,
-        local_rollout_forward_batch_size=PROMPTS_PER_ITERATION, num_mini_batches=1, num_ppo_epochs=4,
-        total_episodes=PROMPTS_PER_ITERATION * iterations, learning_rate=1e-3, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, response_length=RESPONSE_LENGTH, temperature=1.0, stop_token="eos",
-        missing_eos_penalty=None, kl_coef=0.05, kl_estimator="k1", gamma=1.0, lam=0.95, whiten_rewards=False,
-        cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, bf16=precision == "bf16",
+        output_dir=output_dir,
+        seed=seed,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        num_sample_generations=0,
+        per_device_train_batch_size=PROMPTS_PER_ITERATION,
+        gradient_accumulation_steps=1,
+        local_rollout_forward_batch_size=PROMPTS_PER_ITERATION,
+        num_mini_batches=1,
+        num_ppo_epochs=4,
+        total_episodes=PROMPTS_PER_ITERATION * iterations,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        response_length=RESPONSE_LENGTH,
+        temperature=1.0,
+        stop_token="eos",
+        missing_eos_penalty=None,
+        kl_coef=0.05,
+        kl_estimator="k1",
+        gamma=1.0,
+        lam=0.95,
+        whiten_rewards=False,
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+        bf16=precision == "bf16",
     )
     reward = _rule_backbone_class()(tokenizer, rows["prompt"], rows["label"])
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=reference,
-                         reward_model=reward, train_dataset=train, value_model=value,
-                         eval_dataset=train.select(range(PROMPTS_PER_ITERATION)),
-                         callbacks=[progress_callback(stopwatch, records, "objective/scores", DIAGNOSTICS)])
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=reference,
+        reward_model=reward,
+        train_dataset=train,
+        value_model=value,
+        eval_dataset=train.select(range(PROMPTS_PER_ITERATION)),
+        callbacks=[progress_callback(stopwatch, records, "objective/scores", DIAGNOSTICS)],
+    )
     drop_console_callbacks(trainer)
     return trainer, tokenizer, policy
 
@@ -148,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     process_start = time.perf_counter()
     stopwatch, records = Stopwatch(), []
     with tempfile.TemporaryDirectory(prefix="ppo_trl_") as output_dir:
-        trainer, tokenizer, policy = build_trainer(a.model, a.seed, a.iterations, output_dir, stopwatch, records,
-                                                   a.precision)
+        trainer, tokenizer, policy = build_trainer(
+            a.model, a.seed, a.iterations, output_dir, stopwatch, records, a.precision
+        )
         if a.gc == "frozen":
             gc.collect()
             gc.freeze()  # what exists now (models, data) is never scanned again by TRL's gc.collect()

@@ -6,21 +6,51 @@ Every function documents its tensor shapes and mask polarity (1 = response token
 The names below are imported lazily (PEP 562 `__getattr__`): importing the torch-free algorithm registry
 (`engines.ppo.algorithms`, read by ppoflow/config.py) must not import torch through this package.
 """
+
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {
-    "engines.ppo.algorithms": ("AGG_MODES", "ALGORITHMS", "ALGO_NAMES", "GROUP_ALGOS", "Algorithm",
-                               "get_algorithm", "resolve_loss_agg"),
-    "engines.ppo.advantages": ("ALGOS", "GROUP_ESTIMATORS", "AdvantageReturns", "compute_advantages",
-                               "discounted_returns", "gae", "group_advantages", "kl_token_rewards", "masked_whiten"),
+    "engines.ppo.algorithms": (
+        "AGG_MODES",
+        "ALGORITHMS",
+        "ALGO_NAMES",
+        "GROUP_ALGOS",
+        "Algorithm",
+        "get_algorithm",
+        "resolve_loss_agg",
+    ),
+    "engines.ppo.advantages": (
+        "ALGOS",
+        "GROUP_ESTIMATORS",
+        "AdvantageReturns",
+        "compute_advantages",
+        "discounted_returns",
+        "gae",
+        "group_advantages",
+        "kl_token_rewards",
+        "masked_whiten",
+    ),
     "engines.ppo.kl": ("KL_ESTIMATORS", "kl_penalty"),
-    "engines.ppo.kl_controller": ("AdaptiveKLController", "FixedKLController", "KLController",
-                                  "kl_controller_from_state", "make_kl_controller"),
+    "engines.ppo.kl_controller": (
+        "AdaptiveKLController",
+        "FixedKLController",
+        "KLController",
+        "kl_controller_from_state",
+        "make_kl_controller",
+    ),
     "engines.ppo.logprobs": ("entropy_from_logits", "selective_log_softmax"),
-    "engines.ppo.losses": ("PolicyLossOutput", "ValueLossOutput", "aggregate", "entropy_loss", "kl_loss",
-                           "policy_loss", "truncated_is_weights", "value_loss"),
+    "engines.ppo.losses": (
+        "PolicyLossOutput",
+        "ValueLossOutput",
+        "aggregate",
+        "entropy_loss",
+        "kl_loss",
+        "policy_loss",
+        "truncated_is_weights",
+        "value_loss",
+    ),
     "engines.ppo.masked": ("masked_mean", "masked_sum", "masked_var"),
     "engines.ppo.rewards": ("clip_scores", "last_response_index", "overlong_penalty", "token_level_rewards"),
     "engines.ppo.reward_norm": ("RunningMoments",),

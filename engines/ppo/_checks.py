@@ -3,6 +3,7 @@
 Broadcasting would otherwise turn a (B,) tensor against a (B, T) tensor into a silent (B, B) or (B, T)
 result, which is the commonest bug in RL math code.
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -22,13 +23,14 @@ def check_same_shape(reference_name: str, reference: Tensor, **others: Tensor) -
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.shape != reference.shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but {reference_name} has "
-                             f"{tuple(reference.shape)}; they must match")
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but {reference_name} has "
+                f"{tuple(reference.shape)}; they must match"
+            )
 
 
 def check_batch_of_rows(name: str, vector: Tensor, rows_name: str, rows: Tensor) -> None:
     """Raise ValueError unless `vector` is (B,) with B = rows.shape[0] (one value per sequence)."""
     check_rank(name, vector, 1, "(B,)")
     if vector.shape[0] != rows.shape[0]:
-        raise ValueError(f"{name} has {vector.shape[0]} rows but {rows_name} has {rows.shape[0]}; "
-                         f"they must match")
+        raise ValueError(f"{name} has {vector.shape[0]} rows but {rows_name} has {rows.shape[0]}; they must match")

@@ -16,6 +16,7 @@ compute_advantages, by algo (A = advantages, R = returns):
     Critic-free algos have no value target: R = A before whitening (the discounted return for
     REINFORCE++); the trainer logs R but trains no critic on it.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -50,8 +51,7 @@ def _zero_padding(x: Tensor, response_mask: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float,
-        lam: float) -> AdvantageReturns:
+def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float) -> AdvantageReturns:
     """Generalised advantage estimation (Schulman et al. 2016) over right-padded responses.
 
     Args:
@@ -134,8 +134,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
 
 
 @torch.no_grad()
-def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator = "grpo",
-                     eps: float = 1e-6) -> Tensor:
+def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator = "grpo", eps: float = 1e-6) -> Tensor:
     """One advantage per response from its group's scores. Shape: scores (B,) -> (B,).
 
     Rows are ordered group by group: rows [k*G, (k+1)*G) are the G samples of prompt k.
@@ -155,8 +154,10 @@ def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator 
     if not (isinstance(group_size, int) and group_size >= 2):
         raise ValueError(f"group_size must be an int >= 2 for {estimator!r}, got {group_size!r}")
     if scores.shape[0] % group_size:
-        raise ValueError(f"scores has {scores.shape[0]} rows, not a multiple of group_size={group_size}; "
-                         f"rows must come in whole groups of samples of the same prompt")
+        raise ValueError(
+            f"scores has {scores.shape[0]} rows, not a multiple of group_size={group_size}; "
+            f"rows must come in whole groups of samples of the same prompt"
+        )
     grouped = scores.float().view(-1, group_size)
     mean = grouped.mean(dim=-1, keepdim=True)
     if estimator == "grpo":
@@ -176,8 +177,9 @@ def _place_at_last_token(per_row: Tensor, response_mask: Tensor) -> Tensor:
     return placed.scatter(-1, last_index[:, None], (per_row.float() * has_response)[:, None])
 
 
-def kl_token_rewards(token_rewards: Tensor, scores: Tensor, response_mask: Tensor,
-                     reward_clip: Optional[float] = None) -> Tensor:
+def kl_token_rewards(
+    token_rewards: Tensor, scores: Tensor, response_mask: Tensor, reward_clip: Optional[float] = None
+) -> Tensor:
     """The KL part of token rewards: token_rewards minus the clipped score at the last response token.
 
     Shapes: token_rewards (B, T), scores (B,), response_mask (B, T) -> (B, T). Exact only when
@@ -188,10 +190,19 @@ def kl_token_rewards(token_rewards: Tensor, scores: Tensor, response_mask: Tenso
 
 
 @torch.no_grad()
-def compute_advantages(algo: str, *, scores: Tensor, token_rewards: Tensor, response_mask: Tensor,
-                       values: Optional[Tensor] = None, group_size: int = 1, gamma: float = 1.0,
-                       lam: float = 1.0, whiten: bool = True,
-                       reward_clip: Optional[float] = None) -> AdvantageReturns:
+def compute_advantages(
+    algo: str,
+    *,
+    scores: Tensor,
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    values: Optional[Tensor] = None,
+    group_size: int = 1,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+    reward_clip: Optional[float] = None,
+) -> AdvantageReturns:
     """Advantages and returns for one rollout batch, by algorithm.
 
     Args:

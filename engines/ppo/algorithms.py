@@ -23,6 +23,7 @@ Loss aggregation (engines/ppo/losses.aggregate) and which paper uses which:
   al. 2025), the constant being the generation budget (`algo.loss_agg_norm`, default rollout.max_new_tokens).
   It is dr_grpo's default here: the group estimator without the std is only half of Dr. GRPO (issue 21).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,15 +51,24 @@ class Algorithm:
     paper: str
 
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("ppo", "gae", True, False, "token_mean", "Schulman et al. 2017; Ouyang et al. 2022"),
-    Algorithm("grpo", "group", False, True, "token_mean", "Shao et al. 2024 (DeepSeekMath)"),
-    Algorithm("dr_grpo", "group", False, True, "seq_mean_token_sum_norm", "Liu et al. 2025 (Dr. GRPO)"),
-    Algorithm("rloo", "group", False, True, "token_mean", "Ahmadian et al. 2024 (RLOO)"),
-    Algorithm("reinforce_pp", "reinforce", False, False, "token_mean", "Hu 2025 (REINFORCE++)"),
-    Algorithm("reinforce_pp_baseline", "reinforce_group_baseline", False, True, "token_mean",
-              "Hu 2025 (REINFORCE++ with a group baseline)"),
-)}
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("ppo", "gae", True, False, "token_mean", "Schulman et al. 2017; Ouyang et al. 2022"),
+        Algorithm("grpo", "group", False, True, "token_mean", "Shao et al. 2024 (DeepSeekMath)"),
+        Algorithm("dr_grpo", "group", False, True, "seq_mean_token_sum_norm", "Liu et al. 2025 (Dr. GRPO)"),
+        Algorithm("rloo", "group", False, True, "token_mean", "Ahmadian et al. 2024 (RLOO)"),
+        Algorithm("reinforce_pp", "reinforce", False, False, "token_mean", "Hu 2025 (REINFORCE++)"),
+        Algorithm(
+            "reinforce_pp_baseline",
+            "reinforce_group_baseline",
+            False,
+            True,
+            "token_mean",
+            "Hu 2025 (REINFORCE++ with a group baseline)",
+        ),
+    )
+}
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
 GROUP_ALGOS: tuple[str, ...] = tuple(a.name for a in ALGORITHMS.values() if a.needs_groups)
 

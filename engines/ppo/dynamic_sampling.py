@@ -15,6 +15,7 @@ worker ran a round, so a retried or resumed iteration draws exactly the same ext
 
 Not wired into the stages yet (the caller: the rollout/score stages, issue 21).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,9 @@ def has_reward_variance(rewards: Sequence[float], tol: float = 0.0) -> bool:
     return max(rewards) - min(rewards) > tol
 
 
-def extra_prompt_rows(num_rows: int, seed: int, iteration: int, round_index: int, count: int,
-                      exclude: Collection[int] = ()) -> list[int]:
+def extra_prompt_rows(
+    num_rows: int, seed: int, iteration: int, round_index: int, count: int, exclude: Collection[int] = ()
+) -> list[int]:
     """`count` dataset rows for round `round_index` >= 1 of `iteration`, none of them in `exclude` (the rows
     the iteration has drawn already), in a fixed order of (seed, iteration, round_index).
 
@@ -55,8 +57,10 @@ def extra_prompt_rows(num_rows: int, seed: int, iteration: int, round_index: int
     Raises ValueError for num_rows < 1, iteration < 0, round_index < 1 or count < 0.
     """
     if num_rows < 1 or iteration < 0 or round_index < 1 or count < 0:
-        raise ValueError(f"extra_prompt_rows: need num_rows >= 1, iteration >= 0, round_index >= 1, count >= 0; "
-                         f"got {num_rows}, {iteration}, {round_index}, {count}")
+        raise ValueError(
+            f"extra_prompt_rows: need num_rows >= 1, iteration >= 0, round_index >= 1, count >= 0; "
+            f"got {num_rows}, {iteration}, {round_index}, {count}"
+        )
     excluded = set(exclude)
     candidates = [row for row in range(num_rows) if row not in excluded]
     random.Random(f"ppoflow-dynamic-sampling-{seed}-{iteration}-{round_index}").shuffle(candidates)
@@ -71,8 +75,9 @@ def prompts_to_draw(target_groups: int, kept_groups: int, sampled_groups: int, m
     kept_groups > sampled_groups.
     """
     if min(target_groups, kept_groups, sampled_groups) < 0 or kept_groups > sampled_groups:
-        raise ValueError(f"prompts_to_draw: bad counts target={target_groups} kept={kept_groups} "
-                         f"sampled={sampled_groups}")
+        raise ValueError(
+            f"prompts_to_draw: bad counts target={target_groups} kept={kept_groups} sampled={sampled_groups}"
+        )
     shortfall = target_groups - kept_groups
     if shortfall <= 0:
         return 0
@@ -89,8 +94,9 @@ class GroupSelection:
     metrics: dict[str, float]
 
 
-def select_groups(groups: Sequence[SampledGroup], target_groups: int, groups_per_step: int,
-                  enabled: bool = True) -> GroupSelection:
+def select_groups(
+    groups: Sequence[SampledGroup], target_groups: int, groups_per_step: int, enabled: bool = True
+) -> GroupSelection:
     """The groups an update trains on.
 
     enabled: the first `target_groups` groups with reward variance, in draw order (round, then order within
@@ -109,19 +115,23 @@ def select_groups(groups: Sequence[SampledGroup], target_groups: int, groups_per
     Raises ValueError for target_groups < 1, groups_per_step < 1, or target_groups not a multiple of it.
     """
     if target_groups < 1 or groups_per_step < 1 or target_groups % groups_per_step:
-        raise ValueError(f"select_groups: target_groups={target_groups} must be a positive multiple of "
-                         f"groups_per_step={groups_per_step}")
+        raise ValueError(
+            f"select_groups: target_groups={target_groups} must be a positive multiple of "
+            f"groups_per_step={groups_per_step}"
+        )
     ordered = sorted(groups, key=lambda g: g.round)  # stable: keeps the order within a round
     varied = [has_reward_variance(g.rewards) for g in ordered]
     if enabled:
         kept = [g for g, v in zip(ordered, varied, strict=True) if v][:target_groups]
         if len(kept) < target_groups:
-            kept = kept[:len(kept) - len(kept) % groups_per_step]
+            kept = kept[: len(kept) - len(kept) % groups_per_step]
     else:
         kept = [g for g in ordered if g.round == 0]
-    metrics = {"dynamic_sampling/rounds": float(1 + max((g.round for g in ordered), default=0)),
-               "dynamic_sampling/groups_sampled": float(len(ordered)),
-               "dynamic_sampling/batch_full": float(len(kept) == target_groups)}
+    metrics = {
+        "dynamic_sampling/rounds": float(1 + max((g.round for g in ordered), default=0)),
+        "dynamic_sampling/groups_sampled": float(len(ordered)),
+        "dynamic_sampling/batch_full": float(len(kept) == target_groups),
+    }
     if ordered:
         metrics["dynamic_sampling/zero_variance_sampled_fraction"] = varied.count(False) / len(ordered)
     if kept:

@@ -9,6 +9,7 @@ Notation (Schulman, "Approximating KL divergence", 2020): for a sampled token y,
 Padding positions are computed like the others; the caller masks them (response mask, 1 = response
 token) -- token_level_rewards and aggregate both do.
 """
+
 from __future__ import annotations
 
 from typing import Literal, Optional
@@ -22,8 +23,9 @@ KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1",
-               clamp: Optional[float] = 10.0) -> Tensor:
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1", clamp: Optional[float] = 10.0
+) -> Tensor:
     """Per-token KL estimate between the policy and the reference.
 
     Args:

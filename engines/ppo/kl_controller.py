@@ -13,6 +13,7 @@ Adaptive: Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferenc
 state_dict() is a plain JSON-able dict; load_state_dict() checks its kind and raises ValueError naming
 the mismatch.
 """
+
 from __future__ import annotations
 
 import math
@@ -104,8 +105,10 @@ def make_kl_controller(algo_cfg) -> KLController:
 
 def kl_controller_from_state(state: dict[str, Any]) -> KLController:
     """Rebuild a controller of the right kind from state_dict() output (e.g. read from a checkpoint)."""
-    kinds = {FixedKLController.kind: lambda: FixedKLController(0.0),
-             AdaptiveKLController.kind: lambda: AdaptiveKLController(0.0, 1.0, 1.0)}
+    kinds = {
+        FixedKLController.kind: lambda: FixedKLController(0.0),
+        AdaptiveKLController.kind: lambda: AdaptiveKLController(0.0, 1.0, 1.0),
+    }
     kind = state.get("kind") if isinstance(state, dict) else None
     if kind not in kinds:
         raise ValueError(f"KL controller state has kind {kind!r}; expected one of {sorted(kinds)}")

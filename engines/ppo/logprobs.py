@@ -20,6 +20,7 @@ the softmax, so these log-probs match the sampler's `rollout_logprobs`.
 bf16/fp16 logits are upcast one chunk at a time; results are float32 (float64 for float64 logits).
 Double backward is not supported (PPO never needs it).
 """
+
 from __future__ import annotations
 
 import math
@@ -75,8 +76,9 @@ def _grad_destination(logits: Tensor, inplace: bool):
     return grad_logits, lambda start, end, block: flat[start:end]
 
 
-def _softmax_grad_into(out: Tensor, logits_block: Tensor, logsumexp: Tensor, token_ids: Tensor,
-                       upstream: Tensor, tau: float) -> None:
+def _softmax_grad_into(
+    out: Tensor, logits_block: Tensor, logsumexp: Tensor, token_ids: Tensor, upstream: Tensor, tau: float
+) -> None:
     """out <- (1[v == y] - softmax(logits_block / tau)[v]) * upstream / tau. Shapes (n, V), (n, 1).
 
     `out` may be `logits_block` itself (in-place backward). fp32/fp64 work directly in `out` with no
@@ -91,8 +93,8 @@ def _softmax_grad_into(out: Tensor, logits_block: Tensor, logsumexp: Tensor, tok
         work = logits_block.to(logsumexp.dtype, copy=True)
     if tau != 1.0:
         work.div_(tau)
-    work.sub_(logsumexp).exp_().mul_(-upstream)        # -p * g
-    work.scatter_add_(-1, token_ids, upstream)         # + 1[v == y] * g
+    work.sub_(logsumexp).exp_().mul_(-upstream)  # -p * g
+    work.scatter_add_(-1, token_ids, upstream)  # + 1[v == y] * g
     if tau != 1.0:
         work.div_(tau)
     if work is not out:
@@ -103,8 +105,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     """d log p(y) / d logits[v] = (1[v == y] - p(v)) / tau, recomputed per block in backward."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, token_ids: Tensor, temperature: float, chunk_size: int,
-                inplace_backward: bool) -> Tensor:
+    def forward(
+        ctx, logits: Tensor, token_ids: Tensor, temperature: float, chunk_size: int, inplace_backward: bool
+    ) -> Tensor:
         dtype = _compute_dtype(logits)
         flat_ids = token_ids.reshape(-1, 1)
         logprobs = torch.empty(flat_ids.shape[0], dtype=dtype, device=logits.device)
@@ -137,8 +140,14 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad_logits, destination = _grad_destination(logits, ctx.inplace_backward)
         upstream = grad_logprobs.reshape(-1, 1).to(logsumexp.dtype)
         for start, end, block in _row_blocks(logits, ctx.chunk_size):
-            _softmax_grad_into(destination(start, end, block), block, logsumexp[start:end, None],
-                               flat_ids[start:end], upstream[start:end], ctx.temperature)
+            _softmax_grad_into(
+                destination(start, end, block),
+                block,
+                logsumexp[start:end, None],
+                flat_ids[start:end],
+                upstream[start:end],
+                ctx.temperature,
+            )
         return grad_logits, None, None, None, None
 
 
@@ -191,8 +200,9 @@ def _check_common(logits: Tensor, temperature: float, chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
 
-def selective_log_softmax(logits: Tensor, token_ids: Tensor, temperature: float = 1.0,
-                          chunk_size: int = 128, inplace_backward: bool = False) -> Tensor:
+def selective_log_softmax(
+    logits: Tensor, token_ids: Tensor, temperature: float = 1.0, chunk_size: int = 128, inplace_backward: bool = False
+) -> Tensor:
     """Log-probability of each chosen token, log softmax(logits / temperature)[token], chunked.
 
     Args:
@@ -221,8 +231,10 @@ def selective_log_softmax(logits: Tensor, token_ids: Tensor, temperature: float 
     _check_common(logits, temperature, chunk_size)
     check_rank("token_ids", token_ids, 2, "(B, T)")
     if token_ids.shape != logits.shape[:2]:
-        raise ValueError(f"token_ids has shape {tuple(token_ids.shape)} but logits has "
-                         f"{tuple(logits.shape)}; token_ids must be logits.shape[:2]")
+        raise ValueError(
+            f"token_ids has shape {tuple(token_ids.shape)} but logits has "
+            f"{tuple(logits.shape)}; token_ids must be logits.shape[:2]"
+        )
     if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
         raise TypeError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
     vocab = logits.shape[-1]
@@ -230,10 +242,10 @@ def selective_log_softmax(logits: Tensor, token_ids: Tensor, temperature: float 
         bad = (token_ids < 0) | (token_ids >= vocab)
         if bool(bad.any()):
             b, t = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"token_ids[{b}, {t}] = {int(token_ids[b, t])} is outside the vocabulary "
-                             f"[0, {vocab}) of logits")
-    return _SelectiveLogSoftmax.apply(logits, token_ids.long(), float(temperature), chunk_size,
-                                      bool(inplace_backward))
+            raise ValueError(
+                f"token_ids[{b}, {t}] = {int(token_ids[b, t])} is outside the vocabulary [0, {vocab}) of logits"
+            )
+    return _SelectiveLogSoftmax.apply(logits, token_ids.long(), float(temperature), chunk_size, bool(inplace_backward))
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int = 128) -> Tensor:

@@ -14,6 +14,7 @@ The total actor loss a trainer minimises is typically
     policy_loss(...).loss + entropy_coef * entropy_loss(entropy, m) + kl_coef * kl_loss(...)
 with entropy from logprobs.entropy_from_logits and the KL term only when the KL is not in the reward.
 """
+
 from __future__ import annotations
 
 from typing import Literal, NamedTuple, Optional
@@ -78,12 +79,14 @@ def step_norm(step_mask: Tensor, max_len: float) -> StepNorm:
     """
     check_rank("step_mask", step_mask, 2, "(B, T)")
     counted = step_mask != 0
-    return StepNorm(float(counted.sum().clamp(min=1)), float(counted.any(dim=-1).sum().clamp(min=1)),
-                    _positive("max_len", max_len))
+    return StepNorm(
+        float(counted.sum().clamp(min=1)), float(counted.any(dim=-1).sum().clamp(min=1)), _positive("max_len", max_len)
+    )
 
 
-def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor,
-                         cap: float) -> tuple[Tensor, Tensor, Tensor]:
+def truncated_is_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, cap: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """Truncated importance sampling (TIS) weights for the sampler/trainer log-prob mismatch.
 
     Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training": the tokens
@@ -118,8 +121,14 @@ def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, respons
         return weights, masked_mean(weights, response_mask), masked_mean((raw > cap).float(), response_mask)
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: AggMode = "token_mean", num_tokens: Optional[float] = None,
-              num_seqs: Optional[float] = None, max_len: Optional[int] = None) -> Tensor:
+def aggregate(
+    loss: Tensor,
+    mask: Tensor,
+    mode: AggMode = "token_mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    max_len: Optional[int] = None,
+) -> Tensor:
     """Reduce a per-token loss to a scalar.
 
     Args:
@@ -156,11 +165,20 @@ def aggregate(loss: Tensor, mask: Tensor, mode: AggMode = "token_mean", num_toke
     return masked_sum(loss, mask) / (max(seqs, 1) * max(length, 1))  # seq_mean_token_sum_norm
 
 
-def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor,
-                clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None,
-                agg_mode: AggMode = "token_mean", num_tokens: Optional[float] = None,
-                num_seqs: Optional[float] = None, max_len: Optional[int] = None,
-                token_weights: Optional[Tensor] = None) -> PolicyLossOutput:
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    agg_mode: AggMode = "token_mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    max_len: Optional[int] = None,
+    token_weights: Optional[Tensor] = None,
+) -> PolicyLossOutput:
     """PPO's clipped surrogate, per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
 
     Args:
@@ -186,8 +204,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
         ValueError for shape mismatch, clip_low outside [0, 1), clip_high < 0, dual_clip <= 1.
     """
     check_rank("logprobs", logprobs, 2, "(B, T)")
-    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages,
-                     response_mask=response_mask)
+    check_same_shape(
+        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
+    )
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
     if not clip_high >= 0.0:
@@ -213,10 +232,17 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean)
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
-               value_clip: Optional[float] = 0.5, agg_mode: AggMode = "token_mean",
-               num_tokens: Optional[float] = None, num_seqs: Optional[float] = None,
-               max_len: Optional[int] = None) -> ValueLossOutput:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    value_clip: Optional[float] = 0.5,
+    agg_mode: AggMode = "token_mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    max_len: Optional[int] = None,
+) -> ValueLossOutput:
     """Clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, +-c).
 
     Args:
@@ -250,9 +276,14 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     return ValueLossOutput(loss, clipfrac)
 
 
-def entropy_loss(entropy: Tensor, response_mask: Tensor, agg_mode: AggMode = "token_mean",
-                 num_tokens: Optional[float] = None, num_seqs: Optional[float] = None,
-                 max_len: Optional[int] = None) -> Tensor:
+def entropy_loss(
+    entropy: Tensor,
+    response_mask: Tensor,
+    agg_mode: AggMode = "token_mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    max_len: Optional[int] = None,
+) -> Tensor:
     """-aggregate(entropy): adding entropy_coef * this to the loss rewards exploration (coef > 0).
 
     Shapes: entropy (B, T) from logprobs.entropy_from_logits, response_mask (B, T) 1 = response token.
@@ -261,15 +292,23 @@ def entropy_loss(entropy: Tensor, response_mask: Tensor, agg_mode: AggMode = "to
     return -aggregate(entropy, response_mask, agg_mode, num_tokens, num_seqs, max_len)
 
 
-def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor, estimator: KLEstimator = "k3",
-            clamp: Optional[float] = 10.0, agg_mode: AggMode = "token_mean",
-            num_tokens: Optional[float] = None, num_seqs: Optional[float] = None,
-            max_len: Optional[int] = None) -> Tensor:
+def kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    estimator: KLEstimator = "k3",
+    clamp: Optional[float] = 10.0,
+    agg_mode: AggMode = "token_mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    max_len: Optional[int] = None,
+) -> Tensor:
     """The KL to the reference as a loss term (GRPO style, when the KL is not in the reward).
 
     Shapes: logprobs (B, T) with grad, ref_logprobs (B, T), response_mask (B, T) 1 = response token.
     Returns aggregate(kl_penalty(logprobs, ref_logprobs, estimator, clamp)); multiply by kl_coef.
     k3 is the usual choice here (unbiased and >= 0, so its gradient never pushes KL negative).
     """
-    return aggregate(kl_penalty(logprobs, ref_logprobs, estimator, clamp), response_mask, agg_mode,
-                     num_tokens, num_seqs, max_len)
+    return aggregate(
+        kl_penalty(logprobs, ref_logprobs, estimator, clamp), response_mask, agg_mode, num_tokens, num_seqs, max_len
+    )

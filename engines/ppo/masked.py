@@ -3,6 +3,7 @@
 Masked-out positions are selected away with where(), never multiplied by 0, so NaN/inf garbage at
 padding (a critic's value at a pad token, a -inf log-prob) cannot leak into a result.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -12,6 +12,7 @@ run normalises exactly like an uninterrupted one. OpenRLHF and trlx keep the sam
 The batch is merged BEFORE it is normalised: the first batch is normalised by its own moments rather than
 by an empty history.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ Order (a choice; the papers do not combine them): the running statistics describ
 output alone, not a mix with the length penalty, and the penalty keeps the size the user configured
 (`reward.overlong.penalty`) whatever the scale of the source rewards.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,9 +18,13 @@ from engines.ppo.reward_norm import RunningMoments
 from engines.ppo.rewards import overlong_penalty
 
 
-def shape_scores(scores: Tensor, response_mask: Tensor, normalizer: Optional[RunningMoments] = None,
-                 overlong: Optional[tuple[int, float]] = None,
-                 max_new_tokens: Optional[int] = None) -> tuple[Tensor, dict[str, float]]:
+def shape_scores(
+    scores: Tensor,
+    response_mask: Tensor,
+    normalizer: Optional[RunningMoments] = None,
+    overlong: Optional[tuple[int, float]] = None,
+    max_new_tokens: Optional[int] = None,
+) -> tuple[Tensor, dict[str, float]]:
     """Shaped scores (B,) and their metrics.
 
     Args:

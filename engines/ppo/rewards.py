@@ -10,6 +10,7 @@ where last_b is the last index with m == 1 in row b (OpenRLHF's `compute_reward`
 shaping): the environment reward arrives when the response ends, the KL penalty keeps every token near
 the reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -48,8 +49,9 @@ def last_response_index(response_mask: Tensor) -> tuple[Tensor, Tensor]:
     return last_index, present.any(dim=-1)
 
 
-def token_level_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, kl_coef: float,
-                        reward_clip: Optional[float] = None) -> Tensor:
+def token_level_rewards(
+    scores: Tensor, kl: Tensor, response_mask: Tensor, kl_coef: float, reward_clip: Optional[float] = None
+) -> Tensor:
     """Per-token rewards for PPO / REINFORCE++: -kl_coef * kl everywhere, clipped score at the end.
 
     Args:

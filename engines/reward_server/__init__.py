@@ -1,9 +1,10 @@
 """The reward server shipped with ppoflow (`ppoflow serve-reward`): FastAPI around a reward source.
 
-    build_app(source, token, ...)  -> FastAPI          (engines/reward_server/app.py)
-    serve(source, host, port, token, max_batch_size, max_wait_ms, max_request_items)   (blocks)
-    serve_in_thread(app)           -> context manager yielding the base URL (tests, benchmarks)
+build_app(source, token, ...)  -> FastAPI          (engines/reward_server/app.py)
+serve(source, host, port, token, max_batch_size, max_wait_ms, max_request_items)   (blocks)
+serve_in_thread(app)           -> context manager yielding the base URL (tests, benchmarks)
 """
+
 from engines.reward_server.app import build_app
 from engines.reward_server.runner import serve, serve_in_thread
 

@@ -17,6 +17,7 @@ stops the server.
 /health needs no token so that probes work; it reports the source's identity so that a client's score
 cache notices when the model behind a URL changes.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -45,7 +46,7 @@ class ScoreRequest(BaseModel):
 def _split_response(query: str, prompt: str) -> str:
     """The response part of a query: what follows the prompt, or the whole query when the prompt is absent."""
     at = query.find(prompt) if prompt else -1
-    return query[at + len(prompt):] if at >= 0 else query
+    return query[at + len(prompt) :] if at >= 0 else query
 
 
 def to_served_batch(req: ScoreRequest, request_id: int) -> ServedBatch:
@@ -59,7 +60,8 @@ def to_served_batch(req: ScoreRequest, request_id: int) -> ServedBatch:
     return ServedBatch(
         prompts=list(prompts),
         responses=[_split_response(q, p) for q, p in zip(req.query, prompts)],
-        prompt_ids=[[] for _ in range(n)], response_ids=[[] for _ in range(n)],
+        prompt_ids=[[] for _ in range(n)],
+        response_ids=[[] for _ in range(n)],
         labels=list(req.labels) if req.labels is not None else [None] * n,
         data_sources=[None] * n,
         sample_ids=[f"request {request_id} item {i}" for i in range(n)],
@@ -101,19 +103,30 @@ def _parse_request(body: bytes, max_request_items: int) -> ScoreRequest:
         req = ScoreRequest.model_validate(data)
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}" for e in err.errors()[:5])
-        raise HTTPException(422, f"expected {{'query': [str], 'prompts': [str], 'labels': [...]}}: {problems}") from None
+        raise HTTPException(
+            422, f"expected {{'query': [str], 'prompts': [str], 'labels': [...]}}: {problems}"
+        ) from None
     if len(req.query) > max_request_items:
         raise HTTPException(413, f"{len(req.query)} queries in one request; the limit is {max_request_items}")
     return req
 
 
-def build_app(source: RewardSource, token: str, *, max_batch_size: int = 64, max_wait_ms: float = 10.0,
-              max_request_items: int = 1024, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(
+    source: RewardSource,
+    token: str,
+    *,
+    max_batch_size: int = 64,
+    max_wait_ms: float = 10.0,
+    max_request_items: int = 1024,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The FastAPI app serving `source`. Raises ValueError for an empty token or non-positive limits."""
     if not token:
         raise ValueError("the reward server needs a non-empty bearer token")
     if max_request_items < 1 or max_body_bytes < 1:
-        raise ValueError(f"max_request_items and max_body_bytes must be >= 1, got {max_request_items}, {max_body_bytes}")
+        raise ValueError(
+            f"max_request_items and max_body_bytes must be >= 1, got {max_request_items}, {max_body_bytes}"
+        )
     batcher = RequestBatcher(source, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
     counters = {"next_request_id": 0, "rejected": 0}
 
@@ -149,8 +162,13 @@ def build_app(source: RewardSource, token: str, *, max_batch_size: int = 64, max
     @app.get("/stats", dependencies=[authorized])
     async def stats() -> dict:
         s = batcher.stats
-        return {"requests": s.requests, "items": s.items, "model_batches": s.model_batches,
-                "failed_batches": s.failed_batches, "rejected": counters["rejected"]}
+        return {
+            "requests": s.requests,
+            "items": s.items,
+            "model_batches": s.model_batches,
+            "failed_batches": s.failed_batches,
+            "rejected": counters["rejected"],
+        }
 
     @app.get("/health")
     async def health() -> dict:

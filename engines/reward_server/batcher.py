@@ -9,6 +9,7 @@ A request is never split: one larger than `max_batch_size` is scored alone (the 
 own forward passes). When a merged batch fails, each of its requests is scored again on its own, so a
 request that makes the source fail gets the error and the others still get their scores.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,17 +36,25 @@ def merge_batches(batches: list[ServedBatch]) -> ServedBatch:
     """Concatenate the batches' rows in order."""
     merged = ServedBatch([], [], [], [], [], [], [], [])
     for b in batches:
-        for name in ("prompts", "responses", "prompt_ids", "response_ids", "labels", "data_sources",
-                     "sample_ids", "query_texts"):
+        for name in (
+            "prompts",
+            "responses",
+            "prompt_ids",
+            "response_ids",
+            "labels",
+            "data_sources",
+            "sample_ids",
+            "query_texts",
+        ):
             getattr(merged, name).extend(getattr(b, name))
     return merged
 
 
 @dataclass
 class BatcherStats:
-    requests: int = 0        # requests answered with scores or an error
-    items: int = 0           # rows scored successfully
-    model_batches: int = 0   # calls to source.score()
+    requests: int = 0  # requests answered with scores or an error
+    items: int = 0  # rows scored successfully
+    model_batches: int = 0  # calls to source.score()
     failed_batches: int = 0  # calls to source.score() that raised or returned a bad answer
 
 
@@ -106,7 +115,9 @@ class RequestBatcher:
         while size < self.max_batch_size:
             remaining = deadline - asyncio.get_running_loop().time()
             try:
-                nxt = self._queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(self._queue.get(), remaining)
+                nxt = (
+                    self._queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(self._queue.get(), remaining)
+                )
             except (asyncio.QueueEmpty, asyncio.TimeoutError):
                 break
             if size + len(nxt.batch) > self.max_batch_size:
@@ -162,8 +173,9 @@ class RequestBatcher:
             self._answer(pending, scores=scores[start:end])
             start = end
 
-    def _answer(self, pending: _Pending, scores: Optional[list[float]] = None,
-                error: Optional[BaseException] = None) -> None:
+    def _answer(
+        self, pending: _Pending, scores: Optional[list[float]] = None, error: Optional[BaseException] = None
+    ) -> None:
         self.stats.requests += 1
         if pending.future.done():
             return

@@ -3,6 +3,7 @@
 Loopback (127.0.0.1) is the default host: a reward server hands out scores that steer training, and a
 bearer token is the only guard, so exposing it on other interfaces must be a deliberate choice.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -28,18 +29,28 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def serve(source: RewardSource, host: str = "127.0.0.1", port: int = 8000, token: str = "",
-          max_batch_size: int = 64, max_wait_ms: float = 10.0, max_request_items: int = 1024) -> None:
+def serve(
+    source: RewardSource,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    token: str = "",
+    max_batch_size: int = 64,
+    max_wait_ms: float = 10.0,
+    max_request_items: int = 1024,
+) -> None:
     """Serve `source` with uvicorn until interrupted. Raises ValueError for an empty token."""
     import uvicorn
 
-    app = build_app(source, token, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                    max_request_items=max_request_items)
+    app = build_app(
+        source, token, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_request_items=max_request_items
+    )
     if not _is_loopback(host):
-        log.warning("reward server listening on %s, not loopback: anyone who can reach it and holds the "
-                    "token can score", host)
-    log.info("reward server for %r (identity %s) on http://%s:%d", source.name,
-             getattr(source, "identity", "?"), host, port)
+        log.warning(
+            "reward server listening on %s, not loopback: anyone who can reach it and holds the token can score", host
+        )
+    log.info(
+        "reward server for %r (identity %s) on http://%s:%d", source.name, getattr(source, "identity", "?"), host, port
+    )
     uvicorn.run(app, host=host, port=port, log_level="info")
 
 
@@ -58,8 +69,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", start_timeout_s: floa
     sock.bind((host, 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name=f"reward-server-{port}")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"reward-server-{port}")
     thread.start()
     try:
         deadline = time.monotonic() + start_timeout_s

@@ -1,8 +1,9 @@
 """The reward-source interface. A source scores a batch of (prompt, response) pairs to one float each."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 
 @dataclass

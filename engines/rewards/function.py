@@ -17,6 +17,7 @@ A function is named by a spec: `path/to/file.py:fn` (a file, imported under a pr
 A wrong number of rewards, a non-finite reward, an exception or a timeout is a RewardError naming the
 source and the sample, never a silent zero.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,7 @@ import importlib.util
 import inspect
 import math
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional
 
 from engines.rewards.base import RewardBatch, RewardError
 from engines.rewards.isolated import FunctionRaised, ProcessCaller, WorkerFailed, WorkerTimeout
@@ -75,14 +76,16 @@ def _import_file(file: str, spec: str):
 
 
 def detect_contract(fn: Callable, spec: str) -> Contract:
-    """"openrlhf" when the first parameter is `queries`, "verl" when `solution_str` is a parameter."""
+    """ "openrlhf" when the first parameter is `queries`, "verl" when `solution_str` is a parameter."""
     params = list(inspect.signature(fn).parameters)
     if params and params[0] == "queries":
         return "openrlhf"
     if "solution_str" in params:
         return "verl"
-    raise TypeError(f"reward function {spec!r} has parameters {params}: expected OpenRLHF's "
-                    f"(queries, prompts, labels, **kwargs) or veRL's (data_source, solution_str, ground_truth, extra_info)")
+    raise TypeError(
+        f"reward function {spec!r} has parameters {params}: expected OpenRLHF's "
+        f"(queries, prompts, labels, **kwargs) or veRL's (data_source, solution_str, ground_truth, extra_info)"
+    )
 
 
 def function_identity(spec: str, fn: Callable) -> str:
@@ -104,11 +107,18 @@ class FunctionRewardSource:
 
     reward_inputs = ("label", "data_source")  # both contracts pass them to the function
 
-    def __init__(self, spec: str, timeout_s: float = 60.0, batch_size: int = 64, name: Optional[str] = None,
-                 isolation: Literal["thread", "process"] = "thread"):
+    def __init__(
+        self,
+        spec: str,
+        timeout_s: float = 60.0,
+        batch_size: int = 64,
+        name: Optional[str] = None,
+        isolation: Literal["thread", "process"] = "thread",
+    ):
         if batch_size < 1 or not timeout_s > 0:
-            raise ValueError(f"reward function {spec!r}: batch_size must be >= 1 and timeout_s > 0 "
-                             f"(got {batch_size}, {timeout_s})")
+            raise ValueError(
+                f"reward function {spec!r}: batch_size must be >= 1 and timeout_s > 0 (got {batch_size}, {timeout_s})"
+            )
         if isolation not in ("thread", "process"):
             raise ValueError(f"reward function {spec!r}: isolation must be 'thread' or 'process', got {isolation!r}")
         self.spec = spec
@@ -149,30 +159,40 @@ class FunctionRewardSource:
         try:
             return self._thread.call(self.timeout_s, *args, **kwargs)
         except CallTimedOut:
-            raise RewardError(f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s "
-                              f"on {what} (the call was abandoned and may still run in a thread: "
-                              f"isolation: process kills it instead)") from None
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s "
+                f"on {what} (the call was abandoned and may still run in a thread: "
+                f"isolation: process kills it instead)"
+            ) from None
         except Exception as e:
-            raise RewardError(f"reward source {self.name!r} ({self.spec}) raised {type(e).__name__}: {e} "
-                              f"on {what}") from e
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) raised {type(e).__name__}: {e} on {what}"
+            ) from e
 
     def _call_in_process(self, what: str, *args, **kwargs) -> Any:
         try:
             return self._process.call(self.timeout_s, *args, **kwargs)
         except WorkerTimeout as e:
-            raise RewardError(f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s "
-                              f"on {what} ({e})") from None
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) timed out after {self.timeout_s} s on {what} ({e})"
+            ) from None
         except FunctionRaised as e:
-            raise RewardError(f"reward source {self.name!r} ({self.spec}) raised {e.type_name}: {e.message} "
-                              f"on {what}") from None
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) raised {e.type_name}: {e.message} on {what}"
+            ) from None
         except WorkerFailed as e:
             raise RewardError(f"reward source {self.name!r} ({self.spec}): {e} on {what}") from None
 
     def _score_openrlhf(self, batch: RewardBatch, start: int, stop: int) -> list[float]:
         what = f"{self._sample_name(batch, start)} .. {self._sample_name(batch, stop - 1)}"
         labels = list(batch.labels[start:stop]) if batch.labels else [None] * (stop - start)
-        result = self._call(what, batch.queries[start:stop], batch.prompts[start:stop], labels,
-                            data_sources=batch.data_sources[start:stop] if batch.data_sources else None)
+        result = self._call(
+            what,
+            batch.queries[start:stop],
+            batch.prompts[start:stop],
+            labels,
+            data_sources=batch.data_sources[start:stop] if batch.data_sources else None,
+        )
         values = result.get("rewards") if isinstance(result, dict) else result
         if values is None:
             raise RewardError(f"reward source {self.name!r} ({self.spec}) returned a dict without 'rewards' on {what}")
@@ -180,8 +200,9 @@ class FunctionRewardSource:
             values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != stop - start:
             got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise RewardError(f"reward source {self.name!r} ({self.spec}) returned {got} rewards for "
-                              f"{stop - start} samples on {what}")
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) returned {got} rewards for {stop - start} samples on {what}"
+            )
         return [self._finite(v, batch, start + k) for k, v in enumerate(values)]
 
     def _score_verl(self, batch: RewardBatch, i: int) -> float:
@@ -191,7 +212,9 @@ class FunctionRewardSource:
         result = self._call(what, data_source, batch.responses[i], label, {"prompt": batch.prompts[i]})
         if isinstance(result, dict):
             if "score" not in result:
-                raise RewardError(f"reward source {self.name!r} ({self.spec}) returned a dict without 'score' on {what}")
+                raise RewardError(
+                    f"reward source {self.name!r} ({self.spec}) returned a dict without 'score' on {what}"
+                )
             result = result["score"]
         return self._finite(result, batch, i)
 
@@ -199,9 +222,12 @@ class FunctionRewardSource:
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise RewardError(f"reward source {self.name!r} ({self.spec}) returned {value!r} (not a number) "
-                              f"for {self._sample_name(batch, i)}") from None
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) returned {value!r} (not a number) "
+                f"for {self._sample_name(batch, i)}"
+            ) from None
         if not math.isfinite(number):
-            raise RewardError(f"reward source {self.name!r} ({self.spec}) returned {number} for "
-                              f"{self._sample_name(batch, i)}")
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) returned {number} for {self._sample_name(batch, i)}"
+            )
         return number

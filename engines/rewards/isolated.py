@@ -14,6 +14,7 @@ points fd 1 at stderr, so a function that prints cannot corrupt the protocol. It
 closes, and on Linux also when the thread that started it dies (PR_SET_PDEATHSIG), so a worker stuck in a
 loop does not outlive its trainer.
 """
+
 from __future__ import annotations
 
 import os
@@ -85,16 +86,22 @@ class ProcessCaller:
         self._proc: Optional[subprocess.Popen] = None
 
     def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "engines.rewards.isolated"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, cwd=os.getcwd())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engines.rewards.isolated"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=os.getcwd(),
+        )
         try:
             self._send(proc, {"spec": self.spec, "sys_path": list(sys.path)})
             answer = _read_frame(proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
         except (TimeoutError, EOFError, OSError) as e:
             _kill(proc)
             why = f"no answer in {START_TIMEOUT_S:.0f} s" if isinstance(e, TimeoutError) else "it exited"
-            raise WorkerFailed(f"the reward worker for {self.spec!r} did not start ({why}, exit code "
-                               f"{proc.returncode}); its stderr is above") from None
+            raise WorkerFailed(
+                f"the reward worker for {self.spec!r} did not start ({why}, exit code "
+                f"{proc.returncode}); its stderr is above"
+            ) from None
         if answer[0] != "ready":
             _kill(proc)
             raise WorkerFailed(f"the reward worker could not load {self.spec!r}: {answer[1]}: {answer[2]}")
@@ -119,8 +126,9 @@ class ProcessCaller:
         except (EOFError, BrokenPipeError):
             _kill(proc)
             self._proc = None
-            raise WorkerFailed(f"the reward worker {proc.pid} died during the call (exit code "
-                               f"{proc.returncode})") from None
+            raise WorkerFailed(
+                f"the reward worker {proc.pid} died during the call (exit code {proc.returncode})"
+            ) from None
         if answer[0] == "ok":
             return answer[1]
         raise FunctionRaised(answer[1], answer[2])

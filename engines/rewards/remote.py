@@ -16,6 +16,7 @@ identity: the endpoint URL plus the server's /health "identity" (ppoflow's serve
 read once per source object, so a server that now serves another model is a new identity. A server with
 no /health (OpenRLHF's) gives the URL alone: change the URL or the source name when its model changes.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,11 +49,22 @@ class RemoteRewardSource:
 
     reward_inputs = ("label",)  # the request carries the labels, not the data_source
 
-    def __init__(self, url: str, *, name: str = "remote", token: Optional[str] = None, timeout_s: float = 60.0,
-                 batch_size: int = 64, max_retries: int = 3, backoff_s: float = 0.5):
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str = "remote",
+        token: Optional[str] = None,
+        timeout_s: float = 60.0,
+        batch_size: int = 64,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ):
         if batch_size < 1 or max_retries < 0 or timeout_s <= 0:
-            raise RewardError(f"remote reward source {name!r}: batch_size >= 1, max_retries >= 0 and "
-                              f"timeout_s > 0 needed, got {batch_size}, {max_retries}, {timeout_s}")
+            raise RewardError(
+                f"remote reward source {name!r}: batch_size >= 1, max_retries >= 0 and "
+                f"timeout_s > 0 needed, got {batch_size}, {max_retries}, {timeout_s}"
+            )
         self.url = url
         self.endpoint, self.health_url = _endpoint_and_health(url)
         self.name, self.batch_size, self.max_retries, self.backoff_s = name, batch_size, max_retries, backoff_s
@@ -92,8 +104,9 @@ class RemoteRewardSource:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             self.http_calls += 1
             try:
-                resp = self._client.request(method, url, content=content,
-                                            headers={"Content-Type": "application/json"} if content else None)
+                resp = self._client.request(
+                    method, url, content=content, headers={"Content-Type": "application/json"} if content else None
+                )
             except (httpx.TimeoutException, httpx.TransportError) as err:
                 last_problem = f"{type(err).__name__}: {err}"
                 continue
@@ -103,29 +116,39 @@ class RemoteRewardSource:
             if allow_missing and resp.status_code in (404, 405):
                 return None
             if resp.status_code >= 400:
-                raise RewardError(f"reward server {url} answered HTTP {resp.status_code} to the {what}: "
-                                  f"{resp.text[:_BODY_EXCERPT]}")
+                raise RewardError(
+                    f"reward server {url} answered HTTP {resp.status_code} to the {what}: {resp.text[:_BODY_EXCERPT]}"
+                )
             try:
                 return resp.json()
             except ValueError:
-                raise RewardError(f"reward server {url} answered the {what} with something that is not JSON: "
-                                  f"{resp.text[:_BODY_EXCERPT]!r}") from None
-        raise RewardError(f"reward server {url} failed the {what} after {self.max_retries + 1} attempts; "
-                          f"last: {last_problem}")
+                raise RewardError(
+                    f"reward server {url} answered the {what} with something that is not JSON: "
+                    f"{resp.text[:_BODY_EXCERPT]!r}"
+                ) from None
+        raise RewardError(
+            f"reward server {url} failed the {what} after {self.max_retries + 1} attempts; last: {last_problem}"
+        )
 
     def _check_rewards(self, answer: Any, names: list[str]) -> list[float]:
         """The answer's rewards as floats; RewardError naming the sample for a malformed one."""
         rewards = answer.get("rewards") if isinstance(answer, dict) else None
         if not isinstance(rewards, list):
-            raise RewardError(f"reward server {self.endpoint} answered without a 'rewards' list for "
-                              f"{names[0]}..{names[-1]}: {str(answer)[:_BODY_EXCERPT]}")
+            raise RewardError(
+                f"reward server {self.endpoint} answered without a 'rewards' list for "
+                f"{names[0]}..{names[-1]}: {str(answer)[:_BODY_EXCERPT]}"
+            )
         if len(rewards) != len(names):
-            raise RewardError(f"reward server {self.endpoint} returned {len(rewards)} rewards for "
-                              f"{len(names)} samples ({names[0]}..{names[-1]})")
+            raise RewardError(
+                f"reward server {self.endpoint} returned {len(rewards)} rewards for "
+                f"{len(names)} samples ({names[0]}..{names[-1]})"
+            )
         out = []
         for name, value in zip(names, rewards):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RewardError(f"reward server {self.endpoint} returned {value!r} for {name}; expected a finite number")
+                raise RewardError(
+                    f"reward server {self.endpoint} returned {value!r} for {name}; expected a finite number"
+                )
             out.append(float(value))
         return out
 

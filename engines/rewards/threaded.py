@@ -11,6 +11,7 @@ and the process exits when its work is done. The abandoned call keeps its core b
 Async functions run with `asyncio.run` inside the worker, so an async function that blocks is bounded by
 the same timeout, and a caller already inside an event loop can call them.
 """
+
 from __future__ import annotations
 
 import asyncio

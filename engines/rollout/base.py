@@ -3,10 +3,11 @@
 Shapes are ragged lists, not tensors: prompts and responses have different lengths and the samples go
 straight into Arrow list columns.
 """
+
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional, Protocol, Sequence, runtime_checkable
 
 FinishReason = Literal["stop", "length"]
@@ -36,9 +37,14 @@ class SamplingSettings:
 
     @classmethod
     def from_config(cls, rollout_cfg) -> "SamplingSettings":
-        return cls(n=rollout_cfg.n_samples, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                   top_k=rollout_cfg.top_k, max_new_tokens=rollout_cfg.max_new_tokens,
-                   stop_token_ids=tuple(rollout_cfg.stop_token_ids))
+        return cls(
+            n=rollout_cfg.n_samples,
+            temperature=rollout_cfg.temperature,
+            top_p=rollout_cfg.top_p,
+            top_k=rollout_cfg.top_k,
+            max_new_tokens=rollout_cfg.max_new_tokens,
+            stop_token_ids=tuple(rollout_cfg.stop_token_ids),
+        )
 
 
 @dataclass
@@ -51,8 +57,8 @@ class RolloutSample:
                       before top-p/top-k truncation (what the trainer recomputes).
     """
 
-    prompt_index: int          # index into the prompts passed to generate()
-    sample_index: int          # 0..n-1 within the prompt's group
+    prompt_index: int  # index into the prompts passed to generate()
+    sample_index: int  # 0..n-1 within the prompt's group
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_logprobs: list[float]
@@ -64,11 +70,12 @@ class RolloutSample:
 class RolloutEngine(Protocol):
     """A generation engine. Long-lived: built once per worker process, weights refreshed per iteration."""
 
-    name: str                  # "hf" or "vllm"
-    policy_version: int        # version of the weights it serves now
+    name: str  # "hf" or "vllm"
+    policy_version: int  # version of the weights it serves now
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
-                 seeds: Optional[Sequence[int]] = None) -> list[RolloutSample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, seeds: Optional[Sequence[int]] = None
+    ) -> list[RolloutSample]:
         """Sample `sampling.n` responses for each prompt. `seeds[i]` (optional) fixes prompt i's samples.
 
         Returns len(prompts) * n samples ordered by (prompt_index, sample_index).
@@ -80,5 +87,4 @@ class RolloutEngine(Protocol):
         """Serve the Hugging Face policy folder `policy_dir` from now on, tagging samples with `version`."""
         ...
 
-    def shutdown(self) -> None:
-        ...
+    def shutdown(self) -> None: ...

@@ -16,6 +16,7 @@ Log-probs: from `output_logits` (the model's raw logits, before any processor) d
 log-softmaxed over the full vocabulary, at the drawn token. They are NOT taken after top-k/top-p
 truncation: the trainer recomputes log pi(token) / T over the full vocabulary, and the two must agree.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,8 +83,9 @@ class _SeededSampler:
 
     def __init__(self, generators: list[torch.Generator], sampling: SamplingSettings):
         self.sampling = sampling
-        self.uniforms = torch.stack([torch.rand(sampling.max_new_tokens, generator=g, dtype=torch.float64)
-                                     for g in generators])
+        self.uniforms = torch.stack(
+            [torch.rand(sampling.max_new_tokens, generator=g, dtype=torch.float64) for g in generators]
+        )
         self.step = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -103,8 +105,17 @@ class HFRolloutEngine:
 
     name = "hf"
 
-    def __init__(self, policy_dir: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
-                 autocast_dtype: Optional[str] = None, seed: int = 0, device: str = "cpu", max_batch_size: int = 256):
+    def __init__(
+        self,
+        policy_dir: str,
+        *,
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        autocast_dtype: Optional[str] = None,
+        seed: int = 0,
+        device: str = "cpu",
+        max_batch_size: int = 256,
+    ):
         self.dtype = dtype
         self.attn_implementation = attn_implementation
         self.autocast_dtype = autocast_dtype
@@ -185,11 +196,14 @@ class HFRolloutEngine:
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if self.max_positions and len(p) + sampling.max_new_tokens > self.max_positions:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
-                                 f"it exceeds the model's {self.max_positions} positions")
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                    f"it exceeds the model's {self.max_positions} positions"
+                )
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
-                 seeds: Optional[Sequence[int]] = None) -> list[RolloutSample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, seeds: Optional[Sequence[int]] = None
+    ) -> list[RolloutSample]:
         """`sampling.n` samples per prompt, ordered by (prompt_index, sample_index). See the module docstring."""
         self._check_prompts(prompts, sampling)
         if seeds is not None and len(seeds) != len(prompts):
@@ -200,7 +214,7 @@ class HFRolloutEngine:
         rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         samples: list[RolloutSample] = []
         for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start:start + self.max_batch_size]
+            chunk = rows[start : start + self.max_batch_size]
             samples.extend(self._generate_rows(chunk, prompts, seeds, sampling))
         return samples
 
@@ -213,23 +227,35 @@ class HFRolloutEngine:
         input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, (i, _) in enumerate(rows):  # left padding: every response starts at column `width`
-            input_ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
-            attention_mask[r, width - len(prompts[i]):] = 1
+            input_ids[r, width - len(prompts[i]) :] = torch.tensor(list(prompts[i]))
+            attention_mask[r, width - len(prompts[i]) :] = 1
         generators = [torch.Generator().manual_seed(row_seed(int(seeds[i]), j)) for i, j in rows]
-        config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
-                                  eos_token_id=sorted(stop_ids), pad_token_id=pad_id, num_beams=1,
-                                  output_logits=True, return_dict_in_generate=True)
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=0,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=pad_id,
+            num_beams=1,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         with torch.no_grad(), autocast(self.autocast_dtype, self.device):
-            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                      generation_config=config,
-                                      logits_processor=LogitsProcessorList([_SeededSampler(generators, sampling)]))
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([_SeededSampler(generators, sampling)]),
+            )
         generated = out.sequences[:, width:].cpu()
         # (B, new_tokens, V) raw logits -> log-probs at the temperature over the full vocabulary.
         logits = torch.stack(out.logits, dim=1).float().cpu()
         logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
         token_logprobs = logprobs.gather(-1, generated[..., None]).squeeze(-1)
-        return [self._to_sample(r, i, j, prompts[i], generated[r], token_logprobs[r], stop_ids)
-                for r, (i, j) in enumerate(rows)]
+        return [
+            self._to_sample(r, i, j, prompts[i], generated[r], token_logprobs[r], stop_ids)
+            for r, (i, j) in enumerate(rows)
+        ]
 
     def _to_sample(self, r, prompt_index, sample_index, prompt, tokens, token_logprobs, stop_ids) -> RolloutSample:
         ids = tokens.tolist()
@@ -238,6 +264,12 @@ class HFRolloutEngine:
             if tok in stop_ids:
                 length, finish = t + 1, "stop"
                 break
-        return RolloutSample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=list(prompt),
-                             response_ids=ids[:length], rollout_logprobs=token_logprobs[:length].tolist(),
-                             finish_reason=finish, policy_version=self.policy_version)
+        return RolloutSample(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=list(prompt),
+            response_ids=ids[:length],
+            rollout_logprobs=token_logprobs[:length].tolist(),
+            finish_reason=finish,
+            policy_version=self.policy_version,
+        )

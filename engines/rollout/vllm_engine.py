@@ -28,6 +28,7 @@ Sleep/wake (GPU only): with enable_sleep_mode=True, `sleep()` frees the weights 
 trainer uses the GPU and `wake_up()` restores them; call `load_weights` after `wake_up`. On CPU
 enable_sleep_mode raises ValueError (vLLM's sleep mode needs CUDA's memory pool).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -47,8 +48,17 @@ log = logging.getLogger("ppoflow.rollout")
 
 LogprobsMode = str  # "processed_logprobs" | "raw_logprobs"
 # config.json keys that must agree between the served model and a checkpoint loaded into it.
-_ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+_ARCH_KEYS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
 
 
 def _private_ipc_dir() -> None:
@@ -154,19 +164,30 @@ class VLLMRolloutEngine:
 
     name = "vllm"
 
-    def __init__(self, policy_dir: str, *, dtype: str = "float32", seed: int = 0, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.1, max_model_len: Optional[int] = None,
-                 enforce_eager: bool = True, enable_sleep_mode: bool = False,
-                 kv_cache_space_gib: Optional[float] = None,
-                 logprobs_mode: LogprobsMode = "processed_logprobs"):
+    def __init__(
+        self,
+        policy_dir: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.1,
+        max_model_len: Optional[int] = None,
+        enforce_eager: bool = True,
+        enable_sleep_mode: bool = False,
+        kv_cache_space_gib: Optional[float] = None,
+        logprobs_mode: LogprobsMode = "processed_logprobs",
+    ):
         import torch
         from vllm import LLM
 
         path = _check_policy_dir(policy_dir)
         on_gpu = torch.cuda.is_available()
         if enable_sleep_mode and not on_gpu:
-            raise ValueError("enable_sleep_mode=True needs a GPU: vLLM's sleep/wake frees CUDA memory, "
-                             "there is nothing to free on CPU (set rollout.sleep_between_iterations=false)")
+            raise ValueError(
+                "enable_sleep_mode=True needs a GPU: vLLM's sleep/wake frees CUDA memory, "
+                "there is nothing to free on CPU (set rollout.sleep_between_iterations=false)"
+            )
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: allowed are processed_logprobs, raw_logprobs")
         self._architecture = _architecture(path)
@@ -179,17 +200,32 @@ class VLLMRolloutEngine:
         _private_ipc_dir()
         _install_vllm_log_filter(_private_folder())
         started = time.perf_counter()
-        self._llm = LLM(model=str(path), dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
-                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                        enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep_mode,
-                        kv_cache_memory_bytes=kv_bytes, logprobs_mode=logprobs_mode)
+        self._llm = LLM(
+            model=str(path),
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
+            kv_cache_memory_bytes=kv_bytes,
+            logprobs_mode=logprobs_mode,
+        )
         model_config = self._llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
-        log.info("rollout engine: vllm %s on %s (model %s, dtype %s, tp %d, kv cache %s, logprobs %s) started in %.1f s",
-                 _vllm_version(), "cuda" if on_gpu else "cpu", path, dtype, tensor_parallel_size,
-                 f"{kv_cache_space_gib} GiB" if kv_bytes else f"{gpu_memory_utilization:.0%} of memory",
-                 logprobs_mode, time.perf_counter() - started)
+        log.info(
+            "rollout engine: vllm %s on %s (model %s, dtype %s, tp %d, kv cache %s, logprobs %s) started in %.1f s",
+            _vllm_version(),
+            "cuda" if on_gpu else "cpu",
+            path,
+            dtype,
+            tensor_parallel_size,
+            f"{kv_cache_space_gib} GiB" if kv_bytes else f"{gpu_memory_utilization:.0%} of memory",
+            logprobs_mode,
+            time.perf_counter() - started,
+        )
 
     # ---- generation -------------------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -197,8 +233,10 @@ class VLLMRolloutEngine:
             if len(ids) == 0:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
             if len(ids) + max_new_tokens > self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
-                                 f"the engine's max_model_len={self.max_model_len}")
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                    f"the engine's max_model_len={self.max_model_len}"
+                )
             bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} holds token ids outside [0, {self.vocab_size}): {bad[:5]}")
@@ -208,22 +246,41 @@ class VLLMRolloutEngine:
 
         # logprobs=0: only the sampled token's log-prob; flat_logprobs: a few flat lists per request instead
         # of one dict per token (less GC); detokenize=False: callers decode ids themselves.
-        return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                              top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                              max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
-                              seed=seed, logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=ignore_eos,
-                              min_tokens=sampling.max_new_tokens if ignore_eos else 0)
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=seed,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+            ignore_eos=ignore_eos,
+            min_tokens=sampling.max_new_tokens if ignore_eos else 0,
+        )
 
     def _warn_inexact(self, sampling: SamplingSettings) -> None:
         key = (sampling.temperature, sampling.top_p, sampling.top_k)
         if key not in self._warned and not logprobs_are_exact(self.logprobs_mode, sampling):
             self._warned.add(key)
-            log.warning("vllm logprobs_mode=%s with temperature=%s top_p=%s top_k=%s: rollout_logprobs are not "
-                        "log_softmax(logits / T) of the full vocabulary (the trainer's recompute); see "
-                        "engines/rollout/vllm_engine.py", self.logprobs_mode, *key)
+            log.warning(
+                "vllm logprobs_mode=%s with temperature=%s top_p=%s top_k=%s: rollout_logprobs are not "
+                "log_softmax(logits / T) of the full vocabulary (the trainer's recompute); see "
+                "engines/rollout/vllm_engine.py",
+                self.logprobs_mode,
+                *key,
+            )
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
-                 seeds: Optional[Sequence[int]] = None, *, ignore_eos: bool = False) -> list[RolloutSample]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSettings,
+        seeds: Optional[Sequence[int]] = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> list[RolloutSample]:
         """Sample `sampling.n` responses per prompt; see RolloutEngine.generate.
 
         seeds[i] fixes prompt i's n samples (vLLM seeds sample j with seeds[i] + j).
@@ -236,8 +293,10 @@ class VLLMRolloutEngine:
         self._check_prompts(prompts, sampling.max_new_tokens)
         self._warn_inexact(sampling)
         requests = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompts]
-        params = [self._sampling_params(sampling, None if seeds is None else int(seeds[i]), ignore_eos)
-                  for i in range(len(prompts))]
+        params = [
+            self._sampling_params(sampling, None if seeds is None else int(seeds[i]), ignore_eos)
+            for i in range(len(prompts))
+        ]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
         return [sample for i, out in enumerate(outputs) for sample in self._to_samples(i, prompts[i], out)]
 
@@ -245,14 +304,23 @@ class VLLMRolloutEngine:
         samples = []
         for completion in sorted(request_output.outputs, key=lambda c: c.index):
             if completion.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished prompt {prompt_index} sample {completion.index} with "
-                                   f"finish_reason={completion.finish_reason!r} (expected stop or length)")
+                raise RuntimeError(
+                    f"vLLM finished prompt {prompt_index} sample {completion.index} with "
+                    f"finish_reason={completion.finish_reason!r} (expected stop or length)"
+                )
             token_ids = list(completion.token_ids)
             logprobs = _sampled_logprobs(token_ids, completion.logprobs)
-            samples.append(RolloutSample(prompt_index=prompt_index, sample_index=completion.index,
-                                         prompt_ids=[int(t) for t in prompt_ids], response_ids=token_ids,
-                                         rollout_logprobs=logprobs, finish_reason=completion.finish_reason,
-                                         policy_version=self.policy_version))
+            samples.append(
+                RolloutSample(
+                    prompt_index=prompt_index,
+                    sample_index=completion.index,
+                    prompt_ids=[int(t) for t in prompt_ids],
+                    response_ids=token_ids,
+                    rollout_logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    policy_version=self.policy_version,
+                )
+            )
         return samples
 
     # ---- weights and life cycle --------------------------------------------------------------------

@@ -5,13 +5,15 @@ A micro-batch is padded to its longest row, so its cost is `len(batch) * max(len
 skewed lengths (a few long responses among many short ones) this pads far less than fixed-size batches
 in arrival order, where one long row inflates every row of its batch to its length.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 
-def token_budget_batches(lengths: Sequence[int], token_budget: int,
-                         max_batch_rows: Optional[int] = None) -> list[list[int]]:
+def token_budget_batches(
+    lengths: Sequence[int], token_budget: int, max_batch_rows: Optional[int] = None
+) -> list[list[int]]:
     """Partition row indices into micro-batches whose padded size fits `token_budget`.
 
     lengths:        (N,) token count of each row (prompt + response for scoring), >= 0.

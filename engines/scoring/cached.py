@@ -19,6 +19,7 @@ the cache: it is recombined from the components with the scorer's weights and cl
 so a hit returns exactly what a fresh computation returns (ScoreCache stores log-probs as float32, which
 is what the reference returns too, so they round-trip exactly).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,9 +35,9 @@ class ScoreCacheLike(Protocol):
 
 @dataclass
 class CacheStats:
-    hits: int = 0            # rows answered from the cache
-    misses: int = 0          # rows not in the cache
-    computed: int = 0        # distinct (prompt, response) pairs actually scored (<= misses)
+    hits: int = 0  # rows answered from the cache
+    misses: int = 0  # rows not in the cache
+    computed: int = 0  # distinct (prompt, response) pairs actually scored (<= misses)
     hit_mask: list[bool] = field(default_factory=list)  # (B,) True where the row came from the cache
 
 
@@ -44,8 +45,9 @@ class CacheStats:
 ALL_REWARD_INPUTS = ("label", "data_source")
 
 
-def score_key(scorer_identity: str, prompt_ids: Sequence[int], response_ids: Sequence[int],
-              extra: Optional[dict[str, Any]] = None) -> str:
+def score_key(
+    scorer_identity: str, prompt_ids: Sequence[int], response_ids: Sequence[int], extra: Optional[dict[str, Any]] = None
+) -> str:
     """sha256 hex of the scorer identity, the token ids and `extra` ({"label": ..., "data_source": ...},
     only the inputs the scorer reads; None or {} gives the key of tokens alone)."""
     h = hashlib.sha256()
@@ -119,8 +121,13 @@ def score_with_cache(scorer, inputs: list, cache: Optional[ScoreCacheLike]) -> t
         if hit:
             entry = found[k]
             components = dict(entry["reward_components"])
-            out.append(ScoreResult(reward=combined_reward(scorer, components), components=components,
-                                   ref_logprobs=list(entry["ref_logprobs"])))
+            out.append(
+                ScoreResult(
+                    reward=combined_reward(scorer, components),
+                    components=components,
+                    ref_logprobs=list(entry["ref_logprobs"]),
+                )
+            )
         else:
             r = fresh[k]  # copies: rows sharing a pair must not share mutable lists
             out.append(ScoreResult(reward=r.reward, components=dict(r.components), ref_logprobs=list(r.ref_logprobs)))

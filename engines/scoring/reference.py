@@ -3,6 +3,7 @@
 The reference is scored at the sampling temperature, like the actor, so that log pi / T and log pi_ref / T
 are comparable (OpenRLHF and veRL do the same).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,9 +42,17 @@ def _base_only(peft_model):
 class ReferenceModel:
     """Frozen reference policy. `logprobs` returns one list of floats per response (ragged)."""
 
-    def __init__(self, path: str, dtype: str = "float32", temperature: float = 1.0, micro_batch_size: int = 16,
-                 attn_implementation: str = "sdpa", device: str = "cpu", chunk_size: int = 256,
-                 autocast_dtype: Optional[str] = None):
+    def __init__(
+        self,
+        path: str,
+        dtype: str = "float32",
+        temperature: float = 1.0,
+        micro_batch_size: int = 16,
+        attn_implementation: str = "sdpa",
+        device: str = "cpu",
+        chunk_size: int = 256,
+        autocast_dtype: Optional[str] = None,
+    ):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.path = str(path)
@@ -62,9 +71,16 @@ class ReferenceModel:
         self._adapter_off = contextlib.nullcontext  # a shared LoRA base: peft's disable_adapter (shared_base)
 
     @classmethod
-    def shared_base(cls, peft_model, path: str, dtype: str = "float32", temperature: float = 1.0,
-                    micro_batch_size: int = 16, chunk_size: int = 256,
-                    autocast_dtype: Optional[str] = None) -> "ReferenceModel":
+    def shared_base(
+        cls,
+        peft_model,
+        path: str,
+        dtype: str = "float32",
+        temperature: float = 1.0,
+        micro_batch_size: int = 16,
+        chunk_size: int = 256,
+        autocast_dtype: Optional[str] = None,
+    ) -> "ReferenceModel":
         """The reference as a LoRA actor's frozen base, in the trainer's process: the actor's own module scored
         inside peft's `disable_adapter()` (and eval mode), so no second copy of the weights is loaded.
 
@@ -93,8 +109,8 @@ class ReferenceModel:
             raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
         result: list[list[float]] = []
         for start in range(0, len(prompt_ids), self.micro_batch_size):
-            prompts = prompt_ids[start:start + self.micro_batch_size]
-            responses = response_ids[start:start + self.micro_batch_size]
+            prompts = prompt_ids[start : start + self.micro_batch_size]
+            responses = response_ids[start : start + self.micro_batch_size]
             for offset, p in enumerate(prompts):
                 if not p:
                     raise ValueError(f"sample {start + offset}: empty prompt")
@@ -107,8 +123,14 @@ class ReferenceModel:
         response = right_pad(responses, width_r, self.pad_token_id, torch.long)
         response_mask = right_pad([[1] * len(r) for r in responses], width_r, 0, torch.long)
         with self._adapter_off(), autocast(self.autocast_dtype, self.device):
-            out = policy_forward(self.model, prompt.to(self.device), prompt_mask.to(self.device),
-                                 response.to(self.device), response_mask.to(self.device), self.temperature,
-                                 self.chunk_size)
+            out = policy_forward(
+                self.model,
+                prompt.to(self.device),
+                prompt_mask.to(self.device),
+                response.to(self.device),
+                response_mask.to(self.device),
+                self.temperature,
+                self.chunk_size,
+            )
         logprobs = out.logprobs.float().cpu()
-        return [logprobs[b, :len(r)].tolist() for b, r in enumerate(responses)]
+        return [logprobs[b, : len(r)].tolist() for b, r in enumerate(responses)]

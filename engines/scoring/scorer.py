@@ -6,6 +6,7 @@ reward = clip(sum_k weight_k * score_k, -reward.clip, +reward.clip); `components
 This is the plain, un-cached scorer (each source batches by its own `batch_size`; the reference by its
 micro-batch). The prompt-hash cache wraps it (engines/scoring/cached.py), keyed by `Scorer.identity`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from engines.scoring.batching import token_budget_batches
 from engines.rewards.base import RewardBatch, RewardError, RewardSource
+from engines.scoring.batching import token_budget_batches
 
 
 @dataclass
@@ -51,18 +52,42 @@ def build_reward_sources(cfg) -> list[RewardSource]:
         name = spec.name or spec.kind
         if spec.kind == "function":
             from engines.rewards.function import FunctionRewardSource
-            sources.append(FunctionRewardSource(spec.target, timeout_s=spec.timeout_s, batch_size=spec.batch_size,
-                                                name=name, isolation=spec.isolation))
+
+            sources.append(
+                FunctionRewardSource(
+                    spec.target,
+                    timeout_s=spec.timeout_s,
+                    batch_size=spec.batch_size,
+                    name=name,
+                    isolation=spec.isolation,
+                )
+            )
         elif spec.kind == "model":
             from engines.rewards.model import RewardModelSource
-            sources.append(RewardModelSource(spec.target, name=name, batch_size=spec.batch_size,
-                                             dtype=cfg.model.dtype, quantize=spec.quantize,
-                                             token_budget=cfg.score.token_budget))
+
+            sources.append(
+                RewardModelSource(
+                    spec.target,
+                    name=name,
+                    batch_size=spec.batch_size,
+                    dtype=cfg.model.dtype,
+                    quantize=spec.quantize,
+                    token_budget=cfg.score.token_budget,
+                )
+            )
         else:
             from engines.rewards.remote import RemoteRewardSource
-            sources.append(RemoteRewardSource(spec.target, name=name, token=os.environ.get(spec.token_env),
-                                              timeout_s=spec.timeout_s, batch_size=spec.batch_size,
-                                              max_retries=spec.max_retries))
+
+            sources.append(
+                RemoteRewardSource(
+                    spec.target,
+                    name=name,
+                    token=os.environ.get(spec.token_env),
+                    timeout_s=spec.timeout_s,
+                    batch_size=spec.batch_size,
+                    max_retries=spec.max_retries,
+                )
+            )
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -74,9 +99,15 @@ def build_reference(cfg):
     """The frozen reference (the initial policy, cfg.model.policy_path) at the sampling temperature."""
     from engines.scoring.reference import ReferenceModel
 
-    return ReferenceModel(cfg.model.policy_path, cfg.model.dtype, cfg.rollout.temperature,
-                          cfg.train.micro_batch_size, cfg.model.attn_implementation,
-                          chunk_size=cfg.train.logprob_chunk, autocast_dtype=cfg.model.autocast_dtype)
+    return ReferenceModel(
+        cfg.model.policy_path,
+        cfg.model.dtype,
+        cfg.rollout.temperature,
+        cfg.train.micro_batch_size,
+        cfg.model.attn_implementation,
+        chunk_size=cfg.train.logprob_chunk,
+        autocast_dtype=cfg.model.autocast_dtype,
+    )
 
 
 class Scorer:
@@ -104,32 +135,44 @@ class Scorer:
 
     @property
     def identity(self) -> str:
-        payload = {"sources": [[s.name, s.identity] for s in self.sources], "weights": self.weights,
-                   "clip": self.clip, "reference": getattr(self.reference, "fingerprint", None),
-                   "temperature": self.temperature}
+        payload = {
+            "sources": [[s.name, s.identity] for s in self.sources],
+            "weights": self.weights,
+            "clip": self.clip,
+            "reference": getattr(self.reference, "fingerprint", None),
+            "temperature": self.temperature,
+        }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def score(self, inputs: list[ScoringInput]) -> list[ScoreResult]:
         """Score every input. RewardError (naming the source and sample) propagates; nothing is defaulted."""
         if not inputs:
             return []
-        batch = RewardBatch(prompts=[x.prompt for x in inputs], responses=[x.response for x in inputs],
-                            prompt_ids=[list(x.prompt_ids) for x in inputs],
-                            response_ids=[list(x.response_ids) for x in inputs],
-                            labels=[x.label for x in inputs], data_sources=[x.data_source for x in inputs],
-                            sample_ids=[x.sample_id or f"sample {i}" for i, x in enumerate(inputs)])
+        batch = RewardBatch(
+            prompts=[x.prompt for x in inputs],
+            responses=[x.response for x in inputs],
+            prompt_ids=[list(x.prompt_ids) for x in inputs],
+            response_ids=[list(x.response_ids) for x in inputs],
+            labels=[x.label for x in inputs],
+            data_sources=[x.data_source for x in inputs],
+            sample_ids=[x.sample_id or f"sample {i}" for i, x in enumerate(inputs)],
+        )
         components: list[dict[str, float]] = [{} for _ in inputs]
         for source in self.sources:
             scores = source.score(batch)
             if len(scores) != len(inputs):
-                raise RewardError(f"reward source {source.name!r} returned {len(scores)} scores for {len(inputs)} samples")
+                raise RewardError(
+                    f"reward source {source.name!r} returned {len(scores)} scores for {len(inputs)} samples"
+                )
             for i, s in enumerate(scores):
                 if not math.isfinite(s):
                     raise RewardError(f"reward source {source.name!r} returned {s} for {batch.sample_ids[i]}")
                 components[i][source.name] = float(s)
         ref_logprobs = self.reference_logprobs(batch.prompt_ids, batch.response_ids)
-        return [ScoreResult(reward=self.combine(components[i]), components=components[i],
-                            ref_logprobs=ref_logprobs[i]) for i in range(len(inputs))]
+        return [
+            ScoreResult(reward=self.combine(components[i]), components=components[i], ref_logprobs=ref_logprobs[i])
+            for i in range(len(inputs))
+        ]
 
     def combine(self, components: dict[str, float]) -> float:
         """The scalar reward: weighted sum of the sources' raw scores, clipped to [-clip, clip]."""

@@ -1,4 +1,5 @@
 """The checkpoint stage: commit the staged checkpoint (marker last), move LATEST, apply retention."""
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,12 @@ def run_checkpoint(cfg, iteration: int, update: UpdateManifest) -> CheckpointMan
     the committed checkpoint's PolicyRef.weights_id: the next iteration finds it without any re-tagging.
     """
     started = time.perf_counter()
-    commit_checkpoint(layout_for(cfg), iteration,
-                      {"iteration": iteration, "metrics": update.metrics, "weights_id": update.weights_id},
-                      keep_last=cfg.run.keep_checkpoints)
-    return CheckpointManifest(iteration=iteration, uri=update.checkpoint_uri, weights_id=update.weights_id,
-                              **provenance(started))
+    commit_checkpoint(
+        layout_for(cfg),
+        iteration,
+        {"iteration": iteration, "metrics": update.metrics, "weights_id": update.weights_id},
+        keep_last=cfg.run.keep_checkpoints,
+    )
+    return CheckpointManifest(
+        iteration=iteration, uri=update.checkpoint_uri, weights_id=update.weights_id, **provenance(started)
+    )

@@ -10,6 +10,7 @@ engine built from the old file is rebuilt, never silently reused. The trainer mo
 engines/warm.py): the update stage takes it for the policy it starts from and puts it back under the
 identity of the checkpoint it staged; the rollout stage of the next iteration only peeks at it.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,19 @@ def prompt_source_for(cfg) -> PromptSource:
     """The worker's tokenised prompt set, built once per data settings and files (tokenising the whole dataset
     every iteration would cost more than sampling on the tiny model). The tokenizer is the initial model's:
     checkpoints save the same tokenizer files beside the policy weights."""
-    identity = json.dumps([cfg.section_hash("data"), os.path.abspath(cfg.model.policy_path),
-                           cfg.model.apply_chat_template, _fingerprint_or_none(cfg.data.path),
-                           folder_fingerprint(cfg.model.policy_path)])
-    return warm.get_or_build(warm.WarmKey(warm.Role.PROMPTS, identity), lambda: PromptSource(
-        cfg.data, load_tokenizer(cfg.model.policy_path), cfg.model.apply_chat_template))
+    identity = json.dumps(
+        [
+            cfg.section_hash("data"),
+            os.path.abspath(cfg.model.policy_path),
+            cfg.model.apply_chat_template,
+            _fingerprint_or_none(cfg.data.path),
+            folder_fingerprint(cfg.model.policy_path),
+        ]
+    )
+    return warm.get_or_build(
+        warm.WarmKey(warm.Role.PROMPTS, identity),
+        lambda: PromptSource(cfg.data, load_tokenizer(cfg.model.policy_path), cfg.model.apply_chat_template),
+    )
 
 
 def _fingerprint_or_none(path: str):
@@ -45,8 +54,9 @@ def scorer_for(cfg) -> Scorer:
     reward-model folder change in place (new weights under the same path). A rebuilt scorer has a new
     identity, so a new score-cache key space: the new weights never read the old weights' scores."""
     folders = [cfg.model.policy_path] + [s.target for s in cfg.reward.sources if s.kind == "model"]
-    identity = json.dumps([cfg.section_hash("model", "reward", "score", "rollout"),
-                           [folder_fingerprint(f) for f in folders]])
+    identity = json.dumps(
+        [cfg.section_hash("model", "reward", "score", "rollout"), [folder_fingerprint(f) for f in folders]]
+    )
     return warm.get_or_build(warm.WarmKey(warm.Role.SCORER, identity), lambda: Scorer(cfg))
 
 
@@ -55,8 +65,10 @@ def score_cache_for(cfg, layout: RunLayout, scorer_identity: str) -> ScoreCache:
     the folder again, the warm one reads only the segments other processes wrote since it last looked."""
     folder = layout.score_cache_dir(scorer_identity)
     identity = json.dumps([layout.url(folder), cfg.score.cache_max_bytes])
-    return warm.get_or_build(warm.WarmKey(warm.Role.SCORE_CACHE, identity),
-                             lambda: ScoreCache(layout.fs, folder, max_bytes=cfg.score.cache_max_bytes))
+    return warm.get_or_build(
+        warm.WarmKey(warm.Role.SCORE_CACHE, identity),
+        lambda: ScoreCache(layout.fs, folder, max_bytes=cfg.score.cache_max_bytes),
+    )
 
 
 def trainer_key(weights_id: str) -> warm.WarmKey:

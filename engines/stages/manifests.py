@@ -13,6 +13,7 @@ passes them as JSON (`model_dump(mode="json")`) and a stage flow's signature val
 stage record read from storage is validated where it is read (a malformed record is a ValidationError
 naming the field, not a KeyError three stages later).
 """
+
 from __future__ import annotations
 
 import time
@@ -85,7 +86,9 @@ class UpdateManifest(StageManifest):
     stage: Literal["update"] = "update"
     checkpoint_uri: str
     experience_uri: str
-    weights_id: str = Field(description="identity of the staged checkpoint's files (PolicyRef.weights_id once committed)")
+    weights_id: str = Field(
+        description="identity of the staged checkpoint's files (PolicyRef.weights_id once committed)"
+    )
     experience_hash: str
     metrics: dict[str, MetricValue]
 
@@ -99,8 +102,16 @@ class CheckpointManifest(StageManifest):
 
 def provenance(started: float) -> dict:
     """The StageManifest fields of a stage body that started at perf_counter() == `started`, in this process."""
-    return {"seconds": time.perf_counter() - started, "worker": warm.worker_tag(), "engine_builds": warm.engine_builds()}
+    return {
+        "seconds": time.perf_counter() - started,
+        "worker": warm.worker_tag(),
+        "engine_builds": warm.engine_builds(),
+    }
 
 
 STAGE_MANIFESTS: dict[str, type[StageManifest]] = {
-    "rollout": RolloutManifest, "score": ScoreManifest, "update": UpdateManifest, "checkpoint": CheckpointManifest}
+    "rollout": RolloutManifest,
+    "score": ScoreManifest,
+    "update": UpdateManifest,
+    "checkpoint": CheckpointManifest,
+}

@@ -4,6 +4,7 @@ Iteration i (1-based) samples and trains with the policy committed by iteration 
 initial model folder (`model.policy_path`). `PolicyRef.weights_id` feeds the rollout and update cache keys,
 so a different starting checkpoint can never reuse a stale result.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,12 @@ def initial_policy_ref(cfg) -> PolicyRef:
     """The initial model folder; FileNotFoundError naming model.policy_path when it holds no files."""
     path = os.path.abspath(cfg.model.policy_path)
     if not os.path.isdir(path) or not any(p.is_file() for p in os.scandir(path)):
-        raise FileNotFoundError(f"model.policy_path={cfg.model.policy_path!r} holds no files "
-                                f"(expected a Hugging Face model folder)")
-    return PolicyRef(version=0, checkpoint_iteration=None, uri=path,
-                     weights_id="initial-" + folder_fingerprint(path)[:20])
+        raise FileNotFoundError(
+            f"model.policy_path={cfg.model.policy_path!r} holds no files (expected a Hugging Face model folder)"
+        )
+    return PolicyRef(
+        version=0, checkpoint_iteration=None, uri=path, weights_id="initial-" + folder_fingerprint(path)[:20]
+    )
 
 
 def policy_ref(cfg, iteration: int) -> PolicyRef:
@@ -38,10 +41,16 @@ def policy_ref(cfg, iteration: int) -> PolicyRef:
     layout = layout_for(cfg)
     marker = read_commit_marker(layout, prev)
     if marker is None:
-        raise RuntimeError(f"iteration {iteration} needs the committed checkpoint of iteration {prev}, "
-                           f"but {layout.url(layout.checkpoint_dir(prev))} has no commit marker")
-    return PolicyRef(version=prev, checkpoint_iteration=prev, uri=layout.url(layout.checkpoint_dir(prev)),
-                     weights_id=checkpoint_weights_id(marker["files"]))
+        raise RuntimeError(
+            f"iteration {iteration} needs the committed checkpoint of iteration {prev}, "
+            f"but {layout.url(layout.checkpoint_dir(prev))} has no commit marker"
+        )
+    return PolicyRef(
+        version=prev,
+        checkpoint_iteration=prev,
+        uri=layout.url(layout.checkpoint_dir(prev)),
+        weights_id=checkpoint_weights_id(marker["files"]),
+    )
 
 
 def local_checkpoint_dir(cfg, ref: PolicyRef, parts: Optional[Sequence[str]] = None) -> Optional[str]:

@@ -7,6 +7,7 @@ Seeds: dataset row r in iteration i is sampled with `prompt_sampling_seed(run.se
 iteration's samples depend only on (seed, iteration, policy weights), not on what ran before in the
 process: a retried or resumed stage draws the same samples.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,6 +58,12 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
     table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
     layout = layout_for(cfg)
     manifest = write_stage_table(cfg, layout, iteration, "rollout", table)
-    return RolloutManifest(iteration=iteration, uri=layout.url(layout.stage_dir(iteration, "rollout")), rows=manifest.rows,
-                           content_hash=manifest.content_hash, policy_version=policy.version, engine=engine.name,
-                           **provenance(started))
+    return RolloutManifest(
+        iteration=iteration,
+        uri=layout.url(layout.stage_dir(iteration, "rollout")),
+        rows=manifest.rows,
+        content_hash=manifest.content_hash,
+        policy_version=policy.version,
+        engine=engine.name,
+        **provenance(started),
+    )

@@ -11,6 +11,7 @@ Failure and retry (the decision for a stage that fails half-way):
 - Scores already computed by a previous attempt are not lost with it: they live in the score cache, so a
   retry computes only what it has not computed before (a retry of a completed stage computes nothing).
 """
+
 from __future__ import annotations
 
 import time
@@ -46,7 +47,15 @@ def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     scored, stats = score_rows(scorer, table, cache)
     manifest = write_stage_table(cfg, layout, iteration, "scored", scored)
     rewards = scored.column("reward").to_pylist()
-    return ScoreManifest(iteration=iteration, uri=layout.url(stage_dir), rows=manifest.rows,
-                         content_hash=manifest.content_hash, scorer_identity=scorer.identity,
-                         cache_hits=stats.hits, cache_misses=stats.misses, computed=stats.computed,
-                         reward_mean=sum(rewards) / max(len(rewards), 1), **provenance(started))
+    return ScoreManifest(
+        iteration=iteration,
+        uri=layout.url(stage_dir),
+        rows=manifest.rows,
+        content_hash=manifest.content_hash,
+        scorer_identity=scorer.identity,
+        cache_hits=stats.hits,
+        cache_misses=stats.misses,
+        computed=stats.computed,
+        reward_mean=sum(rewards) / max(len(rewards), 1),
+        **provenance(started),
+    )

@@ -10,6 +10,7 @@
 The pipeline writes these tables to shards between stages; the bare loop (engines/loop.py) passes them
 in memory. Both go through these functions, so a row means the same thing on either path.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,43 +62,66 @@ def rollout_table(records: list[PromptRecord], samples: list[RolloutSample], tok
 def scoring_inputs(table: pa.Table) -> list[ScoringInput]:
     """One ScoringInput per rollout row; `sample_id` ("iter 3 prompt 12 sample 1") is how errors name it."""
     cols = table.to_pydict()
-    return [ScoringInput(prompt=cols["prompt"][i], response=cols["response"][i], prompt_ids=cols["prompt_ids"][i],
-                         response_ids=cols["response_ids"][i], label=cols["label"][i],
-                         data_source=cols["data_source"][i],
-                         sample_id=f"iter {cols['iteration'][i]} prompt {cols['prompt_index'][i]} "
-                                   f"sample {cols['sample_index'][i]}")
-            for i in range(table.num_rows)]
+    return [
+        ScoringInput(
+            prompt=cols["prompt"][i],
+            response=cols["response"][i],
+            prompt_ids=cols["prompt_ids"][i],
+            response_ids=cols["response_ids"][i],
+            label=cols["label"][i],
+            data_source=cols["data_source"][i],
+            sample_id=f"iter {cols['iteration'][i]} prompt {cols['prompt_index'][i]} sample {cols['sample_index'][i]}",
+        )
+        for i in range(table.num_rows)
+    ]
 
 
 def scored_table(table: pa.Table, results: list[ScoreResult], hit_mask: Sequence[bool]) -> pa.Table:
     """Rollout rows + reward, reward_components (JSON), ref_logprobs and score_cache_hit, row for row."""
     if len(results) != table.num_rows or len(hit_mask) != table.num_rows:
         raise ValueError(f"{table.num_rows} rollout rows but {len(results)} score results, {len(hit_mask)} flags")
-    return (table.append_column("reward", pa.array([r.reward for r in results], pa.float32()))
-            .append_column("reward_components", pa.array([json.dumps(r.components, sort_keys=True) for r in results]))
-            .append_column("ref_logprobs", pa.array([r.ref_logprobs for r in results], _F32_LIST))
-            .append_column("score_cache_hit", pa.array(list(hit_mask), pa.bool_()))).cast(schema_for("scored"))
+    return (
+        table.append_column("reward", pa.array([r.reward for r in results], pa.float32()))
+        .append_column("reward_components", pa.array([json.dumps(r.components, sort_keys=True) for r in results]))
+        .append_column("ref_logprobs", pa.array([r.ref_logprobs for r in results], _F32_LIST))
+        .append_column("score_cache_hit", pa.array(list(hit_mask), pa.bool_()))
+    ).cast(schema_for("scored"))
 
 
 def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
     """Scored rows -> padded tensors; rows of one prompt (contiguous in the shards) form one group."""
     cols = scored.to_pydict()
-    return ExperienceBatch.from_lists(cols["prompt_ids"], cols["response_ids"], cols["reward"], cols["ref_logprobs"],
-                                      rollout_logprobs=cols["rollout_logprobs"], group_ids=cols["prompt_index"],
-                                      finish_reasons=cols["finish_reason"], pad_token_id=pad_token_id)
+    return ExperienceBatch.from_lists(
+        cols["prompt_ids"],
+        cols["response_ids"],
+        cols["reward"],
+        cols["ref_logprobs"],
+        rollout_logprobs=cols["rollout_logprobs"],
+        group_ids=cols["prompt_index"],
+        finish_reasons=cols["finish_reason"],
+        pad_token_id=pad_token_id,
+    )
 
 
 def experience_table(scored: pa.Table, result) -> pa.Table:
     """Scored rows + the update's per-token old_logprobs, values, advantages and returns (UpdateResult)."""
-    return (scored.append_column("old_logprobs", pa.array(result.old_logprobs, _F32_LIST))
-            .append_column("values", pa.array(result.values, _F32_LIST))
-            .append_column("advantages", pa.array(result.advantages, _F32_LIST))
-            .append_column("returns", pa.array(result.returns, _F32_LIST))).cast(schema_for("experience"))
+    return (
+        scored.append_column("old_logprobs", pa.array(result.old_logprobs, _F32_LIST))
+        .append_column("values", pa.array(result.values, _F32_LIST))
+        .append_column("advantages", pa.array(result.advantages, _F32_LIST))
+        .append_column("returns", pa.array(result.returns, _F32_LIST))
+    ).cast(schema_for("experience"))
 
 
 def write_stage_table(cfg, layout: RunLayout, iteration: int, kind: str, table: pa.Table) -> Manifest:
     """Write `table` as iteration `iteration`'s `kind` shards (rollout, scored, experience), replacing what the
     folder held (manifest last); every part's schema metadata names the run, iteration, stage and config."""
-    return write_shards(layout.fs, layout.stage_dir(iteration, kind), table, kind,
-                        max_rows=cfg.storage.shard_max_rows, max_bytes=cfg.storage.shard_max_bytes,
-                        metadata=shard_metadata(cfg, iteration, kind))
+    return write_shards(
+        layout.fs,
+        layout.stage_dir(iteration, kind),
+        table,
+        kind,
+        max_rows=cfg.storage.shard_max_rows,
+        max_bytes=cfg.storage.shard_max_bytes,
+        metadata=shard_metadata(cfg, iteration, kind),
+    )

@@ -8,6 +8,7 @@ the policy the iteration starts from and PUT back, under the identity of the che
 after that checkpoint's files are saved: a failure half-way leaves no trainer whose weights moved past the
 last checkpoint, so the retry rebuilds from the committed checkpoint and equals a run that never failed.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,9 +39,12 @@ def build_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
     if ckpt is None:
         return PPOTrainer(cfg, policy_dir=policy.uri, critic_dir=cfg.model.critic_path)
     critic = os.path.join(ckpt, "critic")
-    return PPOTrainer(cfg, policy_dir=os.path.join(ckpt, "policy"),
-                      critic_dir=critic if os.path.isdir(critic) else None,
-                      trainer_state_dir=os.path.join(ckpt, "trainer"))
+    return PPOTrainer(
+        cfg,
+        policy_dir=os.path.join(ckpt, "policy"),
+        critic_dir=critic if os.path.isdir(critic) else None,
+        trainer_state_dir=os.path.join(ckpt, "trainer"),
+    )
 
 
 def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
@@ -62,13 +66,20 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     result = train_on(trainer, table)
     exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
     with checkpoint_scratch(layout) as tmp:
-        hashed = trainer.save(tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}})
+        hashed = trainer.save(
+            tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}}
+        )
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())
         staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
     weights_id = checkpoint_weights_id(staged["files"])
     warm.put(trainer_key(weights_id), trainer)
-    return UpdateManifest(iteration=iteration, checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
-                          experience_uri=layout.url(layout.stage_dir(iteration, "experience")), weights_id=weights_id,
-                          experience_hash=exp_manifest.content_hash, metrics=result.metrics,
-                          **provenance(started))
+    return UpdateManifest(
+        iteration=iteration,
+        checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
+        experience_uri=layout.url(layout.stage_dir(iteration, "experience")),
+        weights_id=weights_id,
+        experience_hash=exp_manifest.content_hash,
+        metrics=result.metrics,
+        **provenance(started),
+    )

@@ -7,6 +7,7 @@ head_dim is 64 because vLLM's CPU attention rejects smaller heads (shared/ENVIRO
 
     python -m engines.toy.model ./runs/_models/tiny-llama
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,18 +41,32 @@ def build_tokenizer(vocab_size: int = 64):
     vocab = {tok: i for i, tok in enumerate(build_vocab(vocab_size))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", vocab["<s>"])])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>", padding_side="left")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_tiny_llama(out_dir: str | Path, vocab_size: int = 64, hidden_size: int = 128,
-                     num_layers: int = 2, num_heads: int = 2, intermediate_size: int = 256,
-                     max_position_embeddings: int = 256, seed: int = 0) -> Path:
+def build_tiny_llama(
+    out_dir: str | Path,
+    vocab_size: int = 64,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+) -> Path:
     """Random-init LlamaForCausalLM + tokenizer saved to `out_dir`; returns the folder.
 
     Raises ValueError when hidden_size / num_heads is not 64 (vLLM CPU needs head_dim 64).
@@ -62,11 +77,20 @@ def build_tiny_llama(out_dir: str | Path, vocab_size: int = 64, hidden_size: int
     if hidden_size % num_heads or hidden_size // num_heads != 64:
         raise ValueError(f"head_dim = hidden_size/num_heads must be 64, got {hidden_size}/{num_heads}")
     tokenizer = build_tokenizer(vocab_size)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed)
     out = save_model_folder(LlamaForCausalLM(config), tokenizer, out_dir)
     return out

@@ -6,6 +6,7 @@ model. The weights are random: its scores are arbitrary but deterministic for a 
 
     python -m engines.toy.reward_model ./runs/_models/tiny-rm
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,17 @@ from pathlib import Path
 from engines.toy.model import build_tokenizer, save_model_folder
 
 
-def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 64, hidden_size: int = 128,
-                            num_layers: int = 2, num_heads: int = 2, intermediate_size: int = 256,
-                            max_position_embeddings: int = 256, num_labels: int = 1) -> Path:
+def build_tiny_reward_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    vocab_size: int = 64,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    num_labels: int = 1,
+) -> Path:
     """Random-init LlamaForSequenceClassification + the toy tokenizer saved to `out_dir`; returns it.
 
     `num_labels` other than 1 exists only so tests can build a model that is not a reward model.
@@ -26,11 +35,20 @@ def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, vocab_size: int 
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     tokenizer = build_tokenizer(vocab_size)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_heads, max_position_embeddings=max_position_embeddings,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, num_labels=num_labels, torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=num_labels,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed)
     return save_model_folder(LlamaForSequenceClassification(config), tokenizer, out_dir)
 

@@ -7,6 +7,7 @@ in where the run lives and which tiny model and dataset it uses, then applies `s
 merged section by section: a test's small batch, a benchmark's workload) and `overrides` (`--set` strings).
 Validation errors name the field as any config error does (ConfigError).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,9 +18,17 @@ import yaml
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
-def toy_config(root: str | Path, run: str, model_dir: str | Path, data_dir: str | Path, *,
-               iterations: Optional[int] = None, seed: Optional[int] = None,
-               sections: Optional[dict[str, dict[str, Any]]] = None, overrides: Sequence[str] = ()):
+def toy_config(
+    root: str | Path,
+    run: str,
+    model_dir: str | Path,
+    data_dir: str | Path,
+    *,
+    iterations: Optional[int] = None,
+    seed: Optional[int] = None,
+    sections: Optional[dict[str, dict[str, Any]]] = None,
+    overrides: Sequence[str] = (),
+):
     """A PPOFlowConfig for a toy run (see the module docstring); iterations/seed None keep the demo's."""
     from ppoflow.config import apply_overrides, build_config
 

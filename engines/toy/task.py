@@ -10,6 +10,7 @@ The reward is exposed in both contracts people already use:
 
     python -m engines.toy.task ./runs/_data/digits
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence
     """OpenRLHF contract: queries are prompt + response text."""
     rewards = []
     for query, prompt, label in zip(queries, prompts, labels):
-        response = query[len(prompt):] if query.startswith(prompt) else query
+        response = query[len(prompt) :] if query.startswith(prompt) else query
         rewards.append(digit_reward(response, label))
     return {"rewards": rewards}
 

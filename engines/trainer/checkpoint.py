@@ -24,6 +24,7 @@ state of the flat fp32 partitions, `fp32_flat_groups`, bookkeeping) is this rank
 restores the fp32 partitions and copies them into the (partitioned) parameters, so a resumed trainer continues
 from the master weights. A world of one rank holds the whole partition.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,14 +92,20 @@ def load_optimizer(engine, folder: Path, stem: str) -> None:
     elif isinstance(optimizer, torch.optim.Optimizer):
         optimizer.load_state_dict(template)
     else:
-        raise NotImplementedError(f"resuming a {type(optimizer).__name__} optimizer is not supported "
-                                  f"(train.zero_stage 0-3 use torch AdamW inside DeepSpeed)")
+        raise NotImplementedError(
+            f"resuming a {type(optimizer).__name__} optimizer is not supported "
+            f"(train.zero_stage 0-3 use torch AdamW inside DeepSpeed)"
+        )
 
 
 def _engine_counters(engine) -> dict[str, Any]:
-    return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-            "lr_scheduler": engine.lr_scheduler.state_dict()}
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "lr_scheduler": engine.lr_scheduler.state_dict(),
+    }
 
 
 def _set_engine_counters(engine, state: dict[str, Any]) -> None:
@@ -152,8 +159,13 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
         if rank != 0:
             return _under("trainer", hashes)
     extra = dict(trainer.extra_state, **(extra_state or {}))
-    meta = {"update_count": trainer.update_count, "kl_controller": trainer.kl_controller.state_dict(),
-            "engines": engines, "extra_state": extra, "world_size": world}
+    meta = {
+        "update_count": trainer.update_count,
+        "kl_controller": trainer.kl_controller.state_dict(),
+        "engines": engines,
+        "extra_state": extra,
+        "world_size": world,
+    }
     if trainer.reward_normalizer is not None:  # reward.normalize=running: the running moments (three floats)
         meta["reward_normalizer"] = trainer.reward_normalizer.state_dict()
     (state_dir / _TRAINER_FILE).write_text(json.dumps(meta, indent=1))
@@ -185,14 +197,18 @@ def load_trainer_state(trainer, state_dir: str) -> None:
     meta = json.loads(meta_path.read_text())
     has_critic_state = "critic" in meta["engines"]
     if has_critic_state != (trainer.critic is not None):
-        raise ValueError(f"trainer state {folder} {'has' if has_critic_state else 'lacks'} a critic state but "
-                         f"algo.name={trainer.cfg.algo.name!r} {'does not use' if has_critic_state else 'uses'} a critic")
+        raise ValueError(
+            f"trainer state {folder} {'has' if has_critic_state else 'lacks'} a critic state but "
+            f"algo.name={trainer.cfg.algo.name!r} {'does not use' if has_critic_state else 'uses'} a critic"
+        )
     rank, world = trainer.actor.global_rank, trainer.actor.world_size
     saved_world = int(meta.get("world_size", 1))
     if saved_world != world:
-        raise ValueError(f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
-                         f"trainer runs on {world}: resuming on another number of ranks is not supported "
-                         f"(start it on {saved_world} ranks)")
+        raise ValueError(
+            f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
+            f"trainer runs on {world}: resuming on another number of ranks is not supported "
+            f"(start it on {saved_world} ranks)"
+        )
     load_optimizer(trainer.actor, folder, _rank_stem("actor_optimizer", rank, world))
     _set_engine_counters(trainer.actor, meta["engines"]["actor"])
     if trainer.critic is not None:

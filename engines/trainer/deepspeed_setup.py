@@ -27,6 +27,7 @@ CPU accelerator DeepSpeed accepts both settings and trains; memory cannot move a
 LR schedule: linear warm-up over `warmup_steps` optimizer steps, then constant, linear decay to 0 or
 cosine decay to 0 over the run's remaining steps (`total_steps`).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,9 @@ def setup_distributed() -> None:
     import deepspeed
 
     if not dist.is_initialized():
-        if not torch.cuda.is_available() and (os.environ["WORLD_SIZE"] == "1"
-                                              or os.environ.get("PPOFLOW_DS_SHM_COMM") != "1"):
+        if not torch.cuda.is_available() and (
+            os.environ["WORLD_SIZE"] == "1" or os.environ.get("PPOFLOW_DS_SHM_COMM") != "1"
+        ):
             _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
@@ -97,16 +99,26 @@ def deepspeed_config(train_cfg, dtype: str, train_batch_size: int, lr: float) ->
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = min(train_cfg.micro_batch_size, train_batch_size // world)
     if micro < 1 or train_batch_size % (micro * world):
-        raise ValueError(f"train.micro_batch_size={train_cfg.micro_batch_size} x world size {world} must divide "
-                         f"the train batch of {train_batch_size} samples")
+        raise ValueError(
+            f"train.micro_batch_size={train_cfg.micro_batch_size} x world size {world} must divide "
+            f"the train batch of {train_batch_size} samples"
+        )
     return {
         "train_batch_size": train_batch_size,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": train_batch_size // (micro * world),
         "gradient_clipping": float(train_cfg.max_grad_norm or 0.0),
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                  "weight_decay": train_cfg.weight_decay, "torch_adam": True,
-                                                  "fused": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": lr,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": train_cfg.weight_decay,
+                "torch_adam": True,
+                "fused": True,
+            },
+        },
         "zero_optimization": zero_config(train_cfg.zero_stage, train_cfg.offload),
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
@@ -133,8 +145,11 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Calla
     setup_distributed()
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=params, config=config,
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor))
+        model=model,
+        model_parameters=params,
+        config=config,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
+    )
     if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
         engine.enable_backward_allreduce = False  # see the module docstring: reducing over one rank is a copy
     return engine

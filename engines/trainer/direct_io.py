@@ -30,6 +30,7 @@ tensors with sha256 of each chunk on the caller (sha256 alone: 0.093 s), medians
     RING=3        0.13-0.15 s wall, 0.14 s process CPU, of which the I/O thread 0.007 s (in os.write)
 RING=4 was no faster than 3. The extra CPU is the thread and first touching two more buffers' pages.
 """
+
 from __future__ import annotations
 
 import errno
@@ -42,9 +43,9 @@ from pathlib import Path
 from threading import Thread
 from typing import Optional
 
-ALIGN = 4096                # covers 512-byte and 4 KiB logical blocks
-BUFFER_BYTES = 8 << 20      # one staging buffer; a multiple of ALIGN
-RING = 3                    # staging buffers once writes go asynchronous (2 gave an inconsistent gain)
+ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
+BUFFER_BYTES = 8 << 20  # one staging buffer; a multiple of ALIGN
+RING = 3  # staging buffers once writes go asynchronous (2 gave an inconsistent gain)
 
 _pool: list[mmap.mmap] = []  # free staging buffers, kept for the next writer (see the module docstring)
 _pool_lock = threading.Lock()
@@ -96,14 +97,14 @@ class SequentialWriter:
         self.io_thread_cpu_s = 0.0
         self._fd: Optional[int] = None
         self._file = None
-        self._buffers: list[mmap.mmap] = []        # every staging buffer, to free at close
+        self._buffers: list[mmap.mmap] = []  # every staging buffer, to free at close
         self._staging: Optional[mmap.mmap] = None  # the one the caller is filling
         self._filled = 0
         self._flushed_any = False
         self._thread: Optional[Thread] = None
         self._full: queue.SimpleQueue = queue.SimpleQueue()  # buffers to write, in file order; None: stop
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # buffers written (or skipped after an error)
-        self._error: Optional[BaseException] = None          # the I/O thread's first error
+        self._error: Optional[BaseException] = None  # the I/O thread's first error
         self._closed = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -125,7 +126,7 @@ class SequentialWriter:
             return
         while len(view):
             take = min(len(view), BUFFER_BYTES - self._filled)
-            self._staging[self._filled:self._filled + take] = view[:take]
+            self._staging[self._filled : self._filled + take] = view[:take]
             self._filled += take
             view = view[take:]
             if self._filled < BUFFER_BYTES:
@@ -159,7 +160,7 @@ class SequentialWriter:
         os.close(self._fd)
         self._fd = None
         self._file = open(self.path, "wb")
-        self._file.write(self._staging[:self._filled])
+        self._file.write(self._staging[: self._filled])
         self._release_buffers()
         self.direct = False
         self._filled = 0
@@ -226,7 +227,7 @@ class SequentialWriter:
             self._raise_io_error()
             if self.direct and self._filled:
                 padded = -(-self._filled // ALIGN) * ALIGN
-                self._staging[self._filled:padded] = bytes(padded - self._filled)
+                self._staging[self._filled : padded] = bytes(padded - self._filled)
                 self._flush(padded)
             if self.direct:
                 os.ftruncate(self._fd, self.bytes_written)

@@ -16,6 +16,7 @@ columns, so every response starts at column P of the concatenated (B, P + R) seq
     truncated       (B,)   bool   True = the response hit max_new_tokens (finish_reason "length"), or None
                                   when the finish reasons were not given; read by train.mask_truncated
 """
+
 from __future__ import annotations
 
 import itertools
@@ -72,11 +73,17 @@ class ExperienceBatch:
     truncated: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_lists(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                   scores: Sequence[float], ref_logprobs: Sequence[Sequence[float]],
-                   rollout_logprobs: Optional[Sequence[Sequence[float]]] = None,
-                   group_ids: Optional[Sequence[int]] = None, pad_token_id: int = 0,
-                   finish_reasons: Optional[Sequence[str]] = None) -> "ExperienceBatch":
+    def from_lists(
+        cls,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        scores: Sequence[float],
+        ref_logprobs: Sequence[Sequence[float]],
+        rollout_logprobs: Optional[Sequence[Sequence[float]]] = None,
+        group_ids: Optional[Sequence[int]] = None,
+        pad_token_id: int = 0,
+        finish_reasons: Optional[Sequence[str]] = None,
+    ) -> "ExperienceBatch":
         """Pad ragged lists (the scored shards' columns of the same names; finish_reasons = `finish_reason`).
 
         rollout_logprobs None -> the batch has none (no mismatch metric; algo.tis_cap refuses it).
@@ -99,20 +106,27 @@ class ExperienceBatch:
                 per_token.append(("rollout_logprobs", rollout_logprobs[b]))
             for name, seq in per_token:
                 if len(seq) != len(response_ids[b]):
-                    raise ValueError(f"row {b}: {name} has {len(seq)} values for {len(response_ids[b])} response tokens")
+                    raise ValueError(
+                        f"row {b}: {name} has {len(seq)} values for {len(response_ids[b])} response tokens"
+                    )
         _check_contiguous_groups(group_ids)
         truncated = None if finish_reasons is None else _truncated(finish_reasons, n)
         width_p = max(len(p) for p in prompt_ids)
         width_r = max(1, max(len(r) for r in response_ids))  # >= 1 column even if every response is empty
         prompt, prompt_mask = left_pad(prompt_ids, width_p, pad_token_id)
-        return cls(prompt_ids=prompt, prompt_mask=prompt_mask,
-                   response_ids=right_pad(response_ids, width_r, pad_token_id, torch.long),
-                   response_mask=right_pad([[1.0] * len(r) for r in response_ids], width_r, 0.0, torch.float32),
-                   scores=torch.tensor(list(scores), dtype=torch.float32),
-                   ref_logprobs=right_pad(ref_logprobs, width_r, 0.0, torch.float32),
-                   rollout_logprobs=(right_pad(rollout_logprobs, width_r, 0.0, torch.float32)
-                                     if rollout_logprobs is not None else None),
-                   group_ids=torch.tensor(group_ids, dtype=torch.long), truncated=truncated)
+        return cls(
+            prompt_ids=prompt,
+            prompt_mask=prompt_mask,
+            response_ids=right_pad(response_ids, width_r, pad_token_id, torch.long),
+            response_mask=right_pad([[1.0] * len(r) for r in response_ids], width_r, 0.0, torch.float32),
+            scores=torch.tensor(list(scores), dtype=torch.float32),
+            ref_logprobs=right_pad(ref_logprobs, width_r, 0.0, torch.float32),
+            rollout_logprobs=(
+                right_pad(rollout_logprobs, width_r, 0.0, torch.float32) if rollout_logprobs is not None else None
+            ),
+            group_ids=torch.tensor(group_ids, dtype=torch.long),
+            truncated=truncated,
+        )
 
     def __len__(self) -> int:
         return self.scores.shape[0]
@@ -122,7 +136,9 @@ class ExperienceBatch:
         """Samples per group; ValueError when groups have different sizes."""
         _, counts = torch.unique_consecutive(self.group_ids, return_counts=True)
         if not bool((counts == counts[0]).all()):
-            raise ValueError(f"groups have different sizes {sorted(set(counts.tolist()))}; group estimators need equal groups")
+            raise ValueError(
+                f"groups have different sizes {sorted(set(counts.tolist()))}; group estimators need equal groups"
+            )
         return int(counts[0])
 
     def select(self, rows: torch.Tensor) -> "ExperienceBatch":
@@ -138,8 +154,10 @@ class ExperienceBatch:
         if not mask_truncated:
             return self.response_mask
         if self.truncated is None:
-            raise ValueError("train.mask_truncated needs each sample's finish_reason; this batch was built "
-                             "without finish_reasons (ExperienceBatch.from_lists(..., finish_reasons=...))")
+            raise ValueError(
+                "train.mask_truncated needs each sample's finish_reason; this batch was built "
+                "without finish_reasons (ExperienceBatch.from_lists(..., finish_reasons=...))"
+            )
         return self.response_mask * (~self.truncated).to(self.response_mask.dtype)[:, None]
 
 

@@ -24,6 +24,7 @@ Work that cannot change those outputs is not done (each cut is exact: same numbe
 Measured on the peer bench's 10M Llama (P=6, R=8, bf16 autocast, one core): forward + backward 0.85x
 the untrimmed pass.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,16 +53,19 @@ class ModelInputs(NamedTuple):
     response_width: int
 
 
-def build_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                 response_mask: torch.Tensor) -> ModelInputs:
+def build_inputs(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> ModelInputs:
     """Left-padded prompts (B, P) and right-padded responses (B, R) -> one (B, P + R - 1) forward input.
 
     Raises ValueError when P or R is 0 (no column predicts the first response token, or nothing to score).
     """
     width_p, width_r = prompt_ids.shape[1], response_ids.shape[1]
     if width_p == 0 or width_r == 0:
-        raise ValueError(f"a forward pass needs at least one prompt and one response column; got prompt "
-                         f"width {width_p} and response width {width_r}")
+        raise ValueError(
+            f"a forward pass needs at least one prompt and one response column; got prompt "
+            f"width {width_p} and response width {width_r}"
+        )
     input_ids = torch.cat([prompt_ids, response_ids[:, :-1]], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), response_mask[:, :-1].long()], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -148,9 +152,17 @@ class PolicyOutput(NamedTuple):
     entropy: Optional[torch.Tensor]
 
 
-def policy_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                   response_mask: torch.Tensor, temperature: float, chunk_size: int = 256,
-                   with_entropy: bool = False, entropy_grad: bool = False) -> PolicyOutput:
+def policy_forward(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    chunk_size: int = 256,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> PolicyOutput:
     """Log-probs (B, R) of the response tokens under a causal LM; padding positions hold junk (mask them).
 
     with_entropy: also return the entropy (B, R) of the sampling distribution at each response position;
@@ -160,8 +172,13 @@ def policy_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, r
     width_r = inputs.response_width
     extra = {"logits_to_keep": width_r} if _takes_logits_to_keep(model) else {}
     with last_layer_mlp_on(model, width_r):
-        out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                    position_ids=inputs.position_ids, use_cache=False, **extra)
+        out = model(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=False,
+            **extra,
+        )
     logits = out.logits[:, -width_r:]
     logprobs = selective_log_softmax(logits, response_ids, temperature, chunk_size)
     entropy = None
@@ -170,11 +187,13 @@ def policy_forward(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, r
     return PolicyOutput(logprobs, entropy)
 
 
-def critic_forward(critic, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                   response_mask: torch.Tensor) -> torch.Tensor:
+def critic_forward(
+    critic, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
     """Values (B, R): the critic's value of the state before each response token (float32)."""
     inputs = build_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     with last_layer_mlp_on(critic, inputs.response_width):
-        values = critic(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                        position_ids=inputs.position_ids)
-    return values[:, -inputs.response_width:]
+        values = critic(
+            input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids
+        )
+    return values[:, -inputs.response_width :]

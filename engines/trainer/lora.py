@@ -19,6 +19,7 @@ independently of peft's own `merge_and_unload` (the tests compare the two).
 Failure modes: a target name the model lacks raises ValueError naming model.lora.target_modules and listing
 the model's Linear names (`check_targets`, read from config.json on the meta device: no weights loaded).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,15 +48,23 @@ def check_targets(policy_path: str | Path, lora_cfg) -> None:
     available = linear_names(policy_path)
     missing = [t for t in lora_cfg.target_modules if t not in available]
     if missing:
-        raise ValueError(f"model.lora.target_modules={lora_cfg.target_modules}: {missing} not in the policy "
-                         f"{str(policy_path)!r}; its Linear modules are {available}")
+        raise ValueError(
+            f"model.lora.target_modules={lora_cfg.target_modules}: {missing} not in the policy "
+            f"{str(policy_path)!r}; its Linear modules are {available}"
+        )
 
 
 def peft_config(lora_cfg):
     from peft import LoraConfig, TaskType
 
-    return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                      target_modules=list(lora_cfg.target_modules), task_type=TaskType.CAUSAL_LM, bias="none")
+    return LoraConfig(
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules),
+        task_type=TaskType.CAUSAL_LM,
+        bias="none",
+    )
 
 
 def wrap_policy(policy: nn.Module, lora_cfg, adapter_dir: Optional[str | Path] = None) -> nn.Module:
@@ -119,8 +128,9 @@ def merged_state_dict(peft_state: dict[str, torch.Tensor], scaling: float) -> di
     return merged
 
 
-def save_lora_policy(peft_model, full_state: dict[str, torch.Tensor], policy_dir: str | Path,
-                     lora_cfg) -> dict[str, str]:
+def save_lora_policy(
+    peft_model, full_state: dict[str, torch.Tensor], policy_dir: str | Path, lora_cfg
+) -> dict[str, str]:
     """Write the merged HF folder to policy_dir and the adapter to policy_dir/adapter (module docstring).
 
     full_state: the PeftModel's full state dict (live or ZeRO-3 gathered). Returns {relative name: sha256} of
@@ -146,6 +156,12 @@ def shared_reference(trainer):
         return None
     from engines.scoring.reference import ReferenceModel
 
-    return ReferenceModel.shared_base(trainer.actor.module, cfg.model.policy_path, cfg.model.dtype,
-                                      cfg.rollout.temperature, cfg.train.micro_batch_size,
-                                      cfg.train.logprob_chunk, cfg.model.autocast_dtype)
+    return ReferenceModel.shared_base(
+        trainer.actor.module,
+        cfg.model.policy_path,
+        cfg.model.dtype,
+        cfg.rollout.temperature,
+        cfg.train.micro_batch_size,
+        cfg.train.logprob_chunk,
+        cfg.model.autocast_dtype,
+    )

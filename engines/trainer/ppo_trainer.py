@@ -35,6 +35,7 @@ torch.autocast; weights, gradients and AdamW state stay float32, log-probs and v
 
 Checkpoints: see engines/trainer/checkpoint.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,13 @@ from engines.ppo.reward_norm import RunningMoments
 from engines.ppo.reward_shaping import shape_scores
 from engines.ppo.rewards import token_level_rewards
 from engines.trainer import checkpoint, lora
-from engines.trainer.deepspeed_setup import (deepspeed_config, lr_multiplier, make_engine, setup_distributed,
-                                             sum_over_ranks)
+from engines.trainer.deepspeed_setup import (
+    deepspeed_config,
+    lr_multiplier,
+    make_engine,
+    setup_distributed,
+    sum_over_ranks,
+)
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 
@@ -115,8 +121,7 @@ def _ragged(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
 class PPOTrainer:
     """Actor (and critic) as DeepSpeed engines. `trainer_state_dir` resumes optimizer/scheduler/KL/RNG."""
 
-    def __init__(self, cfg, policy_dir: str, critic_dir: Optional[str] = None,
-                 trainer_state_dir: Optional[str] = None):
+    def __init__(self, cfg, policy_dir: str, critic_dir: Optional[str] = None, trainer_state_dir: Optional[str] = None):
         setup_distributed()
         if trainer_state_dir is None:
             # A fresh trainer draws new parameters (the critic's value head): seed them from the run, not
@@ -130,16 +135,19 @@ class PPOTrainer:
         steps_per_update = cfg.train.ppo_epochs * (cfg.rollout_batch_size // self.train_batch_size)
         factor = lr_multiplier(cfg.train.warmup_steps, cfg.run.iterations * steps_per_update, cfg.train.lr_schedule)
         policy = lora.load_actor(cfg, policy_dir)  # with gradient checkpointing / LoRA as configured
-        self.actor = make_engine(policy, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size,
-                                                          cfg.train.actor_lr), factor)
+        self.actor = make_engine(
+            policy, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.actor_lr), factor
+        )
         self.critic = None
         if cfg.algo.uses_critic:
-            critic = load_critic(critic_dir or cfg.model.critic_path or policy_dir, cfg.model.dtype,
-                                 cfg.model.attn_implementation)
+            critic = load_critic(
+                critic_dir or cfg.model.critic_path or policy_dir, cfg.model.dtype, cfg.model.attn_implementation
+            )
             if cfg.model.gradient_checkpointing:
                 critic.gradient_checkpointing_enable()
-            self.critic = make_engine(critic, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size,
-                                                               cfg.train.critic_lr), factor)
+            self.critic = make_engine(
+                critic, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.critic_lr), factor
+            )
         self.kl_controller = make_kl_controller(cfg.algo)
         self.loss_agg = cfg.algo.resolved_loss_agg
         self.reward_normalizer = RunningMoments() if cfg.reward.normalize == "running" else None
@@ -154,9 +162,17 @@ class PPOTrainer:
 
     def _policy_forward(self, mb: ExperienceBatch, with_entropy: bool = False) -> PolicyOutput:
         with self._autocast():
-            return policy_forward(self.actor, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                  self.cfg.rollout.temperature, self.cfg.train.logprob_chunk,
-                                  with_entropy=with_entropy, entropy_grad=self.cfg.algo.entropy_coef != 0)
+            return policy_forward(
+                self.actor,
+                mb.prompt_ids,
+                mb.prompt_mask,
+                mb.response_ids,
+                mb.response_mask,
+                self.cfg.rollout.temperature,
+                self.cfg.train.logprob_chunk,
+                with_entropy=with_entropy,
+                entropy_grad=self.cfg.algo.entropy_coef != 0,
+            )
 
     def _critic_forward(self, mb: ExperienceBatch) -> torch.Tensor:
         with self._autocast():
@@ -208,9 +224,11 @@ class PPOTrainer:
         actor's and the critic's graphs are alive together until the first backward (peak activation
         memory of both models instead of one).
         """
-        return (len(batch) == self.train_batch_size
-                and self.actor.train_micro_batch_size_per_gpu() >= len(batch)
-                and (self.critic is None or self.critic.train_micro_batch_size_per_gpu() >= len(batch)))
+        return (
+            len(batch) == self.train_batch_size
+            and self.actor.train_micro_batch_size_per_gpu() >= len(batch)
+            and (self.critic is None or self.critic.train_micro_batch_size_per_gpu() >= len(batch))
+        )
 
     def _first_forward(self, batch: ExperienceBatch) -> _FirstForward:
         """The first epoch's forward over all rows in batch order, with grad (see `_old_from_first_forward`)."""
@@ -225,14 +243,24 @@ class PPOTrainer:
         token_rewards = token_level_rewards(batch.scores, kl, mask, reward_kl_coef, self.cfg.reward.clip)
         group_size = batch.group_size if get_algorithm(algo.name).needs_groups else 1
         return ppo_advantages.compute_advantages(
-            algo.name, scores=batch.scores, token_rewards=token_rewards, response_mask=mask, values=values,
-            group_size=group_size, gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
-            reward_clip=self.cfg.reward.clip)
+            algo.name,
+            scores=batch.scores,
+            token_rewards=token_rewards,
+            response_mask=mask,
+            values=values,
+            group_size=group_size,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            whiten=algo.whiten_advantages,
+            reward_clip=self.cfg.reward.clip,
+        )
 
     def _check_batch(self, batch: ExperienceBatch) -> None:
         if len(batch) % self.train_batch_size:
-            raise ValueError(f"update batch has {len(batch)} samples, not a multiple of the train batch "
-                             f"{self.train_batch_size} (train.train_batch_size)")
+            raise ValueError(
+                f"update batch has {len(batch)} samples, not a multiple of the train batch "
+                f"{self.train_batch_size} (train.train_batch_size)"
+            )
         if self.cfg.algo.tis_cap is not None and batch.rollout_logprobs is None:
             raise ValueError("algo.tis_cap needs the sampler's log-probs, but this batch has no rollout_logprobs")
         batch.loss_mask(self.cfg.train.mask_truncated)  # raises when truncation is asked for but unknown
@@ -240,9 +268,13 @@ class PPOTrainer:
     def _shaped(self, batch: ExperienceBatch) -> tuple[ExperienceBatch, dict[str, float]]:
         """The batch with its scores shaped (reward.normalize, reward.overlong), and the shaping metrics."""
         overlong = self.cfg.reward.overlong
-        scores, metrics = shape_scores(batch.scores, batch.response_mask, self.reward_normalizer,
-                                       (overlong.buffer, overlong.penalty) if overlong is not None else None,
-                                       self.cfg.rollout.max_new_tokens)
+        scores, metrics = shape_scores(
+            batch.scores,
+            batch.response_mask,
+            self.reward_normalizer,
+            (overlong.buffer, overlong.penalty) if overlong is not None else None,
+            self.cfg.rollout.max_new_tokens,
+        )
         return dataclasses.replace(batch, scores=scores), metrics
 
     def update(self, batch: ExperienceBatch) -> UpdateResult:
@@ -270,7 +302,7 @@ class PPOTrainer:
                 continue
             order = torch.randperm(len(batch), generator=self._shuffle_generator(epoch))
             for start in range(0, len(batch), self.train_batch_size):
-                rows = order[start:start + self.train_batch_size].to(self.device)
+                rows = order[start : start + self.train_batch_size].to(self.device)
                 self._optimizer_step(batch, rows, old_logprobs, values, adv, sums)
         kl_mean = float(masked_mean(kl, mask))
         kl_per_sequence = float(masked_sum(kl, mask, dim=-1).mean())
@@ -282,34 +314,46 @@ class PPOTrainer:
         # per-token mean would be ~length times smaller and drive beta down for as long as the run lasts).
         self.kl_controller.update(kl_per_sequence, len(batch))
         self.update_count += 1
-        return UpdateResult(metrics, _ragged(old_logprobs, mask),
-                            _ragged(values, mask) if values is not None else [[] for _ in range(len(batch))],
-                            _ragged(adv.advantages, mask), _ragged(adv.returns, mask))
+        return UpdateResult(
+            metrics,
+            _ragged(old_logprobs, mask),
+            _ragged(values, mask) if values is not None else [[] for _ in range(len(batch))],
+            _ragged(adv.advantages, mask),
+            _ragged(adv.returns, mask),
+        )
 
     def _shuffle_generator(self, epoch: int) -> torch.Generator:
         digest = hashlib.sha256(f"{self.cfg.run.seed}:{self.update_count}:{epoch}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
     # -- stage 4: one optimizer step, accumulated over micro-batches -----------------------------------
-    def _optimizer_step(self, batch, rows, old_logprobs, values, adv, sums: _Sums,
-                        first: Optional[_FirstForward] = None) -> None:
+    def _optimizer_step(
+        self, batch, rows, old_logprobs, values, adv, sums: _Sums, first: Optional[_FirstForward] = None
+    ) -> None:
         """One optimizer step over `rows`; `first` (only with rows = the whole batch in order, one micro-batch)
         supplies the forward outputs instead of new forward passes."""
         micro = self.actor.train_micro_batch_size_per_gpu()
         mask_truncated = self.cfg.train.mask_truncated
         norm = step_norm(batch.select(rows).loss_mask(mask_truncated), self.cfg.loss_agg_norm)  # the whole step's
-        rows = rows[self.actor.global_rank::self.actor.world_size]  # this rank's share (module docstring)
+        rows = rows[self.actor.global_rank :: self.actor.world_size]  # this rank's share (module docstring)
         step_losses = {"loss/policy": 0.0, "loss/value": 0.0}
         for start in range(0, len(rows), micro):
-            r = rows[start:start + micro]
+            r = rows[start : start + micro]
             mb = batch.select(r)
             loss_mask = mb.loss_mask(mask_truncated)
             step_losses["loss/policy"] += self._actor_micro_step(
-                mb, loss_mask, old_logprobs[r], adv.advantages[r], norm, sums,
-                first.policy if first is not None else None)
+                mb,
+                loss_mask,
+                old_logprobs[r],
+                adv.advantages[r],
+                norm,
+                sums,
+                first.policy if first is not None else None,
+            )
             if self.critic is not None:
                 step_losses["loss/value"] += self._critic_micro_step(
-                    mb, loss_mask, values[r], adv.returns[r], norm, sums, first.values if first is not None else None)
+                    mb, loss_mask, values[r], adv.returns[r], norm, sums, first.values if first is not None else None
+                )
         # The step's loss is the sum of its micro-batch shares (each aggregated with the step's denominators),
         # over all ranks.
         step_losses = sum_over_ranks(step_losses, self.actor.world_size)
@@ -337,8 +381,16 @@ class PPOTrainer:
             sums.add(f"optim/{role}_grad_norm", float(norm))
         sums.add(f"optim/{role}_lr", engine.get_lr()[0])
 
-    def _actor_micro_step(self, mb: ExperienceBatch, loss_mask, old_logprobs, advantages, norm: StepNorm, sums,
-                          out: Optional[PolicyOutput] = None) -> float:
+    def _actor_micro_step(
+        self,
+        mb: ExperienceBatch,
+        loss_mask,
+        old_logprobs,
+        advantages,
+        norm: StepNorm,
+        sums,
+        out: Optional[PolicyOutput] = None,
+    ) -> float:
         """Loss, backward and (at the step's boundary) optimizer step; `out`: this micro-batch's forward, taken
         already. loss_mask (b, R): 1 = the token counts. Returns this micro-batch's share of the step's loss."""
         algo = self.cfg.algo
@@ -348,18 +400,29 @@ class PPOTrainer:
         weight = float(loss_mask.sum())
         tis_weights = None
         if algo.tis_cap is not None:
-            tis_weights, tis_mean, tis_clipfrac = truncated_is_weights(old_logprobs, mb.rollout_logprobs, loss_mask,
-                                                                       algo.tis_cap)
+            tis_weights, tis_mean, tis_clipfrac = truncated_is_weights(
+                old_logprobs, mb.rollout_logprobs, loss_mask, algo.tis_cap
+            )
             sums.add("tis/weight_mean", tis_mean, weight)
             sums.add("tis/clipfrac", tis_clipfrac, weight)
-        pl = policy_loss(out.logprobs, old_logprobs, advantages, loss_mask, algo.clip_low, algo.clip_high,
-                         algo.dual_clip, token_weights=tis_weights, **agg)
+        pl = policy_loss(
+            out.logprobs,
+            old_logprobs,
+            advantages,
+            loss_mask,
+            algo.clip_low,
+            algo.clip_high,
+            algo.dual_clip,
+            token_weights=tis_weights,
+            **agg,
+        )
         loss = pl.loss
         if algo.entropy_coef != 0:
             loss = loss + algo.entropy_coef * entropy_loss(out.entropy, loss_mask, **agg)
         if not algo.kl_in_reward and self.kl_controller.value > 0:
-            loss = loss + self.kl_controller.value * kl_loss(out.logprobs, mb.ref_logprobs, loss_mask,
-                                                             algo.kl_estimator, KL_CLAMP, **agg)
+            loss = loss + self.kl_controller.value * kl_loss(
+                out.logprobs, mb.ref_logprobs, loss_mask, algo.kl_estimator, KL_CLAMP, **agg
+            )
         self.actor.backward(loss * self.actor.world_size, scale_wrt_gas=False)  # undo DeepSpeed's rank average
         self._engine_step("actor", self.actor)
         if weight > 0:  # a micro-batch of masked samples only has no tokens to average diagnostics over
@@ -369,12 +432,29 @@ class PPOTrainer:
             sums.add("policy/entropy", masked_mean(out.entropy.detach(), loss_mask), weight)
         return float(loss.detach())
 
-    def _critic_micro_step(self, mb: ExperienceBatch, loss_mask, old_values, returns, norm: StepNorm, sums,
-                           values: Optional[torch.Tensor] = None) -> float:
+    def _critic_micro_step(
+        self,
+        mb: ExperienceBatch,
+        loss_mask,
+        old_values,
+        returns,
+        norm: StepNorm,
+        sums,
+        values: Optional[torch.Tensor] = None,
+    ) -> float:
         if values is None:
             values = self._critic_forward(mb)
-        vl = value_loss(values, old_values, returns, loss_mask, self.cfg.algo.value_clip, agg_mode=self.loss_agg,
-                        num_tokens=norm.num_tokens, num_seqs=norm.num_seqs, max_len=norm.max_len)
+        vl = value_loss(
+            values,
+            old_values,
+            returns,
+            loss_mask,
+            self.cfg.algo.value_clip,
+            agg_mode=self.loss_agg,
+            num_tokens=norm.num_tokens,
+            num_seqs=norm.num_seqs,
+            max_len=norm.max_len,
+        )
         self.critic.backward(vl.loss * self.critic.world_size, scale_wrt_gas=False)
         self._engine_step("critic", self.critic)
         weight = float(loss_mask.sum())
@@ -396,8 +476,9 @@ class PPOTrainer:
             metrics["reward/std"] = float(batch.scores.std())
         if batch.rollout_logprobs is not None:
             # How far the sampler's log-probs are from the trainer's for the same weights (should be ~0).
-            metrics["rollout/logprob_abs_diff"] = float(masked_mean((batch.rollout_logprobs - old_logprobs).abs(),
-                                                                    mask))
+            metrics["rollout/logprob_abs_diff"] = float(
+                masked_mean((batch.rollout_logprobs - old_logprobs).abs(), mask)
+            )
         if batch.truncated is not None:
             metrics["response/truncated_fraction"] = float(batch.truncated.float().mean())
         if values is not None:

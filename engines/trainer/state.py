@@ -6,6 +6,7 @@ every other leaf to `<stem>.json` (a tensor leaf is recorded as {"__tensor__": k
 it exactly. Leaves that are neither JSON values nor tensors (e.g. a torch.dtype) are written as tagged
 strings that load back to the same object; anything else is an error naming its path, never pickled.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,13 +78,23 @@ def is_open_format(value: Any) -> bool:
 
 # Below this, a file's page-cache copy costs little and O_DIRECT's staging copy gains nothing.
 DIRECT_MIN_BYTES = 16 << 20
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
-                      metadata: Optional[dict[str, str]] = None) -> str:
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | Path, metadata: Optional[dict[str, str]] = None
+) -> str:
     """Write `tensors` as a safetensors file at `path`; returns the sha256 (hex) of the bytes written.
 
     Layout (the safetensors format): 8-byte little-endian header length, a JSON header
@@ -102,8 +113,11 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
             raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + raw.numel()]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + raw.numel()],
+        }
         views.append(raw.numpy())
         offset += raw.numel()
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
@@ -128,8 +142,10 @@ def save_nested(obj: Any, folder: str | Path, stem: str) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(structure).encode()
     (out / f"{stem}.json").write_bytes(text)
-    return {f"{stem}.safetensors": write_safetensors(tensors, out / f"{stem}.safetensors"),
-            f"{stem}.json": hashlib.sha256(text).hexdigest()}
+    return {
+        f"{stem}.safetensors": write_safetensors(tensors, out / f"{stem}.safetensors"),
+        f"{stem}.json": hashlib.sha256(text).hexdigest(),
+    }
 
 
 def load_nested(folder: str | Path, stem: str) -> Any:
@@ -147,9 +163,17 @@ def load_nested(folder: str | Path, stem: str) -> Any:
 def rng_state() -> dict[str, Any]:
     """Python, numpy and torch RNG states (torch's as a uint8 tensor)."""
     np_state = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -161,6 +185,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))

@@ -1,4 +1,5 @@
 """A small, fast pipeline config for integration tests (tiny model, HF engine, a few prompts)."""
+
 from __future__ import annotations
 
 from engines.toy.run_config import toy_config
@@ -9,8 +10,16 @@ SMALL = {
     "rollout": {"engine": "hf", "prompts_per_iteration": 8, "n_samples": 2, "max_new_tokens": 4},
     "data": {"data_source_key": None},
     "algo": {"name": "ppo", "kl_coef": 0.01},
-    "train": {"micro_batch_size": 8, "train_batch_size": None, "ppo_epochs": 1, "actor_lr": 1e-3,
-              "critic_lr": 1e-3, "zero_stage": 2, "warmup_steps": 0, "lr_schedule": "constant"},
+    "train": {
+        "micro_batch_size": 8,
+        "train_batch_size": None,
+        "ppo_epochs": 1,
+        "actor_lr": 1e-3,
+        "critic_lr": 1e-3,
+        "zero_stage": 2,
+        "warmup_steps": 0,
+        "lr_schedule": "constant",
+    },
     "pipeline": {"retries": 0, "retry_delay_s": 0},
 }
 

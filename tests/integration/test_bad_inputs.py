@@ -11,6 +11,7 @@ Most cases go through the config loader and flows.preflight.preflight in this pr
 calls first); five go through the real CLI (`python -m flows.cli train CONFIG --set ...`) in a subprocess
 and also assert its exit code.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,11 @@ RUN = "kept"
 
 def folder_digest(folder: Path) -> dict[str, str]:
     """{relative path: sha256} of every file under `folder`."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +63,9 @@ def _bad_files(folder: Path, model_dir: Path) -> Path:
     """Broken copies of the inputs: data files and model folders, each wrong in one way."""
     folder.mkdir()
     (folder / "empty.jsonl").write_text("")
-    (folder / "latin1.jsonl").write_bytes('{"prompt": "a", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n'
-                                          .encode("latin-1"))
+    (folder / "latin1.jsonl").write_bytes(
+        '{"prompt": "a", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n'.encode("latin-1")
+    )
     (folder / "broken.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": "2"}\n{"prompt"\n')
     (folder / "nolabel.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n')
     (folder / "data.csv").write_text("prompt,label\na,1\n")
@@ -77,8 +82,11 @@ def _bad_files(folder: Path, model_dir: Path) -> Path:
 
 # (id, overrides, fragments the message must hold). "{bad}" is the folder of broken inputs.
 CONFIG_CASES = [
-    ("weight-nan", ["reward.sources=[{kind: function, target: 'engines.toy.task:reward_func', weight: .nan}]"],
-     ["reward.sources.0.weight", "NaN", "finite"]),
+    (
+        "weight-nan",
+        ["reward.sources=[{kind: function, target: 'engines.toy.task:reward_func', weight: .nan}]"],
+        ["reward.sources.0.weight", "NaN", "finite"],
+    ),
     ("no-sources", ["reward.sources=[]"], ["reward.sources", "at least 1"]),
     ("name-dotdot", ["run.name=.."], ["run.name", '".."', "plain folder name"]),
     ("name-dot", ["run.name=."], ["run.name", '"."', "score cache"]),
@@ -93,10 +101,16 @@ CONFIG_CASES = [
     ("batch-zero", ["train.train_batch_size=0"], ["train.train_batch_size", "0", "greater than or equal to 1"]),
     ("batch-negative", ["train.train_batch_size=-4"], ["train.train_batch_size", "-4", "greater than or equal to 1"]),
     ("batch-not-dividing", ["train.train_batch_size=5"], ["train.train_batch_size=5", "divide the rollout batch"]),
-    ("micro-not-dividing", ["train.train_batch_size=16", "train.micro_batch_size=6"],
-     ["train.micro_batch_size=6", "16"]),
-    ("pool-typo", ["pipeline.stage_pools={rollut: ppo-rollout/ppo-rollout}"],
-     ["pipeline.stage_pools", "'rollut'", "rollout, score, update, checkpoint"]),
+    (
+        "micro-not-dividing",
+        ["train.train_batch_size=16", "train.micro_batch_size=6"],
+        ["train.micro_batch_size=6", "16"],
+    ),
+    (
+        "pool-typo",
+        ["pipeline.stage_pools={rollut: ppo-rollout/ppo-rollout}"],
+        ["pipeline.stage_pools", "'rollut'", "rollout, score, update, checkpoint"],
+    ),
     ("kl-inf", ["algo.kl_coef=.inf"], ["algo.kl_coef", "Infinity", "finite"]),
     ("value-clip", ["algo.value_clip=0"], ["algo.value_clip", "greater than 0"]),
     ("unknown-key", ["algo.kl_coeff=0.1"], ["algo.kl_coeff", "Extra inputs are not permitted"]),
@@ -109,26 +123,50 @@ PREFLIGHT_CASES = [
     ("data-empty", ["data.path={bad}/empty.jsonl"], ["data.path", "empty.jsonl' is empty"]),
     ("data-not-utf8", ["data.path={bad}/latin1.jsonl"], ["latin1.jsonl' line 2: not UTF-8", "0xe9"]),
     ("data-not-json", ["data.path={bad}/broken.jsonl"], ["broken.jsonl' line 3: not JSON"]),
-    ("data-label-missing-on-a-line", ["data.path={bad}/nolabel.jsonl"],
-     ["nolabel.jsonl' line 2: no key 'label' (data.label_key)"]),
+    (
+        "data-label-missing-on-a-line",
+        ["data.path={bad}/nolabel.jsonl"],
+        ["nolabel.jsonl' line 2: no key 'label' (data.label_key)"],
+    ),
     ("data-csv", ["data.path={bad}/data.csv"], ["data.csv", "unsupported file type '.csv'"]),
     ("prompt-too-long", ["data.max_prompt_tokens=2"], ["data.path", "row ", "max_prompt_tokens=2"]),
     ("policy-missing", ["model.policy_path={bad}/no-model"], ["model.policy_path", "no-model' not found"]),
-    ("policy-truncated", ["model.policy_path={bad}/truncated-model"],
-     ["model.policy_path", "truncated-model/model.safetensors", "(truncated)"]),
-    ("policy-no-config", ["model.policy_path={bad}/no-config-model"],
-     ["model.policy_path", "no-config-model/config.json is missing"]),
-    ("policy-no-tokenizer", ["model.policy_path={bad}/no-tokenizer-model"],
-     ["model.policy_path", "no-tokenizer-model: no tokenizer files"]),
-    ("stop-token-outside-vocab", ["rollout.stop_token_ids=[2, 64]"],
-     ["rollout.stop_token_ids", "[64]", "vocab_size 64"]),  # the tiny Llama's ids are 0..63
+    (
+        "policy-truncated",
+        ["model.policy_path={bad}/truncated-model"],
+        ["model.policy_path", "truncated-model/model.safetensors", "(truncated)"],
+    ),
+    (
+        "policy-no-config",
+        ["model.policy_path={bad}/no-config-model"],
+        ["model.policy_path", "no-config-model/config.json is missing"],
+    ),
+    (
+        "policy-no-tokenizer",
+        ["model.policy_path={bad}/no-tokenizer-model"],
+        ["model.policy_path", "no-tokenizer-model: no tokenizer files"],
+    ),
+    (
+        "stop-token-outside-vocab",
+        ["rollout.stop_token_ids=[2, 64]"],
+        ["rollout.stop_token_ids", "[64]", "vocab_size 64"],
+    ),  # the tiny Llama's ids are 0..63
     ("critic-truncated", ["model.critic_path={bad}/truncated-model"], ["model.critic_path", "(truncated)"]),
-    ("reward-file-missing", ["reward.sources=[{kind: function, target: '{bad}/rewards.py:score'}]"],
-     ["reward.sources.0.target", "rewards.py' not found"]),
-    ("reward-model-missing", ["reward.sources=[{kind: model, target: '{bad}/no-rm'}]"],
-     ["reward.sources.0.target", "no-rm' not found"]),
-    ("deployment-missing", ["pipeline.stage_pools={score: ppo-score/not-deployed}"],
-     ["pipeline.stage_pools.score", "'ppo-score/not-deployed' does not exist", "deployments there:"]),
+    (
+        "reward-file-missing",
+        ["reward.sources=[{kind: function, target: '{bad}/rewards.py:score'}]"],
+        ["reward.sources.0.target", "rewards.py' not found"],
+    ),
+    (
+        "reward-model-missing",
+        ["reward.sources=[{kind: model, target: '{bad}/no-rm'}]"],
+        ["reward.sources.0.target", "no-rm' not found"],
+    ),
+    (
+        "deployment-missing",
+        ["pipeline.stage_pools={score: ppo-score/not-deployed}"],
+        ["pipeline.stage_pools.score", "'ppo-score/not-deployed' does not exist", "deployments there:"],
+    ),
 ]
 
 
@@ -148,8 +186,9 @@ def _refuse_in_process(config_path: Path, overrides: list[str]) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("case, overrides, fragments", CONFIG_CASES + PREFLIGHT_CASES,
-                         ids=[c[0] for c in CONFIG_CASES + PREFLIGHT_CASES])
+@pytest.mark.parametrize(
+    "case, overrides, fragments", CONFIG_CASES + PREFLIGHT_CASES, ids=[c[0] for c in CONFIG_CASES + PREFLIGHT_CASES]
+)
 def test_refused_before_work(kept_run, prefect_api, case, overrides, fragments):
     config_path, run_dir, digest, bad = kept_run
     overrides = [o.replace("{bad}", str(bad)) for o in overrides]
@@ -162,8 +201,9 @@ def test_refused_before_work(kept_run, prefect_api, case, overrides, fragments):
 
 def test_missing_bucket_is_named(kept_run, s3_server):
     config_path, run_dir, digest, _bad = kept_run
-    message = _refuse_in_process(config_path, ["run.root=s3://no-such-bucket/runs",
-                                               f"storage.endpoint_url={s3_server}"])
+    message = _refuse_in_process(
+        config_path, ["run.root=s3://no-such-bucket/runs", f"storage.endpoint_url={s3_server}"]
+    )
     _check_refusal(message, ["run.root", "bucket 'no-such-bucket' does not exist", s3_server], run_dir, digest)
 
 
@@ -185,8 +225,13 @@ def test_cli_refuses_with_an_exit_code(kept_run, prefect_api, case, overrides, f
     args = [a for o in overrides for a in ("--set", o.replace("{bad}", str(bad)))]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(config_path), *args], env=env,
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", str(config_path), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     elapsed = time.monotonic() - start
     assert done.returncode != 0, done.stdout[-2000:]
     _check_refusal(done.stdout + done.stderr, [f.replace("{bad}", str(bad)) for f in fragments], run_dir, digest)

@@ -6,6 +6,7 @@ The real CLI runs in a subprocess against the session's Prefect server, with the
 down by `--set` (HF generate instead of vLLM, 8 prompts x 2 samples of 4 tokens) so that a run takes
 seconds of compute. vLLM's quiet path is checked by hand (see the report in the README's Terminal section).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,27 +20,39 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = 3
-SMALL = ["rollout.engine=hf", "rollout.prompts_per_iteration=8", "rollout.n_samples=2", "rollout.max_new_tokens=4",
-         "train.train_batch_size=16", "train.micro_batch_size=16", "train.ppo_epochs=1", "pipeline.retries=0"]
+SMALL = [
+    "rollout.engine=hf",
+    "rollout.prompts_per_iteration=8",
+    "rollout.n_samples=2",
+    "rollout.max_new_tokens=4",
+    "train.train_batch_size=16",
+    "train.micro_batch_size=16",
+    "train.ppo_epochs=1",
+    "pipeline.retries=0",
+]
 # Lines that only the libraries print: vLLM's "(EngineCore pid=..) INFO", Prefect's "12:00:00.000 | INFO |",
 # transformers' loading bars and LOAD REPORT, DeepSpeed's "[real_accelerator.py:..]", Python warnings.
-LIBRARY_LINE = re.compile(r"pid=\d+\)|\d\d:\d\d:\d\d\.\d+ \| |Loading weights|LOAD REPORT|Writing model shards|"
-                          r"real_accelerator|Warning|WARNING|INFO|Flow run|Task run|prefect|vllm|Traceback")
+LIBRARY_LINE = re.compile(
+    r"pid=\d+\)|\d\d:\d\d:\d\d\.\d+ \| |Loading weights|LOAD REPORT|Writing model shards|"
+    r"real_accelerator|Warning|WARNING|INFO|Flow run|Task run|prefect|vllm|Traceback"
+)
 
 pytestmark = pytest.mark.slow
 
 
 def _demo(root: Path, prefect_server: str, *extra: str, model_dir, data_dir) -> subprocess.CompletedProcess:
     # Variables DeepSpeed set in this test process (earlier tests) would make the child reuse its port.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(PYTHONPATH=str(REPO), PREFECT_API_URL=prefect_server, COLUMNS="120")
     sets = [f"model.policy_path={model_dir}", f"data.path={data_dir}", *SMALL]
     args = [sys.executable, "-m", "flows.cli", "demo", "--root", str(root), "--iterations", str(ITERATIONS)]
     for item in sets:
         args += ["--set", item]
-    return subprocess.run(args + list(extra), cwd=root.parent, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(args + list(extra), cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +70,7 @@ def test_demo_terminal_shows_progress_and_table_only(demo_run):
     assert not noise, "library output reached the terminal:\n" + "\n".join(noise[:20])
     assert "Traceback" not in result.stdout + result.stderr
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["iter", "reward", "kl"])
-    rows = [line.split() for line in lines[header + 1:header + 1 + ITERATIONS]]
+    rows = [line.split() for line in lines[header + 1 : header + 1 + ITERATIONS]]
     assert [int(r[0]) for r in rows] == list(range(1, ITERATIONS + 1))
     metrics = [json.loads(x) for x in (root / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert [float(r[1]) for r in rows] == pytest.approx([round(m["reward/mean"], 3) for m in metrics], abs=1e-3)
@@ -78,8 +91,9 @@ def test_tensorboard_events_hold_every_iteration_and_plot_is_a_png(demo_run, tmp
 
     root, _ = demo_run
     metrics = [json.loads(x) for x in (root / "demo" / "metrics.jsonl").read_text().splitlines()]
-    acc = event_accumulator.EventAccumulator(str(root / "demo" / "tensorboard"),
-                                             size_guidance={event_accumulator.SCALARS: 0})
+    acc = event_accumulator.EventAccumulator(
+        str(root / "demo" / "tensorboard"), size_guidance={event_accumulator.SCALARS: 0}
+    )
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"reward/mean", "kl/mean", "timing/rollout", "timing/update"} <= tags
@@ -90,8 +104,13 @@ def test_tensorboard_events_hold_every_iteration_and_plot_is_a_png(demo_run, tmp
 
     out = tmp_path / "plot.png"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    plotted = subprocess.run([sys.executable, "-m", "flows.cli", "runs", "plot", "demo", "--root", str(root),
-                              "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    plotted = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "runs", "plot", "demo", "--root", str(root), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plotted.returncode == 0, plotted.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -100,11 +119,14 @@ def test_tensorboard_events_hold_every_iteration_and_plot_is_a_png(demo_run, tmp
     assert image.shape[0] > 100 and image.shape[1] > 100
 
 
-def test_a_failing_reward_gives_one_message_and_the_traceback_in_the_log(tmp_path, prefect_server, tiny_model_dir,
-                                                                         digits_dataset_dir):
+def test_a_failing_reward_gives_one_message_and_the_traceback_in_the_log(
+    tmp_path, prefect_server, tiny_model_dir, digits_dataset_dir
+):
     boom = tmp_path / "boom.py"
-    boom.write_text("def reward_func(queries, prompts, labels, **kwargs):\n"
-                    "    raise ValueError('boom: this reward function always fails')\n")
+    boom.write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n"
+        "    raise ValueError('boom: this reward function always fails')\n"
+    )
     root = tmp_path / "runs"
     source = f"reward.sources=[{{kind: function, target: '{boom}:reward_func'}}]"
     result = _demo(root, prefect_server, "--set", source, model_dir=tiny_model_dir, data_dir=digits_dataset_dir)

@@ -5,6 +5,7 @@ Sequence: start 1 is killed in iteration 1's update; start 2 marks start 1's flo
 itself before iteration 1; the retry of start 1 (a new process, Prefect's own CLI) marks start 2 Crashed,
 trains both iterations and ends Completed.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,14 @@ def _env() -> dict:
 
 
 def _killed_train(config_path: Path, kill: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tests.fixtures.kill_cli", kill, "train", str(config_path)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.fixtures.kill_cli", kill, "train", str(config_path)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _training_runs(client, name: str) -> list:
@@ -37,8 +44,9 @@ def _training_runs(client, name: str) -> list:
     return sorted(runs, key=lambda fr: fr.created)
 
 
-def test_a_killed_run_is_marked_crashed_and_the_prefect_retry_resumes_it(prefect_api, tmp_path, tiny_model_dir,
-                                                                        digits_dataset_dir):
+def test_a_killed_run_is_marked_crashed_and_the_prefect_retry_resumes_it(
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
+):
     from prefect.client.orchestration import get_client
 
     from storage.checkpoints import latest_iteration
@@ -59,13 +67,32 @@ def test_a_killed_run_is_marked_crashed_and_the_prefect_retry_resumes_it(prefect
     with get_client(sync_client=True) as client:
         run_1, run_2 = _training_runs(client, "crashy")
         assert run_1.state.type.value == "CRASHED" and "died" in run_1.state.message, run_1.state
-        subflows = [fr for fr in client.read_flow_runs(limit=200) if fr.parent_task_run_id is not None
-                    and fr.name.startswith("ppo-iter-") and fr.state.type.value == "RUNNING"]
+        subflows = [
+            fr
+            for fr in client.read_flow_runs(limit=200)
+            if fr.parent_task_run_id is not None
+            and fr.name.startswith("ppo-iter-")
+            and fr.state.type.value == "RUNNING"
+        ]
         assert subflows == [], [(fr.name, fr.state) for fr in subflows]  # start 1's iteration subflow too
 
-    retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", str(run_1.id),
-                            "--entrypoint", "flows/training.py:ppo_training"], cwd=REPO, env=_env(),
-                           capture_output=True, text=True, timeout=600)
+    retry = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "flow-run",
+            "retry",
+            str(run_1.id),
+            "--entrypoint",
+            "flows/training.py:ppo_training",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
     with get_client(sync_client=True) as client:
         run_1, run_2 = _training_runs(client, "crashy")

@@ -1,5 +1,6 @@
 """DeepSpeed on one CPU rank: its shared-memory all-reduce op is not compiled (nothing to reduce; the build
 took 35 s on 2 cores on every fresh machine), and an engine still trains."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ def test_one_cpu_rank_builds_no_shared_memory_comm_op(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "CUDA_VISIBLE_DEVICES": ""}
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-c", ONE_RANK, str(REPO)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_RANK, str(REPO)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"shm_op": False, "moved": True}

@@ -1,5 +1,6 @@
 """The bare engine loop hands the actor's weights to an in-process HF engine in memory (no folder written),
 and the engine registry then stops claiming the engine serves the folder it was built from."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ LR of 1e-3 (faster than the bench's 5e-4 cosine recipe, which trades speed for a
 at least 0.3 over the first iteration, averaged over the last 3 iterations so one lucky batch cannot pass.
 In the runs made when this was written, both algorithms were near 0.5-0.8 after 30 iterations.
 """
+
 import pytest
 
 from bench.learning import run
@@ -17,10 +18,12 @@ pytestmark = pytest.mark.slow
 def test_reward_rises(algo, tmp_path, capsys):
     fast = ["train.lr_schedule=constant", "train.actor_lr=1e-3", "train.critic_lr=1e-3"]
     # Bounded by iterations, not wall time: a busy machine must not turn into a failed test.
-    figures = run(algo, "hf", iterations=30, seconds=3600, overrides=fast, work_dir=str(tmp_path),
-                  emit_summary=False)
-    rewards = [float(line.split('"reward/mean": ')[1].split(",")[0])
-               for line in capsys.readouterr().out.splitlines() if '"reward/mean"' in line]
+    figures = run(algo, "hf", iterations=30, seconds=3600, overrides=fast, work_dir=str(tmp_path), emit_summary=False)
+    rewards = [
+        float(line.split('"reward/mean": ')[1].split(",")[0])
+        for line in capsys.readouterr().out.splitlines()
+        if '"reward/mean"' in line
+    ]
     assert len(rewards) == figures["iterations"]
     assert figures["first_reward"] <= 0.2
     late = sum(rewards[-3:]) / 3

@@ -1,6 +1,7 @@
 """metrics.jsonl: one line per iteration in iteration order, a retried iteration's line replaced, on a local
 disk and on S3; locally the next iteration is appended (the file is not rewritten), and a torn append
 (a crash in the middle of one) is skipped by readers and repaired by the next write."""
+
 from __future__ import annotations
 
 import json

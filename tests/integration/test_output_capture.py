@@ -2,6 +2,7 @@
 multiprocessing child (how vLLM starts its engine core), lands in the run's log file and not on the terminal;
 only what ppoflow writes to `capture.terminal` reaches it. For an S3 root the file is written to the local
 mirror and copied into the bucket."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = '''
+SCRIPT = """
 import multiprocessing, os, subprocess, sys
 from ppoflow.config import PPOFlowConfig
 from flows.logs import capture_output
@@ -36,17 +37,25 @@ if __name__ == "__main__":
     capture.terminal.write("to-terminal\\n")
     capture.terminal.write(f"log={capture.log_path}\\n")
     capture.terminal.write(f"published={capture.publish(cfg.storage)}\\n")
-'''
-EXPECTED = ["from-parent-stdout", "from-parent-stderr", "from-parent-fd2", "from-subprocess", "sub-err",
-            "from-spawned-child", "from-spawned-child-fd2"]
+"""
+EXPECTED = [
+    "from-parent-stdout",
+    "from-parent-stderr",
+    "from-parent-fd2",
+    "from-subprocess",
+    "sub-err",
+    "from-spawned-child",
+    "from-spawned-child-fd2",
+]
 
 
 def _run(tmp_path: Path, root: str, endpoint: str = "") -> tuple[subprocess.CompletedProcess, dict[str, str]]:
     script = tmp_path / "capture_script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PPOFLOW_CACHE": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, str(script), root, endpoint], env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(script), root, endpoint], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     fields = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     return result, fields
@@ -80,7 +89,7 @@ def test_s3_run_log_is_mirrored_locally_and_copied_to_the_bucket(tmp_path, s3_bu
         assert text in remote
 
 
-PTY_SCRIPT = '''
+PTY_SCRIPT = """
 import logging, sys
 from rich.console import Console
 from flows.logs import OutputCapture, terminal_width
@@ -97,7 +106,7 @@ with progress_bar(console) as progress:
         print("library-print")
         logging.getLogger("some.library").warning("library-warning")
         progress.update(task, completed=step)
-'''
+"""
 
 
 def test_on_a_terminal_the_bar_does_not_bring_library_output_back(tmp_path):
@@ -111,8 +120,9 @@ def test_on_a_terminal_the_bar_does_not_bring_library_output_back(tmp_path):
     log = tmp_path / "pty.log"
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm"}
-    proc = subprocess.Popen([sys.executable, str(script), str(log)], stdin=slave, stdout=slave, stderr=slave,
-                            env=env, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(log)], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
+    )
     os.close(slave)
     seen = b""
     while True:

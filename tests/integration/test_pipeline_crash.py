@@ -13,6 +13,7 @@ a run never killed; metrics.jsonl has rows 1, 2, 3 once each, equal to the never
 timings (a row lost between commit and metrics write is rebuilt from the stage records); a committed
 checkpoint is never rewritten; the dead process's scratch folder is removed by the next save.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,24 +46,39 @@ KILLS = [
     ("flows.training:ppo_iteration@2", "between iterations"),
     ("storage.checkpoints:apply_retention@1", "retention"),
 ]
-COMPARED = ("reward/mean", "loss/policy", "loss/value", "kl/mean", "rollout/rows")  # not cache hits: the runs share the score cache
+COMPARED = (
+    "reward/mean",
+    "loss/policy",
+    "loss/value",
+    "kl/mean",
+    "rollout/rows",
+)  # not cache hits: the runs share the score cache
 
 
 def _train(config_path: Path, kill: str | None = None) -> subprocess.CompletedProcess:
     """`ppoflow train CONFIG` in a child process, killed by `kill` (a kill_cli spec) when given."""
     child_env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     entry = ["flows.cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
-    return subprocess.run([sys.executable, "-m", *entry, "train", str(config_path)], cwd=REPO,
-                          env=child_env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", *entry, "train", str(config_path)],
+        cwd=REPO,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _digests(folder: Path) -> dict[str, str]:
     """sha256 of every file of a checkpoint's policy/, critic/ and trainer/, but the trainer's copy of the config
     (it names the run) and its record of the process's RNG state (which other stages of the process draw from
     too: a resumed process restores it when the trainer is built, after that iteration's rollout and score)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for part in ("policy", "critic", "trainer") for p in sorted((folder / part).rglob("*"))
-            if p.is_file() and not (part == "trainer" and (p.name == "config.json" or p.name.startswith("rng.")))}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for part in ("policy", "critic", "trainer")
+        for p in sorted((folder / part).rglob("*"))
+        if p.is_file() and not (part == "trainer" and (p.name == "config.json" or p.name.startswith("rng.")))
+    }
 
 
 def _config_file(tmp_path: Path, root: str, name: str, model_dir, data_dir) -> Path:
@@ -72,8 +88,9 @@ def _config_file(tmp_path: Path, root: str, name: str, model_dir, data_dir) -> P
     return path
 
 
-def test_a_run_killed_at_eight_moments_ends_as_if_never_killed(prefect_api, tmp_path, tiny_model_dir,
-                                                              digits_dataset_dir):
+def test_a_run_killed_at_eight_moments_ends_as_if_never_killed(
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
+):
     from flows.records import read_metrics
     from storage.checkpoints import latest_iteration
     from storage.layout import RunLayout
@@ -90,8 +107,13 @@ def test_a_run_killed_at_eight_moments_ends_as_if_never_killed(prefect_api, tmp_
             if (checkpoints / name).is_dir():
                 assert _digests(checkpoints / name) == digests, (moment, name)
         latest = latest_iteration(layout) or 0
-        committed.update({p.name: _digests(p) for p in checkpoints.glob("iter-*")
-                          if int(p.name[-6:]) <= latest and p.name not in committed})
+        committed.update(
+            {
+                p.name: _digests(p)
+                for p in checkpoints.glob("iter-*")
+                if int(p.name[-6:]) <= latest and p.name not in committed
+            }
+        )
         if moment == "staging":  # the dead process's half-done save is left in scratch ...
             assert any(p.name.startswith(".ppoflow-ckpt.") for p in checkpoints.iterdir())
         rows = [r["iteration"] for r in read_metrics(layout)]

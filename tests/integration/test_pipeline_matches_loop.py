@@ -1,10 +1,10 @@
 """The pipeline's stages (through shards in storage) give what the bare engine loop gets with the same
 compute passed in memory: same prompts, same samples, same rewards. And the worker's cached prompt set
 follows the dataset's files, not just its path."""
+
 from __future__ import annotations
 
 import json
-
 
 from engines.rollout.registry import get_rollout_engine
 from engines.scoring.scorer import Scorer
@@ -58,14 +58,21 @@ def test_prompt_set_is_rebuilt_when_the_dataset_file_changes(tmp_path, tiny_mode
 
 
 def test_rollout_takes_the_warm_trainers_weights_and_samples_what_the_checkpoint_gives(
-        tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch):
+    tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
+):
     import engines.stages.rollout as rollout_stage
     from engines import warm
     from engines.stages.checkpoint import run_checkpoint
     from engines.stages.update import run_update
 
-    cfg = small_config(str(tmp_path / "runs"), "memory", tiny_model_dir, digits_dataset_dir,
-                       model={"autocast_dtype": "bfloat16"}, score={"cache": False})
+    cfg = small_config(
+        str(tmp_path / "runs"),
+        "memory",
+        tiny_model_dir,
+        digits_dataset_dir,
+        model={"autocast_dtype": "bfloat16"},
+        score={"cache": False},
+    )
     first = policy_ref(cfg, 1)
     scored = run_score(cfg, 1, run_rollout(cfg, 1, first))
     run_checkpoint(cfg, 1, run_update(cfg, 1, first, scored))

@@ -1,5 +1,6 @@
 """Deploy with prefect.yaml to process work pools on the loopback server, start a worker per pool, run
 the training deployment with stage pools configured, and find each stage's flow run on its own pool."""
+
 from __future__ import annotations
 
 import os
@@ -16,15 +17,25 @@ from tests.integration.pipeline_helpers import small_config
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 POOLS = ["ppoflow-pool", "rollout-pool", "score-pool", "train-pool"]
-STAGE_POOLS = {"rollout": "ppo-rollout/ppo-rollout", "score": "ppo-score/ppo-score",
-               "update": "ppo-update/ppo-update", "checkpoint": "ppo-checkpoint/ppo-checkpoint"}
-EXPECTED_POOL = {"ppo-rollout": "rollout-pool", "ppo-score": "score-pool", "ppo-update": "train-pool",
-                 "ppo-checkpoint": "train-pool", "ppo-training": "ppoflow-pool"}
+STAGE_POOLS = {
+    "rollout": "ppo-rollout/ppo-rollout",
+    "score": "ppo-score/ppo-score",
+    "update": "ppo-update/ppo-update",
+    "checkpoint": "ppo-checkpoint/ppo-checkpoint",
+}
+EXPECTED_POOL = {
+    "ppo-rollout": "rollout-pool",
+    "ppo-score": "score-pool",
+    "ppo-update": "train-pool",
+    "ppo-checkpoint": "train-pool",
+    "ppo-training": "ppoflow-pool",
+}
 
 
 def _prefect(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir):
@@ -33,8 +44,11 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
 
     # Workers are separate processes: they must not inherit this test process's torch.distributed
     # rendezvous (MASTER_PORT is still bound by the trainer that earlier tests set up here).
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    }
     env["PREFECT_API_URL"] = prefect_api
     for pool in POOLS:
         out = _prefect("work-pool", "create", pool, "--type", "process", env=env)
@@ -42,15 +56,32 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
     out = _prefect("--no-prompt", "deploy", "--all", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
-    workers = [subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
-                                 "--type", "process", "--limit", "1"], cwd=REPO, env=env,
-                                stdout=open(tmp_path / f"{pool}.log", "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True) for pool in POOLS]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"],
+            cwd=REPO,
+            env=env,
+            stdout=open(tmp_path / f"{pool}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for pool in POOLS
+    ]
     try:
-        cfg = small_config(str(tmp_path / "runs"), "pools", tiny_model_dir, digits_dataset_dir, iterations=1,
-                           pipeline={"stage_pools": STAGE_POOLS})
-        run = run_deployment("ppo-training/ppo-training", parameters={"config": cfg.model_dump(mode="json")},
-                             timeout=900, poll_interval=3)
+        cfg = small_config(
+            str(tmp_path / "runs"),
+            "pools",
+            tiny_model_dir,
+            digits_dataset_dir,
+            iterations=1,
+            pipeline={"stage_pools": STAGE_POOLS},
+        )
+        run = run_deployment(
+            "ppo-training/ppo-training",
+            parameters={"config": cfg.model_dump(mode="json")},
+            timeout=900,
+            poll_interval=3,
+        )
         logs = "\n".join((tmp_path / f"{p}.log").read_text()[-2000:] for p in POOLS)
         assert run.state is not None and run.state.is_completed(), f"{run.state}\n{logs}"
         with get_client(sync_client=True) as client:

@@ -5,6 +5,7 @@ UI's Retry and `prefect flow-run retry` do). Committed iterations are skipped vi
 failed iteration, rollout and score come back from cache (their bodies, and so their engines, do not run
 again); the final state equals a run that never failed.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,9 @@ def _final_policy(root, run, iteration):
     return load_file(f"{root}/{run}/checkpoints/iter-{iteration:06d}/policy/model.safetensors")
 
 
-def test_retry_resumes_from_cache_and_matches_uninterrupted(prefect_api, tmp_path, tiny_model_dir,
-                                                            digits_dataset_dir, monkeypatch):
+def test_retry_resumes_from_cache_and_matches_uninterrupted(
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
+):
     from prefect.client.orchestration import get_client
     from prefect.flow_engine import run_flow
     from prefect.states import AwaitingRetry
@@ -37,8 +39,12 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(prefect_api, tmp_pat
 
     # The worst moment: after iteration 2's PPO step, before its experience shards and checkpoint are written.
     with monkeypatch.context() as faults:
-        fail_when(faults, "engines.stages.update", "write_stage_table",
-                  lambda cfg, layout, iteration, *args, **kwargs: iteration == 2)
+        fail_when(
+            faults,
+            "engines.stages.update",
+            "write_stage_table",
+            lambda cfg, layout, iteration, *args, **kwargs: iteration == 2,
+        )
         state = ppo_training(**params, return_state=True)
     assert state.is_failed(), state
     assert "injected fault" in str(state.message) or "injected fault" in repr(state)
@@ -54,7 +60,7 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(prefect_api, tmp_pat
         flow_run = client.read_flow_run(flow_run_id)
     final = run_flow(flow=ppo_training, flow_run=flow_run, parameters=params, return_type="state")
     assert final.is_completed(), final
-    assert calls["rollout"] == 0 and calls["score"] == 0, calls   # came back from cache
+    assert calls["rollout"] == 0 and calls["score"] == 0, calls  # came back from cache
     assert calls["update"] == 1 and calls["checkpoint"] == 1, calls
 
     with get_client(sync_client=True) as client:

@@ -1,5 +1,6 @@
 """ppo_training for 2 iterations against a real Prefect server and a real S3-protocol server, both on
 loopback; then the flow, subflow and task run states through the Prefect client, and the shards through s3fs."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
     from flows.training import ppo_training
 
     bucket, storage_cfg = s3_bucket
-    cfg = small_config(f"s3://{bucket}/runs", "s3run", tiny_model_dir, digits_dataset_dir, iterations=2,
-                       storage={"endpoint_url": storage_cfg.endpoint_url})
+    cfg = small_config(
+        f"s3://{bucket}/runs",
+        "s3run",
+        tiny_model_dir,
+        digits_dataset_dir,
+        iterations=2,
+        storage={"endpoint_url": storage_cfg.endpoint_url},
+    )
     warm.invalidate()
     state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
     assert state.is_completed(), state
@@ -34,8 +41,12 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
         assert parent.state.is_completed() and parent.name == "ppo-training-s3run"
         # Subflows are linked to the parent through a task run of the parent's (the server is shared with
         # other tests, whose runs have the same names).
-        parent_tasks = {t.id for t in client.read_task_runs(task_run_filter=TaskRunFilter(
-            flow_run_id=TaskRunFilterFlowRunId(any_=[parent_id])))}
+        parent_tasks = {
+            t.id
+            for t in client.read_task_runs(
+                task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[parent_id]))
+            )
+        }
         runs = client.read_flow_runs(limit=200)
         children = [r for r in runs if r.parent_task_run_id in parent_tasks]
         by_name = {r.name: r for r in children}
@@ -43,8 +54,9 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
         for i in (1, 2):
             sub = by_name[f"ppo-iter-{i:04d}"]
             assert sub.state.is_completed(), (sub.name, sub.state)
-            tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
-                flow_run_id=TaskRunFilterFlowRunId(any_=[sub.id])))
+            tasks = client.read_task_runs(
+                task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[sub.id]))
+            )
             names = {t.name: t for t in tasks}
             for stage in STAGES:
                 task = names[f"{stage}-iter-{i}"]
@@ -62,8 +74,10 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
         table = pa.concat_tables(tables)
         assert table.num_rows == expected_rows
         assert set(table.column("iteration").to_pylist()) == {i}
-        assert all(len(r) == len(lp) for r, lp in zip(table.column("response_ids").to_pylist(),
-                                                      table.column("ref_logprobs").to_pylist()))
+        assert all(
+            len(r) == len(lp)
+            for r, lp in zip(table.column("response_ids").to_pylist(), table.column("ref_logprobs").to_pylist())
+        )
         assert set(table.column("policy_version").to_pylist()) == {i - 1}
     latest = json.loads(fs.cat_file(f"{bucket}/runs/s3run/LATEST"))
     assert latest["iteration"] == 2

@@ -3,6 +3,7 @@
 Each block is read from the README between its markers and executed; only the S3 endpoint is pointed at
 the test server. The printed answers are checked against pyarrow's own reading of the same shards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def readme_block(name: str) -> str:
     text = README.read_text()
-    block = text[text.index(f"<!-- {name}:start -->"):text.index(f"<!-- {name}:end -->")]
+    block = text[text.index(f"<!-- {name}:start -->") : text.index(f"<!-- {name}:end -->")]
     return re.search(r"```python\n(.*?)```", block, re.S).group(1)
 
 
@@ -38,8 +39,9 @@ def run_block(code: str) -> str:
 def test_readme_duckdb_over_local_shards(tmp_path, monkeypatch):
     folder = tmp_path / "runs" / "demo" / "iter-000003" / "scored"
     fs, path = fsutil.resolve(str(folder))
-    write_shards(fs, path, synthetic_table("scored", 300, seed=4, prompt_len=4, response_len=4), "scored",
-                 max_rows=128)  # three parts plus the manifest, which the dataset must skip
+    write_shards(
+        fs, path, synthetic_table("scored", 300, seed=4, prompt_len=4, response_len=4), "scored", max_rows=128
+    )  # three parts plus the manifest, which the dataset must skip
     monkeypatch.chdir(tmp_path)
     printed = run_block(readme_block("duckdb-local"))
     expected = read_shards(fs, path)
@@ -55,8 +57,9 @@ def test_readme_duckdb_over_s3_shards(s3_server, s3_admin):
     try:
         fs = s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": s3_server})
         path = "my-bucket/ppo/my-run/iter-000003/scored"
-        write_shards(fs, path, synthetic_table("scored", 200, seed=5, prompt_len=4, response_len=4), "scored",
-                     max_rows=64)
+        write_shards(
+            fs, path, synthetic_table("scored", 200, seed=5, prompt_len=4, response_len=4), "scored", max_rows=64
+        )
         code = readme_block("duckdb-s3")
         assert 'endpoint_url="http://127.0.0.1:9000"' in code
         printed = run_block(code.replace("http://127.0.0.1:9000", s3_server))

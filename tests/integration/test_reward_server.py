@@ -1,4 +1,5 @@
 """The reward server on loopback (uvicorn in a thread) and RemoteRewardSource against it."""
+
 import asyncio
 import threading
 import time
@@ -55,8 +56,7 @@ def digits_request(i: int) -> tuple[dict, list[float]]:
 @pytest.fixture(scope="module")
 def digits_server():
     source = DigitsSource()
-    app = build_app(source, TOKEN, max_batch_size=64, max_wait_ms=20, max_request_items=16,
-                    max_body_bytes=64 * 1024)
+    app = build_app(source, TOKEN, max_batch_size=64, max_wait_ms=20, max_request_items=16, max_body_bytes=64 * 1024)
     with serve_in_thread(app) as url:
         yield url, source
 
@@ -94,7 +94,6 @@ class TestConcurrency:
         resp = httpx.post(f"{url}/get_reward", json=body, headers=AUTH, timeout=5)
         assert resp.json() == {"rewards": pytest.approx(expected), "scores": pytest.approx(expected)}
 
-
     def test_openrlhf_reward_function_source_behind_the_server(self):
         # The trainer's FunctionRewardSource around the task's OpenRLHF-contract reward_func.
         from engines.rewards.function import FunctionRewardSource
@@ -103,8 +102,12 @@ class TestConcurrency:
 
         async def main(url):
             async with httpx.AsyncClient(timeout=10) as http:
-                return await asyncio.wait_for(asyncio.gather(
-                    *(http.post(f"{url}/score", json=digits_request(i)[0], headers=AUTH) for i in range(16))), 60)
+                return await asyncio.wait_for(
+                    asyncio.gather(
+                        *(http.post(f"{url}/score", json=digits_request(i)[0], headers=AUTH) for i in range(16))
+                    ),
+                    60,
+                )
 
         with serve_in_thread(build_app(source, TOKEN, max_wait_ms=50)) as url:
             answers = asyncio.run(main(url))
@@ -115,8 +118,10 @@ class TestConcurrency:
 
 
 class TestRejections:
-    @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},
-                                         {"Authorization": "Bearer"}])
+    @pytest.mark.parametrize(
+        "headers",
+        [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}, {"Authorization": "Bearer"}],
+    )
     def test_missing_or_wrong_token_is_401(self, digits_server, headers):
         url, _ = digits_server
         body, _ = digits_request(1)
@@ -125,8 +130,11 @@ class TestRejections:
 
     def test_health_needs_no_token_and_reports_identity(self, digits_server):
         url, _ = digits_server
-        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok", "source": "digits",
-                                                                 "identity": "digits-v1"}
+        assert httpx.get(f"{url}/health", timeout=5).json() == {
+            "status": "ok",
+            "source": "digits",
+            "identity": "digits-v1",
+        }
 
     def test_oversized_requests_are_413(self, digits_server):
         url, _ = digits_server
@@ -136,8 +144,16 @@ class TestRejections:
         resp = httpx.post(f"{url}/score", json=too_big, headers=AUTH, timeout=5)
         assert resp.status_code == 413 and "limit" in resp.json()["detail"]
 
-    @pytest.mark.parametrize("content", [b"{not json", b'{"query": "one string"}', b'{"prompts": ["a"]}',
-                                         b'{"query": ["a", "b"], "prompts": ["a"]}', b"\xff\xfe"])
+    @pytest.mark.parametrize(
+        "content",
+        [
+            b"{not json",
+            b'{"query": "one string"}',
+            b'{"prompts": ["a"]}',
+            b'{"query": ["a", "b"], "prompts": ["a"]}',
+            b"\xff\xfe",
+        ],
+    )
     def test_malformed_is_422_and_the_server_keeps_serving(self, digits_server, content):
         url, _ = digits_server
         resp = httpx.post(f"{url}/score", content=content, headers=AUTH, timeout=5)
@@ -152,9 +168,10 @@ class TestRejections:
 
         async def main():
             async with httpx.AsyncClient(timeout=10) as http:
-                return await asyncio.gather(http.post(f"{url}/score", json=bad, headers=AUTH),
-                                            *(http.post(f"{url}/score", json=digits_request(i)[0], headers=AUTH)
-                                              for i in range(4)))
+                return await asyncio.gather(
+                    http.post(f"{url}/score", json=bad, headers=AUTH),
+                    *(http.post(f"{url}/score", json=digits_request(i)[0], headers=AUTH) for i in range(4)),
+                )
 
         bad_resp, *good = asyncio.run(main())
         assert bad_resp.status_code == 500 and "item 1" in bad_resp.json()["detail"]
@@ -166,7 +183,7 @@ def remote_batch(indices) -> tuple[RewardBatch, list[float]]:
     rows, expected = [], []
     for i in indices:
         body, exp = digits_request(i)
-        rows.append((body["prompts"][0], body["query"][0][len(body["prompts"][0]):], body["labels"][0]))
+        rows.append((body["prompts"][0], body["query"][0][len(body["prompts"][0]) :], body["labels"][0]))
         expected.append(exp[0])
     prompts, responses, labels = map(list, zip(*rows))
     n = len(rows)
@@ -227,7 +244,10 @@ class TestRemoteRewardSource:
     def test_another_source_behind_the_url_is_another_identity(self):
         other = DigitsSource()
         other.identity = "digits-v2"
-        with serve_in_thread(build_app(DigitsSource(), TOKEN)) as url1, serve_in_thread(build_app(other, TOKEN)) as url2:
+        with (
+            serve_in_thread(build_app(DigitsSource(), TOKEN)) as url1,
+            serve_in_thread(build_app(other, TOKEN)) as url2,
+        ):
             remotes = [RemoteRewardSource(u, token=TOKEN) for u in (url1, url2)]
             first, second = (r.identity for r in remotes)
             for r in remotes:
@@ -246,8 +266,9 @@ class TestRewardModelServer:
 
         async def main(url):
             async with httpx.AsyncClient(timeout=30) as http:
-                return await asyncio.wait_for(asyncio.gather(
-                    *(http.post(f"{url}/score", json={"query": q}, headers=AUTH) for q in requests)), 120)
+                return await asyncio.wait_for(
+                    asyncio.gather(*(http.post(f"{url}/score", json={"query": q}, headers=AUTH) for q in requests)), 120
+                )
 
         with serve_in_thread(build_app(source, TOKEN, max_batch_size=64, max_wait_ms=50)) as url:
             answers = asyncio.run(main(url))

@@ -2,6 +2,7 @@
 
 The old root is renamed away during the resume, so nothing of the run can be read from where it was.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """A corrupt latest checkpoint: `ppoflow runs repair` quarantines it, the next start recomputes that iteration
 from the one before, and the recomputed checkpoint is byte-equal to the one before the corruption."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,12 +14,17 @@ pytestmark = pytest.mark.slow
 
 
 def _digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for part in ("policy", "critic") for p in sorted((folder / part).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for part in ("policy", "critic")
+        for p in sorted((folder / part).rglob("*"))
+        if p.is_file()
+    }
 
 
-def test_repair_quarantines_a_corrupt_checkpoint_and_the_resume_recomputes_it(prefect_api, tmp_path,
-                                                                            tiny_model_dir, digits_dataset_dir):
+def test_repair_quarantines_a_corrupt_checkpoint_and_the_resume_recomputes_it(
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
+):
     from engines import warm
     from flows.cli import main
     from flows.records import read_metrics

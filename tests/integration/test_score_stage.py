@@ -7,6 +7,7 @@ a file (tests/unit/test_score_cache_logic.py's, which logs every call), storage'
 Work is counted where it happens: the function's call log, the reward model's `samples_scored`, and a
 forward hook on the reference model.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,18 +18,17 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from engines.rewards.base import RewardError
+from engines.stages.held import scorer_for
+from engines.stages.manifests import RolloutManifest
+from engines.stages.score import run_score
+from engines.stages.tables import prompt_hash
 from engines.toy.reward_model import build_tiny_reward_model
 from ppoflow.config import build_config
 from storage.fs import list_files
 from storage.layout import RunLayout
 from storage.schema import schema_for
 from storage.shards import read_manifest, read_shards, write_shards
-from engines.stages.held import scorer_for
-from engines.stages.manifests import RolloutManifest
-from engines.stages.score import run_score
-from engines.stages.tables import prompt_hash
-from tests.unit.test_score_cache_logic import (TOKENIZER, count_reference_rows, samples_scored,
-                                               write_reward_file)
+from tests.unit.test_score_cache_logic import TOKENIZER, count_reference_rows, samples_scored, write_reward_file
 
 ITERATION = 1
 # (prompt, label, four sampled responses). New (prompt, response) pairs by hand: 2 + 3 + 3 + 3 = 11
@@ -51,12 +51,21 @@ def rollout_table() -> pa.Table:
         prompt_ids = TOKENIZER(prompt)["input_ids"]
         for sample_index, response in enumerate(responses):
             response_ids = TOKENIZER(response, add_special_tokens=False)["input_ids"]
-            values = {"iteration": ITERATION, "prompt_index": prompt_index, "sample_index": sample_index,
-                      "prompt_hash": prompt_hash(prompt_ids), "prompt": prompt,
-                      "response": TOKENIZER.decode(response_ids, skip_special_tokens=True),
-                      "prompt_ids": prompt_ids, "response_ids": response_ids,
-                      "rollout_logprobs": [-1.0] * len(response_ids), "finish_reason": "length",
-                      "policy_version": 0, "label": label, "data_source": "digits"}
+            values = {
+                "iteration": ITERATION,
+                "prompt_index": prompt_index,
+                "sample_index": sample_index,
+                "prompt_hash": prompt_hash(prompt_ids),
+                "prompt": prompt,
+                "response": TOKENIZER.decode(response_ids, skip_special_tokens=True),
+                "prompt_ids": prompt_ids,
+                "response_ids": response_ids,
+                "rollout_logprobs": [-1.0] * len(response_ids),
+                "finish_reason": "length",
+                "policy_version": 0,
+                "label": label,
+                "data_source": "digits",
+            }
             for name, value in values.items():
                 rows[name].append(value)
     return pa.table(rows, schema=schema_for("rollout"))
@@ -72,30 +81,54 @@ def reward_model_dir(tmp_path_factory):
     return build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "tiny-rm", seed=0)
 
 
-def stage_config(root: str, storage, model_dir, reward_file, reward_model_dir, length_function="length_reward",
-                 timeout_s: float = 60.0):
+def stage_config(
+    root: str,
+    storage,
+    model_dir,
+    reward_file,
+    reward_model_dir,
+    length_function="length_reward",
+    timeout_s: float = 60.0,
+):
     """Three sources: the logged length function, the digits task's function, the tiny reward model."""
-    return build_config({
-        "run": {"name": "score-stage", "root": root},
-        "storage": storage.model_dump(),
-        "model": {"policy_path": str(model_dir)},
-        "train": {"micro_batch_size": 8},
-        "reward": {"sources": [
-            {"kind": "function", "target": f"{reward_file}:{length_function}", "name": "length", "weight": 0.5,
-             "timeout_s": timeout_s},
-            {"kind": "function", "target": "engines.toy.task:reward_func", "name": "digits", "weight": 1.0},
-            {"kind": "model", "target": str(reward_model_dir), "name": "rm", "weight": 0.1, "batch_size": 8},
-        ]},
-    })
+    return build_config(
+        {
+            "run": {"name": "score-stage", "root": root},
+            "storage": storage.model_dump(),
+            "model": {"policy_path": str(model_dir)},
+            "train": {"micro_batch_size": 8},
+            "reward": {
+                "sources": [
+                    {
+                        "kind": "function",
+                        "target": f"{reward_file}:{length_function}",
+                        "name": "length",
+                        "weight": 0.5,
+                        "timeout_s": timeout_s,
+                    },
+                    {"kind": "function", "target": "engines.toy.task:reward_func", "name": "digits", "weight": 1.0},
+                    {"kind": "model", "target": str(reward_model_dir), "name": "rm", "weight": 0.1, "batch_size": 8},
+                ]
+            },
+        }
+    )
 
 
 def write_rollout(cfg) -> tuple[RunLayout, RolloutManifest]:
     layout = RunLayout(cfg.run.root, cfg.run.name, cfg.storage)
     stage_dir = layout.stage_dir(ITERATION, "rollout")
     manifest = write_shards(layout.fs, stage_dir, rollout_table(), "rollout")
-    return layout, RolloutManifest(iteration=ITERATION, uri=layout.url(stage_dir), rows=manifest.rows,
-                                   content_hash=manifest.content_hash, policy_version=0, engine="hand-made",
-                                   seconds=0.0, worker="test:0", engine_builds=0)
+    return layout, RolloutManifest(
+        iteration=ITERATION,
+        uri=layout.url(stage_dir),
+        rows=manifest.rows,
+        content_hash=manifest.content_hash,
+        policy_version=0,
+        engine="hand-made",
+        seconds=0.0,
+        worker="test:0",
+        engine_builds=0,
+    )
 
 
 def work_counters(cfg, log):
@@ -157,8 +190,7 @@ def _edit_reward_model_weights(folder) -> None:
     save_file(weights, path, metadata={"format": "pt"})
 
 
-def test_new_reward_model_weights_change_the_identity_and_miss(tmp_path, tiny_model_dir, reward_file,
-                                                               reward_model_dir):
+def test_new_reward_model_weights_change_the_identity_and_miss(tmp_path, tiny_model_dir, reward_file, reward_model_dir):
     from ppoflow.config import StorageConfig
 
     rm_copy = shutil.copytree(reward_model_dir, tmp_path / "rm")
@@ -182,14 +214,18 @@ def test_new_reward_model_weights_change_the_identity_and_miss(tmp_path, tiny_mo
     assert [json.loads(c)["length"] for c in new_scores] == [json.loads(c)["length"] for c in old_scores]
 
 
-@pytest.mark.parametrize("function, message", [("failing_score", "raised ValueError: cannot score the word w13"),
-                                               ("hanging_score", "timed out after 0.5 s")])
-def test_a_failing_reward_fails_the_stage_and_commits_no_scored_shard(storage_root, tiny_model_dir, reward_file,
-                                                                      reward_model_dir, function, message):
+@pytest.mark.parametrize(
+    "function, message",
+    [("failing_score", "raised ValueError: cannot score the word w13"), ("hanging_score", "timed out after 0.5 s")],
+)
+def test_a_failing_reward_fails_the_stage_and_commits_no_scored_shard(
+    storage_root, tiny_model_dir, reward_file, reward_model_dir, function, message
+):
     root, storage = storage_root
     good = stage_config(root, storage, tiny_model_dir, reward_file[0], reward_model_dir)
-    bad = stage_config(root, storage, tiny_model_dir, reward_file[0], reward_model_dir,
-                       length_function=function, timeout_s=0.5)
+    bad = stage_config(
+        root, storage, tiny_model_dir, reward_file[0], reward_model_dir, length_function=function, timeout_s=0.5
+    )
     layout, rollout = write_rollout(good)
     scored_dir = layout.stage_dir(ITERATION, "scored")
     committed = run_score(good, ITERATION, rollout)  # an earlier attempt (other settings) committed

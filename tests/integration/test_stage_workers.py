@@ -2,6 +2,7 @@
 loopback Prefect server run every stage of a 4-iteration run; each stage's manifest names the worker process
 that ran it, and no worker built an engine after the first iteration (engines stay warm). The run learns the
 same as in-process: its metrics rows equal an in-process run's (same seeds, same computation)."""
+
 from __future__ import annotations
 
 import os
@@ -21,24 +22,40 @@ WORKERS = {"rollout": ["rollout"], "score": ["score"], "train": ["update", "chec
 ITERATIONS = 4
 
 
-def test_stages_run_on_warm_workers_that_build_each_engine_once(prefect_api, tmp_path, tiny_model_dir,
-                                                                digits_dataset_dir):
+def test_stages_run_on_warm_workers_that_build_each_engine_once(
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
+):
     from engines import warm
     from engines.stages.manifests import STAGE_MANIFESTS
     from flows.records import read_metrics, read_stage_record
     from flows.training import ppo_training
     from storage.layout import layout_for
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    workers = {name: subprocess.Popen([sys.executable, "-m", "flows.cli", "worker",
-                                       *[a for s in stages for a in ("--stage", s)]], cwd=REPO, env=env,
-                                      stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-               for name, stages in WORKERS.items()}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    }
+    workers = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "worker", *[a for s in stages for a in ("--stage", s)]],
+            cwd=REPO,
+            env=env,
+            stdout=open(tmp_path / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for name, stages in WORKERS.items()
+    }
     try:
-        cfg = small_config(str(tmp_path / "runs"), "warm", tiny_model_dir, digits_dataset_dir,
-                           iterations=ITERATIONS, pipeline={"stage_workers": ["rollout", "score", "update", "checkpoint"]})
+        cfg = small_config(
+            str(tmp_path / "runs"),
+            "warm",
+            tiny_model_dir,
+            digits_dataset_dir,
+            iterations=ITERATIONS,
+            pipeline={"stage_workers": ["rollout", "score", "update", "checkpoint"]},
+        )
         state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
         logs = "\n".join((tmp_path / f"{n}.log").read_text()[-3000:] for n in WORKERS)
         assert state.is_completed(), f"{state}\n{logs}"
@@ -49,19 +66,22 @@ def test_stages_run_on_warm_workers_that_build_each_engine_once(prefect_api, tmp
     host = socket.gethostname()
     for name, stages in WORKERS.items():
         for stage in stages:
-            manifests = [STAGE_MANIFESTS[stage].model_validate(read_stage_record(layout, i, stage))
-                         for i in range(1, ITERATIONS + 1)]
+            manifests = [
+                STAGE_MANIFESTS[stage].model_validate(read_stage_record(layout, i, stage))
+                for i in range(1, ITERATIONS + 1)
+            ]
             assert {m.worker for m in manifests} == {f"{host}:{workers[name].pid}"}, (stage, manifests)
             builds = [m.engine_builds for m in manifests]
             # Built in iteration 1 (checkpoint builds nothing), never again afterwards.
             assert builds == [builds[0]] * ITERATIONS, (stage, builds)
     assert read_stage_record(layout, 1, "rollout")["engine_builds"] >= 2  # prompt set + sampler
-    assert read_stage_record(layout, 1, "update")["engine_builds"] >= 1   # the trainer
+    assert read_stage_record(layout, 1, "update")["engine_builds"] >= 1  # the trainer
 
     # The same run in this process: the same rows (the computation does not depend on where it runs).
     warm.invalidate()
-    local = small_config(str(tmp_path / "runs"), "in-process", tiny_model_dir, digits_dataset_dir,
-                         iterations=ITERATIONS)
+    local = small_config(
+        str(tmp_path / "runs"), "in-process", tiny_model_dir, digits_dataset_dir, iterations=ITERATIONS
+    )
     assert ppo_training(config=local.model_dump(mode="json"), return_state=True).is_completed()
     for row, local_row in zip(read_metrics(layout), read_metrics(layout_for(local)), strict=True):
         for key in ("reward/mean", "loss/policy", "loss/value", "kl/mean"):

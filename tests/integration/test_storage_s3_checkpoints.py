@@ -1,4 +1,5 @@
 """Checkpoints (staging, commit marker, LATEST, retention) on a local folder and on the moto S3 server."""
+
 from __future__ import annotations
 
 import hashlib
@@ -55,8 +56,9 @@ def test_save_commit_load_round_trip(layout, tmp_path):
     files = save_and_commit(layout, tmp_path, 1)
     marker = ckpt.read_commit_marker(layout, 1)
     # The marker lists every file with its size and sha256, computed here independently.
-    assert marker["files"] == {rel: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()}
-                               for rel, d in files.items()}
+    assert marker["files"] == {
+        rel: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for rel, d in files.items()
+    }
     assert marker["meta"] == {"note": "iteration 1"}
     assert json.loads(layout.fs.cat_file(layout.latest_path))["iteration"] == 1
     assert ckpt.latest_iteration(layout) == 1 and ckpt.is_committed(layout, 1)
@@ -157,7 +159,9 @@ def test_a_policy_only_load_still_checks_the_policy_and_names_a_missing_part(lay
     write_bytes_atomic(layout.fs, f"{layout.checkpoint_dir(1)}/policy/model.safetensors", bad)
     with pytest.raises(ckpt.CheckpointCorruptError, match="policy/model.safetensors fails its sha256"):
         ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"), parts=("policy",))
-    with pytest.raises(ckpt.CheckpointError, match=r"has no actor/ folder \(it holds \['critic', 'policy', 'trainer'\]\)"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"has no actor/ folder \(it holds \['critic', 'policy', 'trainer'\]\)"
+    ):
         ckpt.load_checkpoint(layout, 1, str(tmp_path / "cache"), parts=("actor",))
 
 
@@ -165,8 +169,9 @@ def test_known_hashes_are_used_as_given_and_a_wrong_one_is_caught_on_load(layout
     local = tmp_path / "local-1"
     files = make_local_checkpoint(local, 1)
     right = hashlib.sha256(files["policy/model.safetensors"]).hexdigest()
-    staged = ckpt.save_checkpoint_files(layout, 1, str(local), known_sha256={"policy/model.safetensors": right,
-                                                                             "critic/model.safetensors": "0" * 64})
+    staged = ckpt.save_checkpoint_files(
+        layout, 1, str(local), known_sha256={"policy/model.safetensors": right, "critic/model.safetensors": "0" * 64}
+    )
     assert staged["files"]["policy/model.safetensors"]["sha256"] == right
     assert staged["files"]["critic/model.safetensors"]["sha256"] == "0" * 64  # taken as given, not re-read
     assert staged["files"]["trainer/state.json"]["sha256"] == hashlib.sha256(files["trainer/state.json"]).hexdigest()
@@ -201,7 +206,8 @@ def test_policy_folder_loads_with_from_pretrained(layout, tmp_path, tiny_model_d
 
 
 def test_local_checkpoint_files_are_durable_before_the_marker_and_the_marker_before_retention(
-        layout, tmp_path, monkeypatch):
+    layout, tmp_path, monkeypatch
+):
     if not is_local(layout.fs):
         pytest.skip("fsync order is a local-disk matter: an S3 object is durable when its PUT returns")
     save_and_commit(layout, tmp_path, 1, keep_last=1)
@@ -232,8 +238,13 @@ def test_local_checkpoint_files_are_durable_before_the_marker_and_the_marker_bef
         folder = os.path.dirname(final)
         # the data was flushed under its temporary name before the rename, the folder entry after it,
         # and both before the marker
-        data_synced = [i for i, (kind, path) in enumerate(events[:placed]) if kind == "fsync"
-                       and os.path.dirname(path) == folder and os.path.basename(path).startswith(f".{os.path.basename(final)}.tmp-")]
+        data_synced = [
+            i
+            for i, (kind, path) in enumerate(events[:placed])
+            if kind == "fsync"
+            and os.path.dirname(path) == folder
+            and os.path.basename(path).startswith(f".{os.path.basename(final)}.tmp-")
+        ]
         assert data_synced, rel
         assert ("fsync", folder) in events[placed:marker_at], rel
     # the new iteration folder's own entry in checkpoints/ is durable before the marker too
@@ -267,6 +278,7 @@ def test_checkpoint_cache_folder_is_the_configured_one_else_ppoflow_cache(s3_buc
     assert ckpt.checkpoint_cache_dir(by_env) == str(tmp_path / "env-cache" / "checkpoints" / "run-e")
     save_and_commit(by_env, tmp_path, 1)
     assert ckpt.load_checkpoint(by_env, 1).startswith(str(tmp_path / "env-cache" / "checkpoints" / "run-e") + os.sep)
-    configured = RunLayout(f"s3://{bucket}/runs", "run-e",
-                           cfg.model_copy(update={"local_cache_dir": str(tmp_path / "mine")}))
+    configured = RunLayout(
+        f"s3://{bucket}/runs", "run-e", cfg.model_copy(update={"local_cache_dir": str(tmp_path / "mine")})
+    )
     assert ckpt.checkpoint_cache_dir(configured) == str(tmp_path / "mine" / "checkpoints" / "run-e")

@@ -1,10 +1,10 @@
 """`ppoflow shards ls|show|stats` renderers over a run folder, locally and on the moto S3 server."""
+
 from __future__ import annotations
 
 import io
 
 import numpy as np
-import pyarrow as pa
 import pytest
 from rich.console import Console
 
@@ -52,8 +52,14 @@ def test_ls_lists_committed_and_uncommitted_folders(run):
 
 def test_show_prints_first_rows_of_chosen_columns(run):
     layout, rollout, _ = run
-    text = render(shards_show(layout.url(layout.stage_dir(1, "rollout")), rows=3,
-                              columns=["sample_index", "prompt_hash"], storage_cfg=layout.storage_cfg))
+    text = render(
+        shards_show(
+            layout.url(layout.stage_dir(1, "rollout")),
+            rows=3,
+            columns=["sample_index", "prompt_hash"],
+            storage_cfg=layout.storage_cfg,
+        )
+    )
     assert "first 3 of 40 rows" in text
     for value in rollout.column("prompt_hash").to_pylist()[:3]:
         assert value[:20] in text

@@ -3,6 +3,7 @@
 The parts are Arrow IPC *file* format: pyarrow.dataset's "arrow" format needs it, and
 datasets.load_dataset("arrow", ...) reads it (it tries the stream format, then the file format).
 """
+
 from __future__ import annotations
 
 import os
@@ -57,11 +58,19 @@ def test_datasets_load_dataset_arrow(written, tmp_path, monkeypatch):
     urls = [layout.url(p) for p in part_paths]
     options = None
     if urls[0].startswith("s3://"):
-        options = {"client_kwargs": {"endpoint_url": layout.storage_cfg.endpoint_url},
-                   "key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
-                   "token": os.environ.get("AWS_SESSION_TOKEN")}
-    loaded = datasets.load_dataset("arrow", data_files={"train": urls}, split="train",
-                                   cache_dir=str(tmp_path / "hf-cache"), storage_options=options)
+        options = {
+            "client_kwargs": {"endpoint_url": layout.storage_cfg.endpoint_url},
+            "key": os.environ["AWS_ACCESS_KEY_ID"],
+            "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
+            "token": os.environ.get("AWS_SESSION_TOKEN"),
+        }
+    loaded = datasets.load_dataset(
+        "arrow",
+        data_files={"train": urls},
+        split="train",
+        cache_dir=str(tmp_path / "hf-cache"),
+        storage_options=options,
+    )
     assert loaded.num_rows == table.num_rows
     assert loaded["response_ids"] == table.column("response_ids").to_pylist()
     assert loaded["reward"] == table.column("reward").to_pylist()

@@ -1,6 +1,8 @@
 """The score cache on a local folder and on the moto S3 server: round trip, eviction, concurrent writers."""
+
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import threading
 
@@ -8,8 +10,6 @@ import pytest
 
 from storage.fs import list_files, remove_files, resolve, write_bytes_atomic
 from storage.layout import RunLayout
-import hashlib
-
 from storage.score_cache import ScoreCache, _segment_level
 
 
@@ -19,8 +19,10 @@ def value_for(key: str) -> dict:
     The log-probs are multiples of 1/8, exact in float32, so they survive the float32 column unchanged.
     """
     seed = int(key[:8], 16)
-    return {"reward_components": {"function": (seed % 1000) / 7, "length": float(seed % 3)},
-            "ref_logprobs": [-(i + 1) / 8 for i in range(1 + seed % 17)]}
+    return {
+        "reward_components": {"function": (seed % 1000) / 7, "length": float(seed % 3)},
+        "ref_logprobs": [-(i + 1) / 8 for i in range(1 + seed % 17)],
+    }
 
 
 def keys_of(writer: int, batch: int, size: int = 20) -> list[str]:
@@ -205,7 +207,7 @@ def _check_all_present(layout, folder, writers, batches, compacted=False):
 
 
 def _folder_rel(layout, folder):
-    return folder[len(layout.root):].lstrip("/")
+    return folder[len(layout.root) :].lstrip("/")
 
 
 @pytest.mark.parametrize("compact_at", [0, 3], ids=["no-compaction", "compacting"])
@@ -215,8 +217,12 @@ def test_concurrent_writer_threads(cache_dir, compact_at):
     layout, folder = cache_dir
     errors: list[str] = []
     cfg_json = layout.storage_cfg.model_dump_json()
-    threads = [threading.Thread(target=_writer_job, args=(layout.root_url, cfg_json, _folder_rel(layout, folder),
-                                                          w, 4, errors, compact_at)) for w in range(4)]
+    threads = [
+        threading.Thread(
+            target=_writer_job, args=(layout.root_url, cfg_json, _folder_rel(layout, folder), w, 4, errors, compact_at)
+        )
+        for w in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,4 +1,5 @@
 """Arrow shards and manifests: one set of test bodies, run on a local folder and on the moto S3 server."""
+
 from __future__ import annotations
 
 import hashlib
@@ -46,8 +47,9 @@ def test_content_hash_follows_content(layout):
     table = synthetic_table("rollout", 50, seed=2)
     first = shards.write_shards(layout.fs, layout.stage_dir(1, "rollout"), table, "rollout")
     again = shards.write_shards(layout.fs, layout.stage_dir(2, "rollout"), table, "rollout")
-    other = shards.write_shards(layout.fs, layout.stage_dir(3, "rollout"), synthetic_table("rollout", 50, seed=3),
-                                "rollout")
+    other = shards.write_shards(
+        layout.fs, layout.stage_dir(3, "rollout"), synthetic_table("rollout", 50, seed=3), "rollout"
+    )
     assert first.content_hash == again.content_hash != other.content_hash
 
 
@@ -91,7 +93,7 @@ def test_damaged_part_is_named_in_the_error(layout, damage):
         write_bytes_atomic(layout.fs, victim, data[: len(data) // 2])
     elif damage == "flipped":
         middle = len(data) // 2
-        write_bytes_atomic(layout.fs, victim, data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+        write_bytes_atomic(layout.fs, victim, data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
     else:
         layout.fs.rm_file(victim)
     expected_word = {"truncated": "truncated", "flipped": "sha256", "missing": "missing"}[damage]
@@ -132,8 +134,11 @@ def test_crash_between_parts_and_manifest_keeps_previous_state(layout, monkeypat
     # The retry (with another part count) replaces the uncommitted output: no stale or duplicate parts.
     retry = synthetic_table("rollout", 40, seed=8)
     manifest = shards.write_shards(layout.fs, stage2, retry, "rollout", max_rows=20)
-    assert set(list_files(layout.fs, stage2)) == {"part-00000-of-00002.arrow", "part-00001-of-00002.arrow",
-                                                 "_manifest.json"}
+    assert set(list_files(layout.fs, stage2)) == {
+        "part-00000-of-00002.arrow",
+        "part-00001-of-00002.arrow",
+        "_manifest.json",
+    }
     assert manifest.rows == 40 and shards.read_shards(layout.fs, stage2).equals(retry)
 
 

@@ -1,5 +1,6 @@
 """TensorBoard events written from record_metrics: a resumed run shows each iteration once, and a run on S3
 gets its event files in the bucket. Read back with tensorboard's own EventAccumulator."""
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,14 @@ def _scalars(logdir: str, tag: str) -> list[tuple[int, float]]:
 
 
 def _row(iteration: int, reward: float) -> dict:
-    return {"iteration": iteration, "reward/mean": reward, "kl/mean": None, "rollout/engine": "hf",
-            "timing/update": 0.5, "flag": True}
+    return {
+        "iteration": iteration,
+        "reward/mean": reward,
+        "kl/mean": None,
+        "rollout/engine": "hf",
+        "timing/update": 0.5,
+        "flag": True,
+    }
 
 
 def test_a_resumed_run_replaces_the_iterations_it_writes_again(tmp_path):
@@ -34,8 +41,7 @@ def test_a_resumed_run_replaces_the_iterations_it_writes_again(tmp_path):
         record_metrics(layout, _row(i, 10 + i / 8))  # the resumed process writes iterations 4..6
     tracker.close_trackers()
     logdir = str(tmp_path / "resumed" / "tensorboard")
-    assert _scalars(logdir, "reward/mean") == [(1, 0.125), (2, 0.25), (3, 0.375), (4, 10.5), (5, 10.625),
-                                               (6, 10.75)]
+    assert _scalars(logdir, "reward/mean") == [(1, 0.125), (2, 0.25), (3, 0.375), (4, 10.5), (5, 10.625), (6, 10.75)]
     assert _scalars(logdir, "timing/update") == [(i, 0.5) for i in range(1, 7)]
 
 

@@ -1,4 +1,5 @@
 """PPOTrainer on real DeepSpeed (CPU accelerator, gloo): update, save/load, resume, gradient accumulation."""
+
 import json
 import random
 
@@ -16,9 +17,18 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(model_dir, **overrides):
-    settings = {"model.policy_path": str(model_dir), "rollout.prompts_per_iteration": 4, "rollout.n_samples": 2,
-                "train.micro_batch_size": 4, "train.train_batch_size": 8, "train.actor_lr": 1e-3,
-                "train.critic_lr": 1e-3, "train.ppo_epochs": 2, "train.warmup_steps": 1, "run.iterations": 5}
+    settings = {
+        "model.policy_path": str(model_dir),
+        "rollout.prompts_per_iteration": 4,
+        "rollout.n_samples": 2,
+        "train.micro_batch_size": 4,
+        "train.train_batch_size": 8,
+        "train.actor_lr": 1e-3,
+        "train.critic_lr": 1e-3,
+        "train.ppo_epochs": 2,
+        "train.warmup_steps": 1,
+        "run.iterations": 5,
+    }
     settings.update(overrides)
     return load_config(None, [f"{k}={v}" for k, v in settings.items()])
 
@@ -30,9 +40,13 @@ def _batch(model_dir, seed: int) -> ExperienceBatch:
     prompt_ids = [p for p in prompts for _ in range(2)]
     response_ids = [[rng.randrange(4, 64) for _ in range(rng.randrange(1, 7))] for _ in range(8)]
     reference = ReferenceModel(str(model_dir), micro_batch_size=8)
-    return ExperienceBatch.from_lists(prompt_ids, response_ids, scores=[rng.random() for _ in range(8)],
-                                      ref_logprobs=reference.logprobs(prompt_ids, response_ids),
-                                      group_ids=[i // 2 for i in range(8)])
+    return ExperienceBatch.from_lists(
+        prompt_ids,
+        response_ids,
+        scores=[rng.random() for _ in range(8)],
+        ref_logprobs=reference.logprobs(prompt_ids, response_ids),
+        group_ids=[i // 2 for i in range(8)],
+    )
 
 
 def _params(engine) -> dict[str, torch.Tensor]:
@@ -54,26 +68,51 @@ def trained(tiny_model_dir, batches, tmp_path_factory):
     hashed = trainer.save(str(out), extra_state={"data_cursor": 1})
     saved_actor, saved_critic = _params(trainer.actor), _params(trainer.critic)
     second = trainer.update(batches[1])
-    return dict(out=out, hashed=hashed, initial=initial, first=first, saved_actor=saved_actor, saved_critic=saved_critic,
-                second=second, final_actor=_params(trainer.actor), final_critic=_params(trainer.critic),
-                trainer=trainer)
+    return dict(
+        out=out,
+        hashed=hashed,
+        initial=initial,
+        first=first,
+        saved_actor=saved_actor,
+        saved_critic=saved_critic,
+        second=second,
+        final_actor=_params(trainer.actor),
+        final_critic=_params(trainer.critic),
+        trainer=trainer,
+    )
 
 
 def test_save_returns_the_hashes_of_the_state_files_it_wrote(trained):
     from storage.checkpoints import file_sha256
 
     hashed = trained["hashed"]
-    assert {"trainer/actor_optimizer.safetensors", "trainer/critic_optimizer.safetensors",
-            "trainer/rng.safetensors", "trainer/actor_optimizer.json"} <= set(hashed)
+    assert {
+        "trainer/actor_optimizer.safetensors",
+        "trainer/critic_optimizer.safetensors",
+        "trainer/rng.safetensors",
+        "trainer/actor_optimizer.json",
+    } <= set(hashed)
     for rel, digest in hashed.items():  # hashed while writing == hashed by reading the file back
         assert digest == file_sha256(str(trained["out"] / rel)), rel
 
 
 def test_update_trains_and_reports_metrics(trained, batches):
     first = trained["first"]
-    for key in ("loss/policy", "loss/value", "policy/clipfrac", "policy/approx_kl", "policy/entropy",
-                "value/clipfrac", "optim/actor_grad_norm", "optim/critic_grad_norm", "optim/actor_lr",
-                "optim/critic_lr", "kl/mean", "kl/coef", "reward/mean"):
+    for key in (
+        "loss/policy",
+        "loss/value",
+        "policy/clipfrac",
+        "policy/approx_kl",
+        "policy/entropy",
+        "value/clipfrac",
+        "optim/actor_grad_norm",
+        "optim/critic_grad_norm",
+        "optim/actor_lr",
+        "optim/critic_lr",
+        "kl/mean",
+        "kl/coef",
+        "reward/mean",
+    ):
         assert key in first.metrics and torch.isfinite(torch.tensor(first.metrics[key])), key
     # Warm-up of 1 step then constant: the last step of the update ran at the full 1e-3.
     assert first.metrics["optim/actor_lr"] == pytest.approx(1e-3)
@@ -88,7 +127,7 @@ def test_first_old_logprobs_match_reference(trained, batches):
     # Before any step the actor IS the reference: old log-probs equal the reference's, so k1 KL = 0.
     # Tolerance: same weights, same padding layout, but a DeepSpeed-wrapped module; fp32 noise only.
     for old, ref in zip(trained["first"].old_logprobs, batches[0].ref_logprobs):
-        torch.testing.assert_close(torch.tensor(old), ref[:len(old)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(old), ref[: len(old)], atol=1e-5, rtol=0)
     assert abs(trained["first"].metrics["kl/mean"]) < 1e-5
 
 
@@ -111,8 +150,12 @@ def test_saved_checkpoint_is_open_format_and_reloads(trained, tiny_model_dir):
 
 def test_resume_then_update_equals_uninterrupted(trained, tiny_model_dir, batches):
     out = trained["out"]
-    resumed = PPOTrainer(_cfg(tiny_model_dir), str(out / "policy"), critic_dir=str(out / "critic"),
-                         trainer_state_dir=str(out / "trainer"))
+    resumed = PPOTrainer(
+        _cfg(tiny_model_dir),
+        str(out / "policy"),
+        critic_dir=str(out / "critic"),
+        trainer_state_dir=str(out / "trainer"),
+    )
     for k, v in _params(resumed.actor).items():
         assert torch.equal(v, trained["saved_actor"][k]), k
     for k, v in _params(resumed.critic).items():
@@ -137,8 +180,16 @@ def test_gradient_accumulation_does_not_change_the_step(tiny_model_dir, batches)
     """One optimizer step over 8 samples as 1 micro-batch of 8 or 4 micro-batches of 2."""
     results = []
     for micro in (8, 2):
-        cfg = _cfg(tiny_model_dir, **{"algo.name": "grpo", "train.micro_batch_size": micro,
-                                      "train.ppo_epochs": 1, "train.warmup_steps": 0, "train.actor_lr": 1e-4})
+        cfg = _cfg(
+            tiny_model_dir,
+            **{
+                "algo.name": "grpo",
+                "train.micro_batch_size": micro,
+                "train.ppo_epochs": 1,
+                "train.warmup_steps": 0,
+                "train.actor_lr": 1e-4,
+            },
+        )
         trainer = PPOTrainer(cfg, str(tiny_model_dir))
         assert trainer.actor.gradient_accumulation_steps() == 8 // micro
         before = _params(trainer.actor)
@@ -175,6 +226,7 @@ def test_old_values_from_the_first_forward_equal_a_separate_pass(tiny_model_dir,
 
             def no_separate_pass(*_):
                 raise AssertionError("the separate old-log-prob pass ran although the first forward could serve")
+
             monkeypatch.setattr(trainer, "_old_logprobs_and_values", no_separate_pass)
         else:
             monkeypatch.setattr(trainer, "_old_from_first_forward", lambda _batch: False)
@@ -204,7 +256,7 @@ def test_bf16_autocast_keeps_float32_state_and_close_logprobs(tiny_model_dir, ba
     before = _params(trainer.actor)
     result = trainer.update(batches[0])
     old = torch.cat([torch.tensor(x) for x in result.old_logprobs])
-    ref = torch.cat([r[:len(x)] for x, r in zip(result.old_logprobs, batches[0].ref_logprobs)])
+    ref = torch.cat([r[: len(x)] for x, r in zip(result.old_logprobs, batches[0].ref_logprobs)])
     diff = (old - ref).abs()
     assert 0 < float(diff.max()) < 0.1
     after = _params(trainer.actor)
@@ -223,8 +275,9 @@ def test_zero_stage_0_resume_equals_uninterrupted(tiny_model_dir, batches, tmp_p
     trainer.update(batches[0])
     trainer.save(str(tmp_path))
     trainer.update(batches[1])
-    resumed = PPOTrainer(cfg, str(tmp_path / "policy"), critic_dir=str(tmp_path / "critic"),
-                         trainer_state_dir=str(tmp_path / "trainer"))
+    resumed = PPOTrainer(
+        cfg, str(tmp_path / "policy"), critic_dir=str(tmp_path / "critic"), trainer_state_dir=str(tmp_path / "trainer")
+    )
     resumed.update(batches[1])
     for live, again in ((trainer.actor, resumed.actor), (trainer.critic, resumed.critic)):
         for k, v in _params(again).items():
@@ -243,8 +296,9 @@ def test_adaptive_kl_controller_sees_the_kl_per_sequence(tiny_model_dir, batches
     trainer.kl_controller.update = lambda kl, n: (seen.append(kl), controller_update(kl, n))[1]
     beta_before = trainer.kl_controller.value
     result = trainer.update(batches[1])
-    per_row = [sum(o - float(r) for o, r in zip(old, ref)) for old, ref in zip(result.old_logprobs,
-                                                                               batches[1].ref_logprobs)]
+    per_row = [
+        sum(o - float(r) for o, r in zip(old, ref)) for old, ref in zip(result.old_logprobs, batches[1].ref_logprobs)
+    ]
     per_sequence = sum(per_row) / len(per_row)
     per_token = sum(per_row) / sum(len(old) for old in result.old_logprobs)
     assert abs(per_sequence) > 1.5 * abs(per_token) > 0  # the two readings are far apart here

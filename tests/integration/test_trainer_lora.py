@@ -1,5 +1,6 @@
 """LoRA (peft) through the trainer on real DeepSpeed (CPU, one rank): the adapter checkpoint, the merged policy
 folder, the frozen base as the reference, resume, and target checks before any work."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,13 @@ from tests.integration.test_trainer import _batch, _cfg
 
 pytestmark = pytest.mark.slow
 
-LORA = {"algo.name": "grpo", "model.lora.rank": 4, "model.lora.alpha": 8, "train.actor_lr": 1e-2,
-        "model.lora.target_modules": "[q_proj, v_proj, down_proj]"}
+LORA = {
+    "algo.name": "grpo",
+    "model.lora.rank": 4,
+    "model.lora.alpha": 8,
+    "train.actor_lr": 1e-2,
+    "model.lora.target_modules": "[q_proj, v_proj, down_proj]",
+}
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -45,8 +51,11 @@ def test_only_the_adapters_train_and_the_base_stays_the_initial_policy(lora_run,
     # 2 layers x 3 targets x (A, B)
     assert len(trainable) == 12 and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    frozen = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
-              for n, p in module.named_parameters() if not p.requires_grad}
+    frozen = {
+        n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+        for n, p in module.named_parameters()
+        if not p.requires_grad
+    }
     assert set(frozen) == set(base)
     for name, p in frozen.items():
         assert torch.equal(p, base[name]), name
@@ -79,7 +88,7 @@ def test_adapter_and_merged_folders_load_and_give_the_trainers_logits(lora_run, 
 def test_shared_base_reference_scores_the_initial_policy_without_a_copy(lora_run, tiny_model_dir):
     trainer, batch = lora_run["trainer"], lora_run["batches"][0]
     prompts = [row[row_mask.bool()].tolist() for row, row_mask in zip(batch.prompt_ids, batch.prompt_mask)]
-    responses = [row[:int(m.sum())].tolist() for row, m in zip(batch.response_ids, batch.response_mask)]
+    responses = [row[: int(m.sum())].tolist() for row, m in zip(batch.response_ids, batch.response_mask)]
     shared = shared_reference(trainer)
     assert shared.model is trainer.actor.module  # the trainer's own weights, not a loaded copy
     loaded = ReferenceModel(str(tiny_model_dir), micro_batch_size=8)
@@ -126,8 +135,12 @@ def test_lora_with_gradient_checkpointing_gives_the_adapters_the_same_gradients(
     batch = _batch(tiny_model_dir, 1)
     runs = []
     for checkpointing in (False, True):
-        cfg = _cfg(tiny_model_dir, **dict(LORA, **{"model.gradient_checkpointing": checkpointing,
-                                                   "train.zero_stage": 0, "train.ppo_epochs": 1}))
+        cfg = _cfg(
+            tiny_model_dir,
+            **dict(
+                LORA, **{"model.gradient_checkpointing": checkpointing, "train.zero_stage": 0, "train.ppo_epochs": 1}
+            ),
+        )
         trainer = PPOTrainer(cfg, str(tiny_model_dir))
         grads = _grads_at_first_step(trainer)
         trainer.update(batch)

@@ -2,6 +2,7 @@
 same global batch, for ZeRO stages 0, 2 and 3 (each rank a real process running PPOTrainer with DeepSpeed);
 under ZeRO-3 the two ranks also save (each its optimizer partition), rebuild from that checkpoint and continue
 exactly as the uninterrupted run."""
+
 from __future__ import annotations
 
 import os
@@ -66,8 +67,16 @@ def _two_ranks(model_dir: Path, stage: int, out: Path, ckpt: str = "-") -> tuple
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1",
+        }
         argv = [sys.executable, "-c", RANK, str(REPO), str(model_dir), str(stage), str(out), ckpt]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -93,7 +102,9 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path, stage):
 
         assert "RESUMED_EQUAL True" in stdout, stdout[-2000:]
         assert sorted(p.name for p in (ckpt / "trainer").glob("actor_optimizer.rank*.safetensors")) == [
-            "actor_optimizer.rank0.safetensors", "actor_optimizer.rank1.safetensors"]
+            "actor_optimizer.rank0.safetensors",
+            "actor_optimizer.rank1.safetensors",
+        ]
         AutoModelForCausalLM.from_pretrained(ckpt / "policy")  # the gathered folder loads without DeepSpeed
     two = load_file(str(out))
     one_rank = PPOTrainer(_cfg(tiny_model_dir, **{"train.zero_stage": stage, **SETTINGS}), str(tiny_model_dir))
@@ -104,8 +115,10 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path, stage):
     # over the update's 2 steps, is the 1-rank one (a mean of per-rank means would be half of it).
     assert losses[2] == pytest.approx(metrics["optim/actor_grad_norm"], rel=1e-4)
     assert losses[3] == pytest.approx(metrics["optim/critic_grad_norm"], rel=1e-4)
-    one = {**{"actor." + k: v for k, v in gathered_state_dict(one_rank.actor).items()},
-           **{"critic." + k: v for k, v in gathered_state_dict(one_rank.critic).items()}}
+    one = {
+        **{"actor." + k: v for k, v in gathered_state_dict(one_rank.actor).items()},
+        **{"critic." + k: v for k, v in gathered_state_dict(one_rank.critic).items()},
+    }
     assert set(one) == set(two)
     for k, v in one.items():
         delta = (two[k] - v).abs()

@@ -5,6 +5,7 @@ overlong penalty, masking truncated samples, and the running reward normaliser a
 Expected values are derived by hand from the batch (scores, response lengths) in the comments, with
 algo.kl_coef = 0 so that token rewards are the bare score at the last token (gamma = 1).
 """
+
 import dataclasses
 import math
 
@@ -44,8 +45,10 @@ def _check_property(algo, trainer, result, scores):
         assert result.metrics["loss/value"] > 0 and "optim/critic_grad_norm" in result.metrics
     elif algo == "grpo":
         # G = 2: std (N - 1) = |s1 - s2| / sqrt(2), so (s - mean) / std = +-1/sqrt(2) (eps 1e-6 aside)
-        expected = [(scores[b] - mean_g[b]) / (abs(scores[b] - scores[_group_partner(b)]) / math.sqrt(2) + 1e-6)
-                    for b in range(8)]
+        expected = [
+            (scores[b] - mean_g[b]) / (abs(scores[b] - scores[_group_partner(b)]) / math.sqrt(2) + 1e-6)
+            for b in range(8)
+        ]
         assert all(abs(abs(e) - 1 / math.sqrt(2)) < 1e-4 for e in expected)
         _assert_rows_constant(adv, expected)
     elif algo == "dr_grpo":
@@ -87,14 +90,26 @@ def test_loss_aggregation_through_micro_batch_accumulation(tiny_model_dir, batch
     scores = batches[0].scores.tolist()
     lengths = batches[0].response_mask.sum(dim=1).tolist()
     weighted = sum(s * n for s, n in zip(scores, lengths))
-    expected = {"token_mean": -weighted / sum(lengths), "seq_mean_token_mean": -sum(scores) / 8,
-                "seq_mean_token_sum_norm": -weighted / 80}[mode]
+    expected = {
+        "token_mean": -weighted / sum(lengths),
+        "seq_mean_token_mean": -sum(scores) / 8,
+        "seq_mean_token_sum_norm": -weighted / 80,
+    }[mode]
     norms = []
     for micro in (8, 2):
         extra = {"algo.loss_agg_norm": 10} if mode == "seq_mean_token_sum_norm" else {}
-        cfg = _cfg(tiny_model_dir, **{"algo.name": "reinforce_pp", "algo.whiten_advantages": False,
-                                      "algo.kl_coef": 0.0, "algo.loss_agg": mode, "train.ppo_epochs": 1,
-                                      "train.micro_batch_size": micro, **extra})
+        cfg = _cfg(
+            tiny_model_dir,
+            **{
+                "algo.name": "reinforce_pp",
+                "algo.whiten_advantages": False,
+                "algo.kl_coef": 0.0,
+                "algo.loss_agg": mode,
+                "train.ppo_epochs": 1,
+                "train.micro_batch_size": micro,
+                **extra,
+            },
+        )
         trainer = PPOTrainer(cfg, str(tiny_model_dir))
         metrics = trainer.update(batches[0]).metrics
         assert metrics["loss/policy"] == pytest.approx(expected, abs=1e-5), micro
@@ -126,9 +141,17 @@ def _recipe_batch(batch, finish_reasons):
 
 
 def test_recipes_by_hand_and_the_normaliser_across_a_resume(tiny_model_dir, batches, tmp_path):
-    settings = {"algo.name": "grpo", "algo.kl_coef": 0.0, "train.ppo_epochs": 1, "train.micro_batch_size": 8,
-                "rollout.max_new_tokens": 5, "reward.overlong": "{buffer: 3, penalty: 1.0}",
-                "reward.normalize": "running", "algo.tis_cap": 1.5, "train.mask_truncated": True}
+    settings = {
+        "algo.name": "grpo",
+        "algo.kl_coef": 0.0,
+        "train.ppo_epochs": 1,
+        "train.micro_batch_size": 8,
+        "rollout.max_new_tokens": 5,
+        "reward.overlong": "{buffer: 3, penalty: 1.0}",
+        "reward.normalize": "running",
+        "algo.tis_cap": 1.5,
+        "train.mask_truncated": True,
+    }
     cfg = _cfg(tiny_model_dir, **settings)
     lengths = [batches[i].response_mask.sum(dim=1).long().tolist() for i in range(2)]
     # response lengths are 4 1 4 5 1 5 4 4 and 2 4 3 5 3 4 2 2: the 5-token ones ran into the cap
@@ -165,8 +188,10 @@ def test_recipes_by_hand_and_the_normaliser_across_a_resume(tiny_model_dir, batc
 
 def test_masking_every_sample_leaves_the_weights_alone(tiny_model_dir, batches):
     """All samples truncated and masked: no token is in the loss, the gradient is 0, Adam moves nothing."""
-    cfg = _cfg(tiny_model_dir, **{"algo.name": "grpo", "algo.kl_coef": 0.0, "train.ppo_epochs": 1,
-                                  "train.mask_truncated": True})
+    cfg = _cfg(
+        tiny_model_dir,
+        **{"algo.name": "grpo", "algo.kl_coef": 0.0, "train.ppo_epochs": 1, "train.mask_truncated": True},
+    )
     trainer = PPOTrainer(cfg, str(tiny_model_dir))
     before = _params(trainer.actor)
     metrics = trainer.update(dataclasses.replace(batches[0], truncated=torch.ones(8, dtype=torch.bool))).metrics

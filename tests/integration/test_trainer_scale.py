@@ -1,5 +1,6 @@
 """Scaling the update on real DeepSpeed (CPU accelerator, gloo, one rank): ZeRO-3 checkpoints, offload,
 gradient checkpointing, LoRA."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,7 @@ def partition_every_parameter(monkeypatch):
         cfg = build(*args, **kwargs)
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         return cfg
+
     monkeypatch.setattr(ppo_trainer, "deepspeed_config", config)
 
 
@@ -35,8 +37,9 @@ def _full(engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in gathered_state_dict(engine).items()}
 
 
-def test_zero3_saves_a_loadable_policy_and_resumes_like_uninterrupted(tiny_model_dir, batches, tmp_path,
-                                                                     partition_every_parameter):
+def test_zero3_saves_a_loadable_policy_and_resumes_like_uninterrupted(
+    tiny_model_dir, batches, tmp_path, partition_every_parameter
+):
     from transformers import AutoModelForCausalLM
 
     cfg = _cfg(tiny_model_dir, **{"train.zero_stage": 3})
@@ -56,8 +59,9 @@ def test_zero3_saves_a_loadable_policy_and_resumes_like_uninterrupted(tiny_model
     for k, v in policy.state_dict().items():
         assert torch.equal(v, saved_actor[k]), k
 
-    resumed = PPOTrainer(cfg, str(tmp_path / "policy"), critic_dir=str(tmp_path / "critic"),
-                         trainer_state_dir=str(tmp_path / "trainer"))
+    resumed = PPOTrainer(
+        cfg, str(tmp_path / "policy"), critic_dir=str(tmp_path / "critic"), trainer_state_dir=str(tmp_path / "trainer")
+    )
     for k, v in _full(resumed.critic).items():
         assert torch.equal(v, saved_critic[k]), k
     resumed.update(batches[1])
@@ -96,9 +100,11 @@ def _grads_at_first_step(trainer) -> dict[str, torch.Tensor]:
 
     def capture(role, engine):
         if role == "actor" and not grads and engine.is_gradient_accumulation_boundary():
-            grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters()
-                          if p.grad is not None})
+            grads.update(
+                {n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+            )
         step(role, engine)
+
     trainer._engine_step = capture
     return grads
 
@@ -110,8 +116,15 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_step(tiny_model_dir
     and so summation order): 1e-5 relative to each tensor's largest gradient."""
     runs = []
     for checkpointing in (False, True):
-        cfg = _cfg(tiny_model_dir, **{"train.zero_stage": 0, "model.gradient_checkpointing": checkpointing,
-                                      "train.ppo_epochs": 1, "algo.name": "grpo"})
+        cfg = _cfg(
+            tiny_model_dir,
+            **{
+                "train.zero_stage": 0,
+                "model.gradient_checkpointing": checkpointing,
+                "train.ppo_epochs": 1,
+                "algo.name": "grpo",
+            },
+        )
         trainer = PPOTrainer(cfg, str(tiny_model_dir))
         assert trainer.actor.module.is_gradient_checkpointing == checkpointing
         grads = _grads_at_first_step(trainer)

@@ -4,6 +4,7 @@ ONE engine for the whole module (built through the registry, ~30-60 s on 2 cores
 particular weights loads them first (a reload costs ~0.03 s), so tests do not depend on each other's
 weights. The last test shuts the engine down through the registry.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,15 +27,17 @@ from ppoflow.config import ModelConfig, RolloutConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-EOS = 2          # "</s>" in engines/toy/model.py's vocabulary
-DIGIT_7 = 11     # "7": 4 special tokens, then digits 0..9
+EOS = 2  # "</s>" in engines/toy/model.py's vocabulary
+DIGIT_7 = 11  # "7": 4 special tokens, then digits 0..9
 PROMPTS = [[1, 14, 11, 20], [1, 15, 4, 20, 27], [1, 16, 9, 20]]  # "<s> repeat 7 :"-like token ids
 
 
 def _configs(model_dir) -> tuple[RolloutConfig, ModelConfig]:
     # 0.25 GiB of KV cache is plenty for 3 prompts x 4 samples x 256 tokens of a 2-layer model.
-    return (RolloutConfig(engine="vllm", kv_cache_space_gib=0.25, max_model_len=256),
-            ModelConfig(policy_path=str(model_dir)))
+    return (
+        RolloutConfig(engine="vllm", kv_cache_space_gib=0.25, max_model_len=256),
+        ModelConfig(policy_path=str(model_dir)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,9 @@ def test_logprobs_match_transformers_recompute(engine, tiny_model_dir, temperatu
     from transformers import AutoModelForCausalLM
 
     engine.load_weights(str(tiny_model_dir), 0)
-    samples = engine.generate(PROMPTS, SamplingSettings(n=2, temperature=temperature, max_new_tokens=8), seeds=[5, 6, 7])
+    samples = engine.generate(
+        PROMPTS, SamplingSettings(n=2, temperature=temperature, max_new_tokens=8), seeds=[5, 6, 7]
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     worst = 0.0
     for s in samples:
@@ -115,7 +120,7 @@ def test_logprobs_match_transformers_recompute(engine, tiny_model_dir, temperatu
             logits = model(ids).logits[0].float()
         # logits at position t predict token t + 1: the response starts after the prompt's last position.
         start = len(s.prompt_ids) - 1
-        step_logits = logits[start:start + len(s.response_ids)] / temperature
+        step_logits = logits[start : start + len(s.response_ids)] / temperature
         expected = torch.log_softmax(step_logits, dim=-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
         worst = max(worst, (expected - torch.tensor(s.rollout_logprobs)).abs().max().item())
     assert worst < 2e-5, f"max |vLLM - transformers| log-prob = {worst}"
@@ -181,16 +186,23 @@ def test_ipc_sockets_live_in_a_private_folder(engine):
 
 
 def test_private_ipc_folder_is_removed_at_exit_and_a_user_value_is_kept(tmp_path):
-    code = ("import os; from engines.rollout.vllm_engine import _private_ipc_dir; _private_ipc_dir(); "
-            "d = os.environ['VLLM_RPC_BASE_PATH']; open(os.path.join(d, 'sock'), 'w').close(); print(d)")
+    code = (
+        "import os; from engines.rollout.vllm_engine import _private_ipc_dir; _private_ipc_dir(); "
+        "d = os.environ['VLLM_RPC_BASE_PATH']; open(os.path.join(d, 'sock'), 'w').close(); print(d)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
     made = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     folder = Path(made.stdout.strip())
     assert folder.name.startswith("ppoflow-vllm-ipc-") and not folder.exists()
     mine = tmp_path / "rpc"
     mine.mkdir()
-    kept = subprocess.run([sys.executable, "-c", code], env={**env, "VLLM_RPC_BASE_PATH": str(mine)},
-                          capture_output=True, text=True, check=True)
+    kept = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "VLLM_RPC_BASE_PATH": str(mine)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert kept.stdout.strip() == str(mine) and (mine / "sock").exists()
 
 
@@ -204,11 +216,13 @@ def test_registry_reuses_engine_then_shuts_down_cleanly(engine, tiny_model_dir, 
     assert get_rollout_engine(rollout_cfg, model_cfg, str(tiny_model_dir), version=4, seed=0) is engine
     assert any(p.name().startswith("VLLM") for p in psutil.Process().children(recursive=True))
     shutdown_all()
+
     # Only vLLM's processes count: the engine core and its workers (named VLLM::..., or spawned by
     # multiprocessing for it). Other children of the test process (a Prefect server started by another
     # test's session fixture, multiprocessing's shared resource tracker) are not the engine's.
     def is_vllm(p) -> bool:
         cmd = " ".join(p.cmdline())
         return p.name().startswith("VLLM") or ("spawn_main" in cmd and "resource_tracker" not in cmd)
+
     left = [p for p in psutil.Process().children(recursive=True) if is_vllm(p)]
     assert left == [], f"processes left after shutdown_all: {left}"

@@ -1,4 +1,5 @@
 """token_budget_batches: hand-checked cases plus properties (partition, budget, padding saved)."""
+
 import random
 
 import pytest
@@ -35,11 +36,14 @@ class TestTokenBudgetBatchesByHand:
         # batch [0, 1] with lengths 5, 2 pads 2 * 5 - 7 = 3; batch [2] pads nothing.
         assert padded_tokens([5, 2, 4], [[0, 1], [2]]) == 3
 
-    @pytest.mark.parametrize("lengths,budget,rows,match", [
-        ([1, -2], 8, None, "row 1 has a negative length -2"),
-        ([1], 0, None, "token_budget must be >= 1"),
-        ([1], 8, 0, "max_batch_rows must be >= 1"),
-    ])
+    @pytest.mark.parametrize(
+        "lengths,budget,rows,match",
+        [
+            ([1, -2], 8, None, "row 1 has a negative length -2"),
+            ([1], 0, None, "token_budget must be >= 1"),
+            ([1], 8, 0, "max_batch_rows must be >= 1"),
+        ],
+    )
     def test_bad_input_names_what(self, lengths, budget, rows, match):
         with pytest.raises(ValueError, match=match):
             token_budget_batches(lengths, budget, max_batch_rows=rows)
@@ -49,8 +53,11 @@ lengths_st = st.lists(st.integers(min_value=0, max_value=300), max_size=200)
 
 
 class TestTokenBudgetBatchesProperties:
-    @given(lengths=lengths_st, budget=st.integers(min_value=1, max_value=4096),
-           rows=st.one_of(st.none(), st.integers(min_value=1, max_value=64)))
+    @given(
+        lengths=lengths_st,
+        budget=st.integers(min_value=1, max_value=4096),
+        rows=st.one_of(st.none(), st.integers(min_value=1, max_value=64)),
+    )
     @settings(max_examples=300, deadline=None)
     def test_partition_budget_and_order(self, lengths, budget, rows):
         batches = token_budget_batches(lengths, budget, max_batch_rows=rows)
@@ -77,8 +84,11 @@ class TestTokenBudgetBatchesProperties:
             longest = lengths[b[0]]
             assert (len(b) + 1) * longest > budget
 
-    @given(seed=st.integers(min_value=0, max_value=2**32 - 1), n=st.integers(min_value=64, max_value=256),
-           long_share=st.floats(min_value=0.05, max_value=0.3))
+    @given(
+        seed=st.integers(min_value=0, max_value=2**32 - 1),
+        n=st.integers(min_value=64, max_value=256),
+        long_share=st.floats(min_value=0.05, max_value=0.3),
+    )
     @settings(max_examples=100, deadline=None)
     def test_pads_less_than_fixed_size_batches_on_skewed_lengths(self, seed, n, long_share):
         # Skewed lengths: mostly short responses (1-16 tokens), at least 4 long ones (200-256), in a

@@ -1,4 +1,5 @@
 """bench/report.py keeps the latest line of each variant of a bench (BENCHMARKS.md shows one table per variant)."""
+
 import json
 
 import bench.report as report
@@ -10,8 +11,16 @@ def _write(folder, name, lines):
 
 def test_latest_keeps_one_line_per_variant_in_first_seen_order(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
-    _write(tmp_path, "demo", [{"storage": "local", "x": 1}, {"storage": "s3", "x": 2}, {"storage": "local", "x": 3},
-                              {"size": "tiny", "x": 4}])
+    _write(
+        tmp_path,
+        "demo",
+        [
+            {"storage": "local", "x": 1},
+            {"storage": "s3", "x": 2},
+            {"storage": "local", "x": 3},
+            {"size": "tiny", "x": 4},
+        ],
+    )
     # local's latest is x=3 (the later of its two lines) and keeps local's first place; s3 and size=tiny
     # are variants of their own
     assert [line["x"] for line in report.latest("demo")] == [3, 2, 4]

@@ -1,5 +1,6 @@
 """Scratch folders of checkpoint saves: one left by a process killed mid-save is removed by the next save
 on the same machine; those of live processes, of other machines and of unknown names are kept."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,9 @@ KILLED_MID_SAVE = textwrap.dedent("""
 
 
 def _killed_mid_save(root: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(REPO), str(root)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_SAVE, str(REPO), str(root)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     return Path(proc.stdout.strip())
 
@@ -60,15 +62,18 @@ def test_scratch_of_live_processes_other_machines_and_unknown_names_is_kept(tmp_
     host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        kept = [parent / f".ppoflow-ckpt.{host}.{sleeper.pid}.abc123",  # its writer is alive
-                parent / f".ppoflow-ckpt.{host}.{os.getpid()}.def456",  # this process's own
-                parent / ".ppoflow-ckpt.some-other-host.1.ghi789",  # another machine: liveness unknown
-                parent / ".ppoflow-ckpt-xyz",  # an older version's name: no pid to check
-                parent / "iter-000001"]  # a checkpoint, not scratch
+        kept = [
+            parent / f".ppoflow-ckpt.{host}.{sleeper.pid}.abc123",  # its writer is alive
+            parent / f".ppoflow-ckpt.{host}.{os.getpid()}.def456",  # this process's own
+            parent / ".ppoflow-ckpt.some-other-host.1.ghi789",  # another machine: liveness unknown
+            parent / ".ppoflow-ckpt-xyz",  # an older version's name: no pid to check
+            parent / "iter-000001",
+        ]  # a checkpoint, not scratch
         for folder in kept:
             folder.mkdir()
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True)
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        )
         stale = parent / f".ppoflow-ckpt.{host}.{int(dead.stdout)}.jkl012"
         stale.mkdir()
         assert ckpt.remove_stale_scratch(str(parent)) == [str(stale)]

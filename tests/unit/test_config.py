@@ -1,4 +1,5 @@
 """The typed config: YAML + --set overrides, validation errors that name field, value and what is allowed."""
+
 import pytest
 
 from ppoflow.config import ConfigError, PPOFlowConfig, apply_overrides, load_config
@@ -6,8 +7,13 @@ from ppoflow.config import ConfigError, PPOFlowConfig, apply_overrides, load_con
 
 def test_defaults_follow_openrlhf():
     cfg = PPOFlowConfig()
-    assert (cfg.algo.gamma, cfg.algo.lam, cfg.algo.value_clip, cfg.reward.clip, cfg.algo.kl_estimator) == \
-        (1.0, 1.0, 0.5, 10.0, "k1")
+    assert (cfg.algo.gamma, cfg.algo.lam, cfg.algo.value_clip, cfg.reward.clip, cfg.algo.kl_estimator) == (
+        1.0,
+        1.0,
+        0.5,
+        10.0,
+        "k1",
+    )
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -19,12 +25,15 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.rollout_batch_size == cfg.rollout.prompts_per_iteration * 4
 
 
-@pytest.mark.parametrize("override, field, value", [
-    ("algo.name=ppo2", "algo.name", "ppo2"),
-    ("rollout.temperature=0", "rollout.temperature", "0"),
-    ("train.zero_stage=4", "train.zero_stage", "4"),
-    ("run.name=a/b", "run.name", "a/b"),
-])
+@pytest.mark.parametrize(
+    "override, field, value",
+    [
+        ("algo.name=ppo2", "algo.name", "ppo2"),
+        ("rollout.temperature=0", "rollout.temperature", "0"),
+        ("train.zero_stage=4", "train.zero_stage", "4"),
+        ("run.name=a/b", "run.name", "a/b"),
+    ],
+)
 def test_error_names_field_and_value(override, field, value):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
@@ -67,8 +76,11 @@ BAD_VALUES = [
     ("algo.kl_coef=.inf", "algo.kl_coef", "finite"),
     ("algo.entropy_coef=nan", "algo.entropy_coef", "finite"),
     ("train.actor_lr=.inf", "train.actor_lr", "finite"),
-    ("reward.sources=[{kind: function, target: 'engines.toy.task:reward_func', weight: .nan}]",
-     "reward.sources.0.weight", "finite"),
+    (
+        "reward.sources=[{kind: function, target: 'engines.toy.task:reward_func', weight: .nan}]",
+        "reward.sources.0.weight",
+        "finite",
+    ),
     ("reward.clip=.inf", "reward.clip", "finite"),
     ("reward.sources=[]", "reward.sources", "at least 1"),
     ("run.name=..", "run.name", "plain folder name"),

@@ -1,15 +1,19 @@
 """Config checks of the scaling settings (train.offload, model.lora): impossible combinations fail before work."""
+
 import pytest
 
 from ppoflow.config import ConfigError, load_config
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["train.zero_stage=0", "train.offload=optimizer"], ("train.offload", "train.zero_stage")),
-    (["train.zero_stage=2", "train.offload=optimizer_and_params"], ("train.offload", "train.zero_stage=3")),
-    (["train.zero_stage=0", "train.offload=optimizer_and_params"], ("train.offload", "train.zero_stage")),
-    (["train.offload=disk"], ("train.offload", "disk")),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["train.zero_stage=0", "train.offload=optimizer"], ("train.offload", "train.zero_stage")),
+        (["train.zero_stage=2", "train.offload=optimizer_and_params"], ("train.offload", "train.zero_stage=3")),
+        (["train.zero_stage=0", "train.offload=optimizer_and_params"], ("train.offload", "train.zero_stage")),
+        (["train.offload=disk"], ("train.offload", "disk")),
+    ],
+)
 def test_offload_against_the_zero_stage_names_both_fields(overrides, named):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -17,11 +21,16 @@ def test_offload_against_the_zero_stage_names_both_fields(overrides, named):
         assert name in str(err.value)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["train.zero_stage=1", "train.offload=optimizer"], ["train.zero_stage=2", "train.offload=optimizer"],
-    ["train.zero_stage=3", "train.offload=optimizer"], ["train.zero_stage=3", "train.offload=optimizer_and_params"],
-    ["train.zero_stage=0", "train.offload=none"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.zero_stage=1", "train.offload=optimizer"],
+        ["train.zero_stage=2", "train.offload=optimizer"],
+        ["train.zero_stage=3", "train.offload=optimizer"],
+        ["train.zero_stage=3", "train.offload=optimizer_and_params"],
+        ["train.zero_stage=0", "train.offload=none"],
+    ],
+)
 def test_offload_combinations_deepspeed_supports_are_accepted(overrides):
     load_config(None, overrides)
 
@@ -31,7 +40,10 @@ def test_lora_section_from_dotted_overrides_and_its_bounds():
     lora = cfg.model.lora
     assert lora.rank == 4 and lora.alpha == 16.0 and lora.target_modules == ["q_proj", "v_proj"]
     assert load_config(None).model.lora is None
-    for bad, field in (("model.lora.rank=0", "model.lora.rank"), ("model.lora.dropout=1.0", "model.lora.dropout"),
-                       ("model.lora.target_modules=[]", "model.lora.target_modules")):
+    for bad, field in (
+        ("model.lora.rank=0", "model.lora.rank"),
+        ("model.lora.dropout=1.0", "model.lora.dropout"),
+        ("model.lora.target_modules=[]", "model.lora.target_modules"),
+    ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, [bad])

@@ -1,4 +1,5 @@
 """PromptSource: loading formats, column / length errors, and the (seed, iteration) data order."""
+
 import json
 
 import pytest

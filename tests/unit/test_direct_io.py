@@ -4,6 +4,7 @@ through a plain file where it does not; a big safetensors file written that way 
 Expected bytes are the concatenation of the inputs (built here with bytes +), and `probe_direct` asks the
 filesystem itself whether it takes O_DIRECT, independently of the writer.
 """
+
 from __future__ import annotations
 
 import errno
@@ -48,8 +49,17 @@ def pieces(*sizes: int) -> list[bytes]:
 
 
 # sizes around the alignment and the staging buffer: empty, a tail only, exact multiples, several buffers
-CASES = [(), (0,), (1,), (ALIGN,), (ALIGN - 1, 2), (BUFFER_BYTES,), (BUFFER_BYTES - 3, 7, ALIGN),
-         (3 * BUFFER_BYTES + 5,), (100, BUFFER_BYTES * 2, 1)]
+CASES = [
+    (),
+    (0,),
+    (1,),
+    (ALIGN,),
+    (ALIGN - 1, 2),
+    (BUFFER_BYTES,),
+    (BUFFER_BYTES - 3, 7, ALIGN),
+    (3 * BUFFER_BYTES + 5,),
+    (100, BUFFER_BYTES * 2, 1),
+]
 
 
 @pytest.mark.parametrize("sizes", CASES)
@@ -131,8 +141,11 @@ def test_other_errors_are_not_swallowed(tmp_path):
 
 
 def test_large_safetensors_file_goes_direct_and_reads_back(tmp_path):
-    tensors = {"exp_avg": torch.randn(DIRECT_MIN_BYTES // 4 + 123), "step": torch.tensor(7.0),
-               "exp_avg_sq": torch.rand(1001).bfloat16()}
+    tensors = {
+        "exp_avg": torch.randn(DIRECT_MIN_BYTES // 4 + 123),
+        "step": torch.tensor(7.0),
+        "exp_avg_sq": torch.rand(1001).bfloat16(),
+    }
     path = tmp_path / "opt.safetensors"
     digest = write_safetensors(tensors, path)
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -265,13 +278,12 @@ def test_staging_buffers_are_mapped_once_and_reused_by_later_writers(tmp_path, m
 
     monkeypatch.setattr(direct_io, "_pool", [])  # start from an empty pool
     monkeypatch.setattr(direct_io, "mmap", CountingMmap)
-    contents = [bytes([0xAA]) * (3 * BUFFER_BYTES + 17), os.urandom(2 * BUFFER_BYTES + ALIGN + 1),
-                bytes([0x55]) * 5001]
+    contents = [bytes([0xAA]) * (3 * BUFFER_BYTES + 17), os.urandom(2 * BUFFER_BYTES + ALIGN + 1), bytes([0x55]) * 5001]
     for k, data in enumerate(contents):
         with SequentialWriter(tmp_path / f"f{k}.bin") as writer:
             direct_or_skip(writer)
             for start in range(0, len(data), 3_000_000):
-                writer.write(data[start:start + 3_000_000])
+                writer.write(data[start : start + 3_000_000])
     assert len(mapped) == RING
     for k, data in enumerate(contents):
         assert (tmp_path / f"f{k}.bin").read_bytes() == data, k

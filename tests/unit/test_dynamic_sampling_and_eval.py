@@ -1,11 +1,17 @@
 """DAPO dynamic sampling (engines/ppo/dynamic_sampling.py) and eval metrics (engines/evaluation.py), by hand."""
+
 import math
 
 import pytest
 
 from engines.evaluation import eval_metrics, pass_at_k
-from engines.ppo.dynamic_sampling import (SampledGroup, extra_prompt_rows, has_reward_variance, prompts_to_draw,
-                                          select_groups)
+from engines.ppo.dynamic_sampling import (
+    SampledGroup,
+    extra_prompt_rows,
+    has_reward_variance,
+    prompts_to_draw,
+    select_groups,
+)
 
 
 def _g(row, rnd, *rewards):
@@ -14,16 +20,18 @@ def _g(row, rnd, *rewards):
 
 class TestSelectGroups:
     # round 0: rows 10 (flat 1s), 11 (varied), 12 (flat 0s), 13 (varied); round 1: 20 (varied), 21 (flat)
-    groups = [_g(10, 0, 1, 1), _g(11, 0, 0, 1), _g(12, 0, 0, 0), _g(13, 0, 1, 0), _g(20, 1, 0.5, 0.2),
-              _g(21, 1, 0, 0)]
+    groups = [_g(10, 0, 1, 1), _g(11, 0, 0, 1), _g(12, 0, 0, 0), _g(13, 0, 1, 0), _g(20, 1, 0.5, 0.2), _g(21, 1, 0, 0)]
 
     def test_full_batch_drops_flat_groups(self):
         sel = select_groups(self.groups, target_groups=3, groups_per_step=1)
         assert [g.prompt_row for g in sel.groups] == [11, 13, 20]
-        assert sel.metrics == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/groups_sampled": 6.0,
-                               "dynamic_sampling/batch_full": 1.0,
-                               "dynamic_sampling/zero_variance_sampled_fraction": 3 / 6,
-                               "dynamic_sampling/zero_variance_trained_fraction": 0.0}
+        assert sel.metrics == {
+            "dynamic_sampling/rounds": 2.0,
+            "dynamic_sampling/groups_sampled": 6.0,
+            "dynamic_sampling/batch_full": 1.0,
+            "dynamic_sampling/zero_variance_sampled_fraction": 3 / 6,
+            "dynamic_sampling/zero_variance_trained_fraction": 0.0,
+        }
 
     def test_rounds_ran_out_trains_on_whole_steps(self):
         # 3 varied groups for a target of 4 in steps of 2 groups: one step of 2 (11, 13)
@@ -59,26 +67,32 @@ class TestDraws:
         with pytest.raises(ValueError, match="round_index >= 1"):
             extra_prompt_rows(4, 0, 0, 0, 1)
 
-    @pytest.mark.parametrize("target, kept, sampled, expected", [
-        (8, 8, 10, 0),        # full
-        (8, 4, 8, 8),         # half kept -> twice the shortfall of 4
-        (8, 6, 8, 3),         # 3/4 kept -> ceil(2 * 8 / 6) = 3
-        (8, 1, 8, 28),        # 1/8 kept -> 56, capped at 4 x 7
-        (8, 0, 0, 8),         # nothing sampled yet: the shortfall
-        (8, 0, 8, 32),        # nothing kept: 4 x the shortfall
-    ])
+    @pytest.mark.parametrize(
+        "target, kept, sampled, expected",
+        [
+            (8, 8, 10, 0),  # full
+            (8, 4, 8, 8),  # half kept -> twice the shortfall of 4
+            (8, 6, 8, 3),  # 3/4 kept -> ceil(2 * 8 / 6) = 3
+            (8, 1, 8, 28),  # 1/8 kept -> 56, capped at 4 x 7
+            (8, 0, 0, 8),  # nothing sampled yet: the shortfall
+            (8, 0, 8, 32),  # nothing kept: 4 x the shortfall
+        ],
+    )
     def test_prompts_to_draw(self, target, kept, sampled, expected):
         assert prompts_to_draw(target, kept, sampled) == expected
 
 
 class TestEval:
-    @pytest.mark.parametrize("n, c, k, expected", [
-        (5, 2, 1, 2 / 5),               # pass@1 = c / n
-        (5, 2, 2, 1 - 3 / 10),          # 1 - C(3, 2) / C(5, 2)
-        (5, 0, 3, 0.0),
-        (5, 3, 3, 1.0),                 # n - c = 2 < k: every 3-subset has a correct one
-        (4, 1, 4, 1.0),
-    ])
+    @pytest.mark.parametrize(
+        "n, c, k, expected",
+        [
+            (5, 2, 1, 2 / 5),  # pass@1 = c / n
+            (5, 2, 2, 1 - 3 / 10),  # 1 - C(3, 2) / C(5, 2)
+            (5, 0, 3, 0.0),
+            (5, 3, 3, 1.0),  # n - c = 2 < k: every 3-subset has a correct one
+            (4, 1, 4, 1.0),
+        ],
+    )
     def test_pass_at_k_by_hand(self, n, c, k, expected):
         assert pass_at_k(n, c, k) == pytest.approx(expected)
 

@@ -1,4 +1,5 @@
 """ExperienceBatch.from_lists: finish reasons, optional sampler log-probs, the loss mask."""
+
 import pytest
 import torch
 
@@ -6,8 +7,9 @@ from engines.trainer.experience import ExperienceBatch
 
 
 def _batch(**kwargs):
-    return ExperienceBatch.from_lists([[1, 2], [1], [3]], [[4, 5, 6], [7], [8, 9]], [1.0, 0.0, 0.5],
-                                      [[-1.0] * 3, [-1.0], [-1.0] * 2], **kwargs)
+    return ExperienceBatch.from_lists(
+        [[1, 2], [1], [3]], [[4, 5, 6], [7], [8, 9]], [1.0, 0.0, 0.5], [[-1.0] * 3, [-1.0], [-1.0] * 2], **kwargs
+    )
 
 
 def test_finish_reasons_mark_truncated_rows_and_the_loss_mask_drops_them():
@@ -42,13 +44,17 @@ class TestPadding:
     def _loop_right(rows, width, value, dtype):
         out = torch.full((len(rows), width), value, dtype=dtype)
         for b, row in enumerate(rows):
-            out[b, :len(row)] = torch.tensor(list(row), dtype=dtype)
+            out[b, : len(row)] = torch.tensor(list(row), dtype=dtype)
         return out
 
     def test_by_hand(self):
         from engines.trainer.experience import left_pad, right_pad
 
-        assert right_pad([[1.5], [], [2.0, 3.0]], 2, -1.0, torch.float32).tolist() == [[1.5, -1.0], [-1.0, -1.0], [2.0, 3.0]]
+        assert right_pad([[1.5], [], [2.0, 3.0]], 2, -1.0, torch.float32).tolist() == [
+            [1.5, -1.0],
+            [-1.0, -1.0],
+            [2.0, 3.0],
+        ]
         ids, mask = left_pad([[7], [8, 9]], 3, 0)
         assert ids.tolist() == [[0, 0, 7], [0, 8, 9]] and mask.tolist() == [[0, 0, 1], [0, 1, 1]]
 

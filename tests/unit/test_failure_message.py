@@ -1,8 +1,9 @@
 """flows/failure.py: the one message a failed command prints (what, where, log, resume), without a traceback."""
+
 from __future__ import annotations
 
-from ppoflow.config import PPOFlowConfig
 from flows.failure import describe_failure, failed_stage, resume_command
+from ppoflow.config import PPOFlowConfig
 
 
 def _raise_inside_a_stage(stage: str, iteration: int) -> None:
@@ -28,13 +29,18 @@ def test_stage_and_iteration_come_from_the_failing_frame():
 
 
 def test_message_names_what_where_log_and_resume_for_an_s3_run():
-    cfg = PPOFlowConfig.model_validate({"run": {"name": "exp1", "root": "s3://no-such-bucket/ppo"},
-                                        "storage": {"endpoint_url": "http://127.0.0.1:9000"}})
+    cfg = PPOFlowConfig.model_validate(
+        {
+            "run": {"name": "exp1", "root": "s3://no-such-bucket/ppo"},
+            "storage": {"endpoint_url": "http://127.0.0.1:9000"},
+        }
+    )
     argv = ["train", "my run.yaml", "--set", "run.iterations=5", "--verbose"]
     text = describe_failure(_caught(), cfg, "/cache/mirror/x/exp1/logs/train-1.log", argv=argv)
     lines = text.splitlines()
-    assert lines[0] == ("ppoflow: error: FileNotFoundError: data file /data/prompts.jsonl: row 12 has no "
-                        "'prompt' column")
+    assert lines[0] == (
+        "ppoflow: error: FileNotFoundError: data file /data/prompts.jsonl: row 12 has no 'prompt' column"
+    )
     assert "  where:   stage rollout, iteration 4, run exp1 at s3://no-such-bucket/ppo/exp1" in lines
     assert "  storage: s3://no-such-bucket/ppo (endpoint http://127.0.0.1:9000)" in lines
     assert any(line.startswith("  log:     /cache/mirror/x/exp1/logs/train-1.log") for line in lines)

@@ -8,6 +8,7 @@ summation orders over different row counts: 1e-5 on log-probs of size ~|log 64| 
 Hooks on the model count the columns each part really saw, so a test also fails if a cut silently stops
 happening (the numbers alone cannot tell).
 """
+
 import contextlib
 
 import pytest
@@ -28,8 +29,8 @@ def padded_batch(prompt_lengths, response_lengths, width_p, width_r, seed=0):
     response_ids = torch.zeros(batch, width_r, dtype=torch.long)
     response_mask = torch.zeros(batch, width_r, dtype=torch.long)
     for b, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
-        prompt_ids[b, width_p - p:] = torch.randint(3, 64, (p,), generator=generator)
-        prompt_mask[b, width_p - p:] = 1
+        prompt_ids[b, width_p - p :] = torch.randint(3, 64, (p,), generator=generator)
+        prompt_mask[b, width_p - p :] = 1
         response_ids[b, :r] = torch.randint(3, 64, (r,), generator=generator)
         response_mask[b, :r] = 1
     return prompt_ids, prompt_mask, response_ids, response_mask
@@ -45,7 +46,7 @@ def naive_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask):
     ids, mask, positions = naive_full_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     width_p, width_r = prompt_ids.shape[1], response_ids.shape[1]
-    scored = logits[:, width_p - 1: width_p + width_r - 1].float() / TEMPERATURE
+    scored = logits[:, width_p - 1 : width_p + width_r - 1].float() / TEMPERATURE
     return torch.log_softmax(scored, -1).gather(-1, response_ids[..., None]).squeeze(-1)
 
 
@@ -53,7 +54,7 @@ def naive_values(critic, prompt_ids, prompt_mask, response_ids, response_mask):
     ids, mask, positions = naive_full_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     values = critic(input_ids=ids, attention_mask=mask, position_ids=positions)
     width_p, width_r = prompt_ids.shape[1], response_ids.shape[1]
-    return values[:, width_p - 1: width_p + width_r - 1]
+    return values[:, width_p - 1 : width_p + width_r - 1]
 
 
 @contextlib.contextmanager
@@ -110,15 +111,17 @@ CASES = [
 
 
 @pytest.mark.parametrize("prompt_lengths,response_lengths,width_p,width_r", CASES)
-def test_policy_forward_equals_naive_values_and_gradients(tiny_model_dir, prompt_lengths, response_lengths,
-                                                          width_p, width_r):
+def test_policy_forward_equals_naive_values_and_gradients(
+    tiny_model_dir, prompt_lengths, response_lengths, width_p, width_r
+):
     batch = padded_batch(prompt_lengths, response_lengths, width_p, width_r)
     mask = batch[3].float()
     model = load_policy(tiny_model_dir)
     expected, expected_grads = naive_with_grads(model, naive_logprobs, batch, mask)
 
-    with columns_seen(first_mlp=model.model.layers[0].mlp, last_mlp=model.model.layers[-1].mlp,
-                      lm_head=model.lm_head) as seen:
+    with columns_seen(
+        first_mlp=model.model.layers[0].mlp, last_mlp=model.model.layers[-1].mlp, lm_head=model.lm_head
+    ) as seen:
         out = policy_forward(model, *batch, TEMPERATURE, chunk_size=3)
     masked_weighted_sum(out.logprobs, mask).backward()
 
@@ -174,8 +177,10 @@ def test_trim_is_off_for_families_not_known_to_be_position_wise(tiny_model_dir):
 def test_build_inputs_drops_the_last_response_column_and_rejects_empty_sides():
     prompt_ids, prompt_mask, response_ids, response_mask = padded_batch([2, 3], [3, 1], 3, 3)
     inputs = build_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    assert inputs.input_ids.tolist() == [prompt_ids[0].tolist() + response_ids[0, :2].tolist(),
-                                         prompt_ids[1].tolist() + response_ids[1, :2].tolist()]
+    assert inputs.input_ids.tolist() == [
+        prompt_ids[0].tolist() + response_ids[0, :2].tolist(),
+        prompt_ids[1].tolist() + response_ids[1, :2].tolist(),
+    ]
     # row 0: one left pad, then 2 prompt + 2 response tokens; row 1: 3 prompt tokens, 1 response token, pad
     assert inputs.attention_mask.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert inputs.position_ids.tolist() == [[0, 0, 1, 2, 3], [0, 1, 2, 3, 3]]

@@ -1,4 +1,5 @@
 """HFRolloutEngine: shapes and order, finish reasons, per-prompt seeds, log-probs vs a plain forward."""
+
 import pytest
 import torch
 
@@ -57,7 +58,7 @@ def test_logprobs_equal_a_plain_forward_at_the_temperature(engine, tiny_model_di
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(s.prompt_ids) - 1:-1]
+            logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1]
         expected = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(s.response_ids)[:, None])
         # Full-vocabulary log-probs, NOT renormalised after top-k/top-p. Tolerance: the sampler ran a
         # left-padded batch with a KV cache, this forward one unpadded row: fp32 reassociation only
@@ -173,7 +174,7 @@ def test_bfloat16_autocast_generation_stays_within_bf16_rounding(tiny_model_dir)
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(s.prompt_ids) - 1:-1]
+            logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1]
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
         gaps.append((torch.tensor(s.rollout_logprobs) - expected).abs().max().item())
     # bf16 keeps 8 bits of mantissa: logits of size ~1 move by ~1e-2; float32 would agree to ~1e-6.

@@ -1,5 +1,6 @@
 """save_pretrained_hashed: Hugging Face's own folder layout, written by ppoflow's safetensors writer, with
 each weight file's sha256 (checked here against hashlib over the bytes read back)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,9 +21,17 @@ def _llama(tie: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256,
-                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                        tie_word_embeddings=tie))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def _sha256(path) -> str:

@@ -5,6 +5,7 @@ Tolerances: fp32 log-probs of size ~|log V| ~ 10 carry rounding of a few ulp (1 
 Gradients are (1[v = y] - p) * upstream / tau, up to ~3 in size: rtol 1e-5 (~100 fp32 ulp) + atol 1e-6.
 float64 gradcheck is the independent check of the hand-written backward (finite differences).
 """
+
 import math
 
 import pytest
@@ -118,8 +119,12 @@ class TestSelectiveLogSoftmax:
         assert not shifted.is_contiguous()
         got = selective_log_softmax(shifted, token_ids[:, 1:], chunk_size=chunk_size)
         torch.testing.assert_close(got, naive_logprobs(shifted, token_ids[:, 1:]), rtol=0, atol=1e-5)
-        torch.testing.assert_close(entropy_from_logits(shifted, 1.0, chunk_size),
-                                   naive_entropy(shifted, 1.0, torch.float64).float(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            entropy_from_logits(shifted, 1.0, chunk_size),
+            naive_entropy(shifted, 1.0, torch.float64).float(),
+            rtol=0,
+            atol=1e-5,
+        )
 
     def test_no_grad_input_gives_no_graph(self, batch):
         logits, token_ids = batch
@@ -132,9 +137,13 @@ class TestSelectiveLogSoftmax:
         with pytest.raises(ValueError, match=r"token_ids\[1, 4\] = 1000 .*\[0, 1000\)"):
             selective_log_softmax(logits, bad)
 
-    @pytest.mark.parametrize("kwargs, message", [
-        ({"temperature": 0.0}, "temperature"), ({"chunk_size": 0}, "chunk_size"),
-    ])
+    @pytest.mark.parametrize(
+        "kwargs, message",
+        [
+            ({"temperature": 0.0}, "temperature"),
+            ({"chunk_size": 0}, "chunk_size"),
+        ],
+    )
     def test_bad_settings(self, batch, kwargs, message):
         logits, token_ids = batch
         with pytest.raises(ValueError, match=message):

@@ -1,4 +1,5 @@
 """Model loading: policy, reference (frozen), critic from policy / reward model / saved critic."""
+
 import json
 
 import pytest
@@ -78,8 +79,15 @@ def _llama(tie: bool, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
@@ -98,8 +106,9 @@ def test_precast_linear_weights_keeps_autocast_outputs_bit_for_bit(tie):
     assert cast.model.embed_tokens.weight.dtype == torch.float32
     assert cast.lm_head.weight.dtype == (torch.float32 if tie else torch.bfloat16)
     assert (cast.lm_head.weight is cast.model.embed_tokens.weight) == tie
-    assert torch.equal(cast.model.layers[0].self_attn.q_proj.weight,
-                       plain.model.layers[0].self_attn.q_proj.weight.to(torch.bfloat16))
+    assert torch.equal(
+        cast.model.layers[0].self_attn.q_proj.weight, plain.model.layers[0].self_attn.q_proj.weight.to(torch.bfloat16)
+    )
     ids = torch.randint(3, 64, (3, 9))
     with torch.no_grad(), autocast("bfloat16", "cpu"):
         expected, got = plain(ids).logits, cast(ids).logits

@@ -3,14 +3,14 @@
 The rule is checked against engines.toy.task.digit_reward on hand-built responses, the harness on
 hand-written progress records whose aggregates are worked out in the comments.
 """
+
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.peer_trl import (SIZES, Trainer, alternating_schedule, headline, parse_records, run_one,
-                            summarize_trainer)
+from bench.peer_trl import SIZES, Trainer, alternating_schedule, headline, parse_records, run_one, summarize_trainer
 from bench.trl_side.common import response_reward
 from engines.toy.model import build_tokenizer
 from engines.toy.task import digit_reward
@@ -24,7 +24,13 @@ def tokenizer():
 class TestAlternatingSchedule:
     def test_every_trainer_once_per_seed_in_the_same_order(self):
         assert alternating_schedule(["A", "B"], [0, 1, 2]) == [
-            (0, "A"), (0, "B"), (1, "A"), (1, "B"), (2, "A"), (2, "B")]
+            (0, "A"),
+            (0, "B"),
+            (1, "A"),
+            (1, "B"),
+            (2, "A"),
+            (2, "B"),
+        ]
 
     def test_never_the_same_trainer_twice_in_a_row(self):
         order = [name for _, name in alternating_schedule(["A", "B", "C"], list(range(5)))]
@@ -43,14 +49,16 @@ def _iteration(k: int, reward: float, iter_s: float, wall_s: float = 0.0) -> dic
 
 class TestParseRecords:
     def test_keeps_records_and_skips_library_output(self):
-        stdout = "\n".join([
-            "===training policy===",
-            "{'loss': 0.1}",  # a python dict repr, as HF's PrinterCallback prints: not JSON
-            json.dumps(_iteration(1, 0.5, 2.0)),
-            json.dumps({"loss": 0.3}),  # JSON without "event": someone else's line
-            json.dumps([1, 2]),
-            json.dumps({"event": "final", "train_s": 2.0}),
-        ])
+        stdout = "\n".join(
+            [
+                "===training policy===",
+                "{'loss': 0.1}",  # a python dict repr, as HF's PrinterCallback prints: not JSON
+                json.dumps(_iteration(1, 0.5, 2.0)),
+                json.dumps({"loss": 0.3}),  # JSON without "event": someone else's line
+                json.dumps([1, 2]),
+                json.dumps({"event": "final", "train_s": 2.0}),
+            ]
+        )
         iterations, final = parse_records(stdout)
         assert iterations == [_iteration(1, 0.5, 2.0)]
         assert final == {"event": "final", "train_s": 2.0}
@@ -60,17 +68,25 @@ class TestParseRecords:
 
 
 def _run(seed: int, rewards: list, iter_s: list, train_s: float, ok: bool = True) -> dict:
-    walls = [sum(iter_s[:k + 1]) for k in range(len(iter_s))]
+    walls = [sum(iter_s[: k + 1]) for k in range(len(iter_s))]
     its = [_iteration(k + 1, r, s, w) for k, (r, s, w) in enumerate(zip(rewards, iter_s, walls))]
     final = {"event": "final", "train_s": train_s, "setup_s": 1.0, "greedy_reward": None, "greedy_exact": None}
-    return {"trainer": "t", "seed": seed, "ok": ok, "iterations": its if ok else [], "final": final if ok else None,
-            **({} if ok else {"error": "rc 1: boom"})}
+    return {
+        "trainer": "t",
+        "seed": seed,
+        "ok": ok,
+        "iterations": its if ok else [],
+        "final": final if ok else None,
+        **({} if ok else {"error": "rc 1: boom"}),
+    }
 
 
 class TestSummarizeTrainer:
     def test_means_over_seeds(self):
-        runs = [_run(0, [0.1, 0.2, 0.4], [5.0, 2.0, 4.0], train_s=12.0),
-                _run(1, [0.0, 0.3, 0.6], [7.0, 3.0, 3.0], train_s=14.0)]
+        runs = [
+            _run(0, [0.1, 0.2, 0.4], [5.0, 2.0, 4.0], train_s=12.0),
+            _run(1, [0.0, 0.3, 0.6], [7.0, 3.0, 3.0], train_s=14.0),
+        ]
         s = summarize_trainer(runs, iterations=3)
         # iter_s: last wall (5+2+4, 7+3+3) / 3 -> (11/3 + 13/3) / 2 = 4.0, not train_s / 3 (what follows
         # the loop is no iteration's cost); steady: median(2, 4) = 3, median(3, 3) = 3 -> 3.0
@@ -97,14 +113,18 @@ class TestSummarizeTrainer:
 
 class TestHeadline:
     def test_ratios_are_ppoflow_over_trl_frozen(self):
-        summaries = {"ppoflow_pipeline": {"iter_s": 12.0, "iter_s_steady": 2.0, "reward_at_3": 0.9},
-                     "ppoflow_engine": {"iter_s": 10.0, "iter_s_steady": 1.0, "reward_at_3": 0.8},
-                     "trl_ppo_frozen": {"iter_s": 8.0, "iter_s_steady": 8.0, "reward_at_3": 0.5},
-                     "trl_ppo_shipped": {"iter_s": 12.0, "iter_s_steady": 12.0},
-                     "trl_ppo_bf16": {"iter_s": 5.0, "iter_s_steady": 4.0, "reward_at_3": 0.4}}
+        summaries = {
+            "ppoflow_pipeline": {"iter_s": 12.0, "iter_s_steady": 2.0, "reward_at_3": 0.9},
+            "ppoflow_engine": {"iter_s": 10.0, "iter_s_steady": 1.0, "reward_at_3": 0.8},
+            "trl_ppo_frozen": {"iter_s": 8.0, "iter_s_steady": 8.0, "reward_at_3": 0.5},
+            "trl_ppo_shipped": {"iter_s": 12.0, "iter_s_steady": 12.0},
+            "trl_ppo_bf16": {"iter_s": 5.0, "iter_s_steady": 4.0, "reward_at_3": 0.4},
+        }
         f = headline(summaries, 3, {})
         # at equal precision (TRL with bf16 autocast): 2/4 and 1/4; TRL's own bf16 gain 8/4
-        assert f["ratio_same_precision"] == pytest.approx(0.5) and f["engine_ratio_same_precision"] == pytest.approx(0.25)
+        assert f["ratio_same_precision"] == pytest.approx(0.5) and f["engine_ratio_same_precision"] == pytest.approx(
+            0.25
+        )
         assert f["trl_bf16_speedup"] == pytest.approx(2.0) and f["trl_bf16_reward_at_3"] == 0.4
         # steady state: 2/8 and 1/8; with the first iteration (engine start-up): 12/8 and 10/8
         assert f["ratio"] == pytest.approx(0.25) and f["engine_ratio"] == pytest.approx(0.125)
@@ -114,16 +134,20 @@ class TestHeadline:
         assert f["grpo_ratio"] is None  # no GRPO trainer ran
 
     def test_an_unavailable_trainer_is_named_with_its_reason(self):
-        f = headline({"trl_ppo_frozen": {"iter_s": 8.0, "iter_s_steady": 8.0}}, 3, {"ppoflow_pipeline": "not available: no flow"})
+        f = headline(
+            {"trl_ppo_frozen": {"iter_s": 8.0, "iter_s_steady": 8.0}}, 3, {"ppoflow_pipeline": "not available: no flow"}
+        )
         assert f["ratio"] is None and f["ppoflow_pipeline"] == "not available: no flow"
 
 
 class TestRunOne:
     def test_collects_the_records_of_a_real_process(self):
-        script = ("import json,os;"
-                  "print('library noise');"
-                  "print(json.dumps({'event':'iteration','iteration':1,'reward_mean':0.25,'wall_s':0.1,'iter_s':0.1}));"
-                  "print(json.dumps({'event':'final','train_s':0.1,'threads':os.environ['OMP_NUM_THREADS']}))")
+        script = (
+            "import json,os;"
+            "print('library noise');"
+            "print(json.dumps({'event':'iteration','iteration':1,'reward_mean':0.25,'wall_s':0.1,'iter_s':0.1}));"
+            "print(json.dumps({'event':'final','train_s':0.1,'threads':os.environ['OMP_NUM_THREADS']}))"
+        )
         trainer = Trainer("fake", "ppo", lambda m, s, i, g: [sys.executable, "-c", script])
         result = run_one(trainer, SIZES["small"], Path("."), seed=0)
         assert result["ok"], result.get("error")
@@ -148,7 +172,11 @@ class TestResponseReward:
     @pytest.mark.parametrize("end", ["eos", "pad"])
     def test_the_response_ends_at_eos_or_pad(self, tokenizer, end):
         end_id = tokenizer.eos_token_id if end == "eos" else tokenizer.pad_token_id
-        ids = tokenizer("3 3", add_special_tokens=False)["input_ids"] + [end_id] + [tokenizer.convert_tokens_to_ids("3")] * 5
+        ids = (
+            tokenizer("3 3", add_special_tokens=False)["input_ids"]
+            + [end_id]
+            + [tokenizer.convert_tokens_to_ids("3")] * 5
+        )
         # only the two words before the end count, over the 8-word target: 2/8
         assert response_reward(ids, "3", tokenizer, (tokenizer.eos_token_id, tokenizer.pad_token_id)) == 2 / 8
 
@@ -167,10 +195,12 @@ class TestDigitsRuleReward:
         short = tokenizer("repeat 3 :")["input_ids"]  # 4 ids with BOS; the other prompt has 6
         long = tokenizer("write the digit 7 :")["input_ids"]
         three, seven = tokenizer.convert_tokens_to_ids("3"), tokenizer.convert_tokens_to_ids("7")
-        rows = torch.tensor([
-            [pad, pad] + short + [three, three, three, eos, pad],  # left-padded; 3 hits then EOS: 3/8
-            long + [seven, pad, seven, seven, seven],  # a sampled pad ends it (TRL's view): 1/8
-        ])
+        rows = torch.tensor(
+            [
+                [pad, pad] + short + [three, three, three, eos, pad],  # left-padded; 3 hits then EOS: 3/8
+                long + [seven, pad, seven, seven, seven],  # a sampled pad ends it (TRL's view): 1/8
+            ]
+        )
         mask = rows != pad
         hidden = getattr(rule, rule.base_model_prefix)(input_ids=rows, attention_mask=mask).hidden_states[-1]
         scores = rule.score(hidden)
@@ -195,11 +225,19 @@ class TestMeanCurves:
 
         def it(k, r, w):
             return {"iteration": k, "reward_mean": r, "wall_s": w}
-        curves = {"runs": [
-            {"trainer": "a", "seed": 0, "ok": True, "iterations": [it(1, 0.0, 1.0), it(2, 0.5, 2.0), it(3, 1.0, 3.0)]},
-            {"trainer": "a", "seed": 1, "ok": True, "iterations": [it(1, 0.2, 3.0), it(2, 0.1, 4.0)]},
-            {"trainer": "a", "seed": 2, "ok": False, "iterations": [it(1, 9.0, 9.0)]},
-        ]}
+
+        curves = {
+            "runs": [
+                {
+                    "trainer": "a",
+                    "seed": 0,
+                    "ok": True,
+                    "iterations": [it(1, 0.0, 1.0), it(2, 0.5, 2.0), it(3, 1.0, 3.0)],
+                },
+                {"trainer": "a", "seed": 1, "ok": True, "iterations": [it(1, 0.2, 3.0), it(2, 0.1, 4.0)]},
+                {"trainer": "a", "seed": 2, "ok": False, "iterations": [it(1, 9.0, 9.0)]},
+            ]
+        }
         # two good runs, cut to 2 iterations: rewards (0+0.2)/2, (0.5+0.1)/2; seconds (1+3)/2, (2+4)/2
         got = mean_curves(curves)["a"]
         assert got["iteration"] == [1, 2]
@@ -233,9 +271,15 @@ class TestRecipeMirror:
 
         cfg = load_config(None, recipe_overrides("grpo", pad_token_id=0))
         assert (cfg.rollout.prompts_per_iteration, cfg.rollout.n_samples) == (
-            grpo_trl.PROMPTS_PER_ITERATION, grpo_trl.SAMPLES_PER_PROMPT)
+            grpo_trl.PROMPTS_PER_ITERATION,
+            grpo_trl.SAMPLES_PER_PROMPT,
+        )
         assert (cfg.algo.name, cfg.algo.kl_estimator, cfg.algo.kl_in_reward, cfg.train.ppo_epochs) == (
-            "grpo", "k3", False, 1)
+            "grpo",
+            "k3",
+            False,
+            1,
+        )
         assert not cfg.algo.whiten_advantages  # TRL GRPO normalises within groups only
 
     def test_unknown_algo_is_an_error(self):
@@ -251,6 +295,7 @@ class TestRunEngineLoop:
     class _Loop:
         def __init__(self, rewards, fail_at=None):
             from types import SimpleNamespace
+
             self.cfg = SimpleNamespace(run=SimpleNamespace(iterations=len(rewards)))
             self.rewards, self.fail_at, self.shut = rewards, fail_at, False
 

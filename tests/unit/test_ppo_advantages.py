@@ -1,11 +1,11 @@
 """GAE, discounted returns, whitening, group estimators and the compute_advantages dispatcher."""
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.ppo.advantages import (compute_advantages, discounted_returns, gae, group_advantages,
-                                    masked_whiten)
+from engines.ppo.advantages import compute_advantages, discounted_returns, gae, group_advantages, masked_whiten
 from engines.ppo.rewards import token_level_rewards
 
 seeds = st.integers(0, 2**31 - 1)
@@ -67,7 +67,7 @@ class TestMaskedWhiten:
     def test_by_hand(self):
         # [1, 2, 3] (pad 100 ignored): mean 2, population var 2/3 -> [-sqrt(1.5), 0, sqrt(1.5), 0]
         got = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1, 1, 1, 0]]))
-        torch.testing.assert_close(got, torch.tensor([[-1.5 ** 0.5, 0.0, 1.5 ** 0.5, 0.0]]))
+        torch.testing.assert_close(got, torch.tensor([[-(1.5**0.5), 0.0, 1.5**0.5, 0.0]]))
 
     @settings(max_examples=40, deadline=None)
     @given(st.lists(st.integers(1, 6), min_size=1, max_size=4), seeds, st.booleans())
@@ -91,15 +91,18 @@ class TestMaskedWhiten:
 class TestGroupAdvantages:
     scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 5.0])
 
-    @pytest.mark.parametrize("estimator, expected", [
-        # group 1: mean 0.25, deviations [.75, -.25, -.25, -.25], unbiased var 0.75/3 = 0.25, std 0.5
-        # group 2: mean 2.75, deviations [-.75, -.75, -.75, 2.25], unbiased var 6.75/3 = 2.25, std 1.5
-        ("grpo", [1.5, -0.5, -0.5, -0.5, -0.5, -0.5, -0.5, 1.5]),
-        ("dr_grpo", [0.75, -0.25, -0.25, -0.25, -0.75, -0.75, -0.75, 2.25]),
-        ("reinforce_pp_baseline", [0.75, -0.25, -0.25, -0.25, -0.75, -0.75, -0.75, 2.25]),
-        # leave-one-out: 1 - 0 = 1, 0 - 1/3; 2 - (2 + 2 + 5)/3 = -1, 5 - 2 = 3
-        ("rloo", [1.0, -1 / 3, -1 / 3, -1 / 3, -1.0, -1.0, -1.0, 3.0]),
-    ])
+    @pytest.mark.parametrize(
+        "estimator, expected",
+        [
+            # group 1: mean 0.25, deviations [.75, -.25, -.25, -.25], unbiased var 0.75/3 = 0.25, std 0.5
+            # group 2: mean 2.75, deviations [-.75, -.75, -.75, 2.25], unbiased var 6.75/3 = 2.25, std 1.5
+            ("grpo", [1.5, -0.5, -0.5, -0.5, -0.5, -0.5, -0.5, 1.5]),
+            ("dr_grpo", [0.75, -0.25, -0.25, -0.25, -0.75, -0.75, -0.75, 2.25]),
+            ("reinforce_pp_baseline", [0.75, -0.25, -0.25, -0.25, -0.75, -0.75, -0.75, 2.25]),
+            # leave-one-out: 1 - 0 = 1, 0 - 1/3; 2 - (2 + 2 + 5)/3 = -1, 5 - 2 = 3
+            ("rloo", [1.0, -1 / 3, -1 / 3, -1 / 3, -1.0, -1.0, -1.0, 3.0]),
+        ],
+    )
     def test_by_hand(self, estimator, expected):
         got = group_advantages(self.scores, 4, estimator)
         torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=0)  # eps 1e-6 in the std
@@ -130,8 +133,9 @@ class TestComputeAdvantages:
     def test_ppo_is_gae_then_whiten(self):
         rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
         values = torch.tensor([[0.5, 0.6, 0.7, 0.0], [0.1, 0.2, 0.0, 0.0]])
-        common = dict(scores=torch.zeros(2), token_rewards=rewards, response_mask=self.mask, values=values,
-                      gamma=0.9, lam=0.8)
+        common = dict(
+            scores=torch.zeros(2), token_rewards=rewards, response_mask=self.mask, values=values, gamma=0.9, lam=0.8
+        )
         raw = compute_advantages("ppo", whiten=False, **common)
         # row 0 is the hand example of TestGae; row 1: A1 = 2 - 0.2 = 1.8, A0 = 0.9*0.2 - 0.1 + 0.72*1.8
         torch.testing.assert_close(raw.advantages[1, :2], torch.tensor([0.08 + 1.296, 1.8]))
@@ -141,16 +145,14 @@ class TestComputeAdvantages:
 
     def test_ppo_needs_values(self):
         with pytest.raises(ValueError, match="needs values"):
-            compute_advantages("ppo", scores=torch.zeros(2), token_rewards=torch.zeros(2, 4),
-                               response_mask=self.mask)
+            compute_advantages("ppo", scores=torch.zeros(2), token_rewards=torch.zeros(2, 4), response_mask=self.mask)
 
     def test_grpo_kl_in_loss_broadcasts_group_advantage(self):
         scores = torch.tensor([1.0, 0.0])
         rewards = token_level_rewards(scores, torch.ones(2, 4), self.mask, kl_coef=0.0)
-        out = compute_advantages("grpo", scores=scores, token_rewards=rewards, response_mask=self.mask,
-                                 group_size=2)
+        out = compute_advantages("grpo", scores=scores, token_rewards=rewards, response_mask=self.mask, group_size=2)
         # group [1, 0]: mean 0.5, unbiased std sqrt(0.5) -> +-0.5/0.70711 = +-0.70711
-        a = 0.5 / 0.5 ** 0.5
+        a = 0.5 / 0.5**0.5
         expected = torch.tensor([[a, a, a, 0.0], [-a, -a, 0.0, 0.0]])
         torch.testing.assert_close(out.advantages, expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(out.returns, out.advantages)
@@ -160,18 +162,20 @@ class TestComputeAdvantages:
         # scores 20 and 0 clipped at 10: rloo -> +10, -10. reward_clip makes the KL part exact.
         scores = torch.tensor([20.0, 0.0])
         rewards = token_level_rewards(scores, torch.ones(2, 4), self.mask, 0.1, reward_clip=10.0)
-        out = compute_advantages("rloo", scores=scores, token_rewards=rewards, response_mask=self.mask,
-                                 group_size=2, reward_clip=10.0)
+        out = compute_advantages(
+            "rloo", scores=scores, token_rewards=rewards, response_mask=self.mask, group_size=2, reward_clip=10.0
+        )
         expected = torch.tensor([[9.7, 9.8, 9.9, 0.0], [-10.2, -10.1, 0.0, 0.0]])
         torch.testing.assert_close(out.advantages, expected)
 
     def test_reinforce_pp_whitens_discounted_returns(self):
         rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 3.0, 0.0, 0.0]])
-        out = compute_advantages("reinforce_pp", scores=torch.zeros(2), token_rewards=rewards,
-                                 response_mask=self.mask, gamma=1.0)
+        out = compute_advantages(
+            "reinforce_pp", scores=torch.zeros(2), token_rewards=rewards, response_mask=self.mask, gamma=1.0
+        )
         # returns to go: [1, 1, 1] and [3, 3]: mean 1.8, population std sqrt(0.96) = 0.9798
         torch.testing.assert_close(out.returns, torch.tensor([[1.0, 1, 1, 0], [3, 3, 0, 0]]))
-        z_low, z_high = (1 - 1.8) / 0.96 ** 0.5, (3 - 1.8) / 0.96 ** 0.5
+        z_low, z_high = (1 - 1.8) / 0.96**0.5, (3 - 1.8) / 0.96**0.5
         expected = torch.tensor([[z_low, z_low, z_low, 0], [z_high, z_high, 0, 0]])
         torch.testing.assert_close(out.advantages, expected)
 
@@ -180,13 +184,13 @@ class TestComputeAdvantages:
         # -> returns [-1, -1, -1] and [1, 1]; whitening: mean -0.2, var 0.96
         scores = torch.tensor([1.0, 3.0])
         rewards = token_level_rewards(scores, torch.zeros(2, 4), self.mask, 0.1)
-        out = compute_advantages("reinforce_pp_baseline", scores=scores, token_rewards=rewards,
-                                 response_mask=self.mask, group_size=2)
+        out = compute_advantages(
+            "reinforce_pp_baseline", scores=scores, token_rewards=rewards, response_mask=self.mask, group_size=2
+        )
         torch.testing.assert_close(out.returns, torch.tensor([[-1.0, -1, -1, 0], [1, 1, 0, 0]]))
-        lo, hi = (-1 + 0.2) / 0.96 ** 0.5, (1 + 0.2) / 0.96 ** 0.5
+        lo, hi = (-1 + 0.2) / 0.96**0.5, (1 + 0.2) / 0.96**0.5
         torch.testing.assert_close(out.advantages, torch.tensor([[lo, lo, lo, 0], [hi, hi, 0, 0]]))
 
     def test_unknown_algo(self):
         with pytest.raises(ValueError, match="algo.name=.a2c. is not a known algorithm"):
-            compute_advantages("a2c", scores=torch.zeros(2), token_rewards=torch.zeros(2, 4),
-                               response_mask=self.mask)
+            compute_advantages("a2c", scores=torch.zeros(2), token_rewards=torch.zeros(2, 4), response_mask=self.mask)

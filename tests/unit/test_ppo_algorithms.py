@@ -1,4 +1,5 @@
 """The algorithm registry and the config checks that read it."""
+
 import subprocess
 import sys
 import typing
@@ -19,8 +20,13 @@ def test_registry_entries():
     assert [a for a in ALGO_NAMES if ALGORITHMS[a].uses_critic] == ["ppo"]
     assert GROUP_ALGOS == ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
     assert {a: ALGORITHMS[a].default_loss_agg for a in ALGO_NAMES} == {
-        "ppo": "token_mean", "grpo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm", "rloo": "token_mean",
-        "reinforce_pp": "token_mean", "reinforce_pp_baseline": "token_mean"}
+        "ppo": "token_mean",
+        "grpo": "token_mean",
+        "dr_grpo": "seq_mean_token_sum_norm",
+        "rloo": "token_mean",
+        "reinforce_pp": "token_mean",
+        "reinforce_pp_baseline": "token_mean",
+    }
     with pytest.raises(ValueError, match="algo.name='a2c' is not a known algorithm"):
         get_algorithm("a2c")
     with pytest.raises(ValueError, match="algo.loss_agg='sum'"):

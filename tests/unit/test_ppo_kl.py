@@ -1,4 +1,5 @@
 """kl_penalty: hand values, properties, and the estimators' expectation against the exact KL."""
+
 import math
 
 import pytest

@@ -1,12 +1,17 @@
 """KL controllers: the proportional update by hand, direction properties, and JSON state round trips."""
+
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.ppo.kl_controller import (AdaptiveKLController, FixedKLController, kl_controller_from_state,
-                                       make_kl_controller)
+from engines.ppo.kl_controller import (
+    AdaptiveKLController,
+    FixedKLController,
+    kl_controller_from_state,
+    make_kl_controller,
+)
 from ppoflow.config import AlgoConfig
 
 

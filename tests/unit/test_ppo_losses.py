@@ -1,4 +1,5 @@
 """aggregate, policy_loss, value_loss, entropy_loss and kl_loss: hand values and properties."""
+
 import math
 
 import pytest
@@ -6,8 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.ppo.losses import (aggregate, entropy_loss, kl_loss, policy_loss, step_norm, truncated_is_weights,
-                                value_loss)
+from engines.ppo.losses import (
+    aggregate,
+    entropy_loss,
+    kl_loss,
+    policy_loss,
+    step_norm,
+    truncated_is_weights,
+    value_loss,
+)
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -16,11 +24,14 @@ class TestAggregate:
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
 
-    @pytest.mark.parametrize("mode, expected", [
-        ("token_mean", 10 / 4),                       # (1 + 2 + 3 + 4) / 4 tokens
-        ("seq_mean_token_mean", (2 + 4) / 2),         # row means 2 and 4
-        ("seq_mean_token_sum_norm", 10 / (2 * 3)),    # sum / (2 seqs * max_len 3)
-    ])
+    @pytest.mark.parametrize(
+        "mode, expected",
+        [
+            ("token_mean", 10 / 4),  # (1 + 2 + 3 + 4) / 4 tokens
+            ("seq_mean_token_mean", (2 + 4) / 2),  # row means 2 and 4
+            ("seq_mean_token_sum_norm", 10 / (2 * 3)),  # sum / (2 seqs * max_len 3)
+        ],
+    )
     def test_by_hand(self, mode, expected):
         assert aggregate(self.loss, self.mask, mode).item() == pytest.approx(expected)
 
@@ -45,8 +56,9 @@ class TestAggregate:
 
         split_param = torch.ones(batch, width, dtype=torch.float64, requires_grad=True)
         bounds = [0, 2, 3, 7]  # micro-batches of 2, 1 and 4 rows
-        total = sum(aggregate(split_param[a:b] * weights[a:b], mask[a:b], mode, **step)
-                    for a, b in zip(bounds, bounds[1:]))
+        total = sum(
+            aggregate(split_param[a:b] * weights[a:b], mask[a:b], mode, **step) for a, b in zip(bounds, bounds[1:])
+        )
         total.backward()
         assert total.item() == pytest.approx(full.item(), rel=1e-12, abs=1e-12)
         torch.testing.assert_close(split_param.grad, full_param.grad, rtol=1e-12, atol=1e-12)
@@ -74,22 +86,26 @@ class TestStepNorm:
 
     # step of 4 rows: lengths 1, 3 | 2, 4 (two micro-batches of unequal padded widths 3 and 4)
     mb1 = torch.tensor([[2.0, 0.0, 0.0], [1.0, 2.0, 3.0]]), torch.tensor([[1, 0, 0], [1, 1, 1]])
-    mb2 = (torch.tensor([[4.0, 6.0, 0.0, 0.0], [1.0, 1.0, 1.0, 5.0]]),
-           torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
+    mb2 = (torch.tensor([[4.0, 6.0, 0.0, 0.0], [1.0, 1.0, 1.0, 5.0]]), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
 
     def _full(self):
         pad = torch.zeros(2, 1)
-        return (torch.cat([torch.cat([self.mb1[0], pad], 1), self.mb2[0]]),
-                torch.cat([torch.cat([self.mb1[1], pad.long()], 1), self.mb2[1]]))
+        return (
+            torch.cat([torch.cat([self.mb1[0], pad], 1), self.mb2[0]]),
+            torch.cat([torch.cat([self.mb1[1], pad.long()], 1), self.mb2[1]]),
+        )
 
-    @pytest.mark.parametrize("mode, expected", [
-        # token sums 2, 6, 10, 8 = 26 over 10 tokens
-        ("token_mean", 26 / 10),
-        # row means 2, 2, 5, 2 -> 11 / 4 rows
-        ("seq_mean_token_mean", 11 / 4),
-        # 26 / (4 rows * constant 8)
-        ("seq_mean_token_sum_norm", 26 / 32),
-    ])
+    @pytest.mark.parametrize(
+        "mode, expected",
+        [
+            # token sums 2, 6, 10, 8 = 26 over 10 tokens
+            ("token_mean", 26 / 10),
+            # row means 2, 2, 5, 2 -> 11 / 4 rows
+            ("seq_mean_token_mean", 11 / 4),
+            # 26 / (4 rows * constant 8)
+            ("seq_mean_token_sum_norm", 26 / 32),
+        ],
+    )
     def test_two_unequal_micro_batches_add_up_to_the_step(self, mode, expected):
         full_loss, full_mask = self._full()
         norm = step_norm(full_mask, max_len=8)
@@ -134,10 +150,10 @@ class TestTruncatedImportanceSampling:
     def test_weights_multiply_the_clipped_token_loss(self):
         # ratio 1 (logprobs = old): per token -A * w; A = [2, -1], w = [1.5, e^-1] -> mean(-3, e^-1)
         logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-        weights, _, _ = truncated_is_weights(logprobs.detach(), torch.tensor([[-1.5, -1.0]]),
-                                             torch.ones(1, 2), cap=1.5)
-        out = policy_loss(logprobs, logprobs.detach(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2),
-                          token_weights=weights)
+        weights, _, _ = truncated_is_weights(logprobs.detach(), torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2), cap=1.5)
+        out = policy_loss(
+            logprobs, logprobs.detach(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2), token_weights=weights
+        )
         assert out.loss.item() == pytest.approx((-3.0 + math.exp(-1.0)) / 2)
         out.loss.backward()  # d/dlogp of -A * w * exp(logp - old) at ratio 1 = -A * w / 2 tokens
         torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.5, math.exp(-1.0) / 2]]))
@@ -193,9 +209,12 @@ class TestPolicyLoss:
     @given(st.floats(-3, 3), st.floats(-3, 3), st.floats(0.01, 2), st.sampled_from([None, 2.0]))
     def test_higher_advantage_lower_loss(self, log_ratio, advantage, increase, dual_clip):
         logp = torch.tensor([[log_ratio]])
+
         def loss_at(a):
-            return policy_loss(logp, torch.zeros(1, 1), torch.tensor([[a]]), torch.ones(1, 1),
-                               dual_clip=dual_clip).loss.item()
+            return policy_loss(
+                logp, torch.zeros(1, 1), torch.tensor([[a]]), torch.ones(1, 1), dual_clip=dual_clip
+            ).loss.item()
+
         assert loss_at(advantage + increase) < loss_at(advantage)
 
     def test_dual_clip_caps_negative_advantage_loss(self):

@@ -1,4 +1,5 @@
 """token_level_rewards: hand-worked rows, clipping, empty responses, and a conservation property."""
+
 import math
 
 import pytest

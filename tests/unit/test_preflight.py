@@ -1,4 +1,5 @@
 """Preflight's pure checks: data files named with the line, model folders with the file, read-only."""
+
 import json
 import shutil
 
@@ -9,8 +10,7 @@ import pytest
 from engines.data import DataError, PromptSource, check_dataset
 from engines.models import load_tokenizer
 from ppoflow.config import DataConfig, load_config
-from ppoflow.preflight import (PreflightError, check_static, model_folder_problems, safetensors_problem,
-                               static_problems)
+from ppoflow.preflight import PreflightError, check_static, model_folder_problems, safetensors_problem, static_problems
 
 
 def _data(path, **kw) -> DataConfig:
@@ -47,12 +47,15 @@ class TestCheckDataset:
         with pytest.raises(DataError, match=r"d.jsonl' is empty"):
             check_dataset(_data(path))
 
-    @pytest.mark.parametrize("line, message", [
-        ('{"prompt": "b"', r"line 2: not JSON"),
-        ('["b", "2"]', r"line 2: a JSON list"),
-        ('{"prompt": "b"}', r"line 2: no key 'label' \(data.label_key\)"),
-        ('{"prompt": 7, "label": "2"}', r"line 2: the prompt \(data.prompt_key='prompt'\) is a int"),
-    ])
+    @pytest.mark.parametrize(
+        "line, message",
+        [
+            ('{"prompt": "b"', r"line 2: not JSON"),
+            ('["b", "2"]', r"line 2: a JSON list"),
+            ('{"prompt": "b"}', r"line 2: no key 'label' \(data.label_key\)"),
+            ('{"prompt": 7, "label": "2"}', r"line 2: the prompt \(data.prompt_key='prompt'\) is a int"),
+        ],
+    )
     def test_bad_second_line_is_named(self, tmp_path, line, message):
         path = tmp_path / "d.jsonl"
         path.write_text('{"prompt": "a", "label": "1"}\n' + line + "\n")
@@ -122,20 +125,31 @@ class TestModelFolders:
         assert all(p.startswith("model.policy_path: ") for p in problems)
 
     def test_index_with_a_missing_shard(self, model_copy):
-        (model_copy / "model.safetensors.index.json").write_text(json.dumps(
-            {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+        (model_copy / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+            )
+        )
         (model_copy / "model.safetensors").rename(model_copy / "model-00001-of-00002.safetensors")
         problems = model_folder_problems(str(model_copy), "model.critic_path", need_tokenizer=False)
-        assert problems == [f"model.critic_path: {model_copy / 'model.safetensors.index.json'} lists shards that "
-                            f"are missing: ['model-00002-of-00002.safetensors']"]
+        assert problems == [
+            f"model.critic_path: {model_copy / 'model.safetensors.index.json'} lists shards that "
+            f"are missing: ['model-00002-of-00002.safetensors']"
+        ]
 
 
 def test_static_problems_are_all_listed_and_nothing_is_written(tiny_model_dir, digits_dataset_dir, tmp_path):
-    good = ["model.policy_path=" + str(tiny_model_dir), "data.path=" + str(digits_dataset_dir),
-            "run.root=" + str(tmp_path / "runs")]
+    good = [
+        "model.policy_path=" + str(tiny_model_dir),
+        "data.path=" + str(digits_dataset_dir),
+        "run.root=" + str(tmp_path / "runs"),
+    ]
     assert static_problems(load_config(None, good)) == []
-    bad = good + ["data.label_key=answer", "model.critic_path=" + str(tmp_path / "critic"),
-                  "reward.sources=[{kind: function, target: 'rewards/nope.py:fn'}]"]
+    bad = good + [
+        "data.label_key=answer",
+        "model.critic_path=" + str(tmp_path / "critic"),
+        "reward.sources=[{kind: function, target: 'rewards/nope.py:fn'}]",
+    ]
     with pytest.raises(PreflightError) as err:
         check_static(load_config(None, bad))
     text = str(err.value)

@@ -1,4 +1,5 @@
 """FunctionRewardSource: both contracts, async, batching, identity, and every error naming its sample."""
+
 import textwrap
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 from engines.rewards.base import RewardBatch, RewardError
 from engines.rewards.function import FunctionRewardSource, detect_contract, load_reward_function
 
-REWARD_FILE = textwrap.dedent('''
+REWARD_FILE = textwrap.dedent("""
     import asyncio, time
     CALLS = []
 
@@ -43,7 +44,7 @@ REWARD_FILE = textwrap.dedent('''
         return 0.0
 
     NOT_A_FUNCTION = 3
-''')
+""")
 
 
 @pytest.fixture()
@@ -55,9 +56,15 @@ def reward_file(tmp_path):
 
 def _batch(responses, labels=None):
     n = len(responses)
-    return RewardBatch(prompts=["p:"] * n, responses=list(responses), prompt_ids=[[1]] * n,
-                       response_ids=[[2]] * n, labels=labels or [None] * n, data_sources=["d"] * n,
-                       sample_ids=[f"iter 0 prompt 0 sample {i}" for i in range(n)])
+    return RewardBatch(
+        prompts=["p:"] * n,
+        responses=list(responses),
+        prompt_ids=[[1]] * n,
+        response_ids=[[2]] * n,
+        labels=labels or [None] * n,
+        data_sources=["d"] * n,
+        sample_ids=[f"iter 0 prompt 0 sample {i}" for i in range(n)],
+    )
 
 
 def test_openrlhf_contract_batched(reward_file):
@@ -88,11 +95,14 @@ def test_module_spec_and_toy_task_both_contracts():
     assert FunctionRewardSource("engines.toy.task:compute_score").score(batch) == [1.0, 0.125]
 
 
-@pytest.mark.parametrize("fn, message", [
-    ("short", r"returned 1 rewards for 2 samples on iter 0 prompt 0 sample 0 \.\. iter 0 prompt 0 sample 1"),
-    ("nan", r"returned nan for iter 0 prompt 0 sample 1"),
-    ("boom", r"raised ZeroDivisionError: user bug on iter 0 prompt 0 sample 1"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("short", r"returned 1 rewards for 2 samples on iter 0 prompt 0 sample 0 \.\. iter 0 prompt 0 sample 1"),
+        ("nan", r"returned nan for iter 0 prompt 0 sample 1"),
+        ("boom", r"raised ZeroDivisionError: user bug on iter 0 prompt 0 sample 1"),
+    ],
+)
 def test_errors_name_source_and_sample(reward_file, fn, message):
     source = FunctionRewardSource(f"{reward_file}:{fn}", name="acc")
     with pytest.raises(RewardError, match=r"'acc'.*" + message):
@@ -105,12 +115,15 @@ def test_timeout_is_an_error(reward_file):
         source.score(_batch(["a"]))
 
 
-@pytest.mark.parametrize("spec, error, message", [
-    ("no_colon", ValueError, "must be 'path/to/file.py:fn'"),
-    ("/nowhere/r.py:f", FileNotFoundError, "file '/nowhere/r.py' not found"),
-    ("no_such_pkg_xyz.mod:f", ImportError, "cannot import module 'no_such_pkg_xyz.mod'"),
-    ("engines.toy.task:missing", AttributeError, "has no attribute 'missing'"),
-])
+@pytest.mark.parametrize(
+    "spec, error, message",
+    [
+        ("no_colon", ValueError, "must be 'path/to/file.py:fn'"),
+        ("/nowhere/r.py:f", FileNotFoundError, "file '/nowhere/r.py' not found"),
+        ("no_such_pkg_xyz.mod:f", ImportError, "cannot import module 'no_such_pkg_xyz.mod'"),
+        ("engines.toy.task:missing", AttributeError, "has no attribute 'missing'"),
+    ],
+)
 def test_bad_specs(spec, error, message):
     with pytest.raises(error, match=message):
         load_reward_function(spec)
@@ -137,13 +150,21 @@ def test_scorer_weights_clips_and_adds_reference(reward_file, tiny_model_dir):
     from engines.scoring.scorer import Scorer, ScoringInput, build_reward_sources
     from ppoflow.config import load_config
 
-    cfg = load_config(None, [f"model.policy_path={tiny_model_dir}", "reward.clip=1.5",
-                             f'reward.sources=[{{kind: function, target: "{reward_file}:openrlhf", weight: 2.0, name: len}},'
-                             f' {{kind: function, target: "{reward_file}:verl", weight: -1.0, name: exact}}]'])
+    cfg = load_config(
+        None,
+        [
+            f"model.policy_path={tiny_model_dir}",
+            "reward.clip=1.5",
+            f'reward.sources=[{{kind: function, target: "{reward_file}:openrlhf", weight: 2.0, name: len}},'
+            f' {{kind: function, target: "{reward_file}:verl", weight: -1.0, name: exact}}]',
+        ],
+    )
     reference = ReferenceModel(str(tiny_model_dir), micro_batch_size=1)
     scorer = Scorer(cfg, reference=reference)
-    inputs = [ScoringInput("p:", "7", [1, 14], [16], label="7", sample_id="s0"),
-              ScoringInput("p:", "abc", [1, 14, 15], [17, 18, 2], label="7", sample_id="s1")]
+    inputs = [
+        ScoringInput("p:", "7", [1, 14], [16], label="7", sample_id="s0"),
+        ScoringInput("p:", "abc", [1, 14, 15], [17, 18, 2], label="7", sample_id="s1"),
+    ]
     results = scorer.score(inputs)
     # s0: len 1, exact match 2.0 -> 2*1 - 2.0 = 0.0. s1: len 3, no match 0.5 -> 2*3 - 0.5 = 5.5, clipped to 1.5.
     assert [r.reward for r in results] == [0.0, 1.5]

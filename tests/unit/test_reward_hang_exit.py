@@ -4,13 +4,14 @@ the next call (a retried stage) does not wait for the stuck one, and the process
 Before this, the worker was a ThreadPoolExecutor thread, which the interpreter joins at exit: the script
 below printed its timeout and then never ended.
 """
+
 import os
 import subprocess
 import sys
 import textwrap
 import time
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import sys, time
     from engines.rewards.base import RewardBatch, RewardError
     from engines.rewards.function import FunctionRewardSource
@@ -25,15 +26,15 @@ SCRIPT = textwrap.dedent('''
     start = time.monotonic()
     batch.labels = ["ok"]                      # the retry: a fresh worker answers while the first still spins
     print("RETRY", source.score(batch), round(time.monotonic() - start, 2), flush=True)
-''')
+""")
 
-REWARD = textwrap.dedent('''
+REWARD = textwrap.dedent("""
     def reward(queries, prompts, labels, **kwargs):
         if labels[0] == "hang":
             while True:          # a busy loop in Python: the worst case, it never sleeps or returns
                 pass
         return [1.0]
-''')
+""")
 
 
 def test_hung_reward_function_times_out_and_the_process_exits(tmp_path):
@@ -42,8 +43,13 @@ def test_hung_reward_function_times_out_and_the_process_exits(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     start = time.monotonic()
     # 60 s bound: start-up (imports) on a loaded 2-core machine plus the 1 s timeout; a hang fails it.
-    done = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path / "hang_reward.py")],
-                          env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "script.py"), str(tmp_path / "hang_reward.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()

@@ -1,6 +1,7 @@
 """Function rewards in a worker process (reward.sources[].isolation = "process"): the same rewards as in a
 thread, the same errors, and a call that hangs is stopped for good (the worker is killed, the next call gets
 a new one), which a thread cannot do."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import pytest
 from engines.rewards.base import RewardBatch, RewardError
 from engines.rewards.function import FunctionRewardSource
 
-REWARDS = textwrap.dedent('''
+REWARDS = textwrap.dedent("""
     import os, time
 
     def exact(data_source, solution_str, ground_truth, extra_info=None):
@@ -40,7 +41,7 @@ REWARDS = textwrap.dedent('''
 
     async def awaits(data_source, solution_str, ground_truth, extra_info=None):
         return 2.0
-''')
+""")
 
 
 @pytest.fixture()
@@ -52,9 +53,15 @@ def rewards(tmp_path):
 
 def _batch(responses, labels):
     n = len(responses)
-    return RewardBatch(prompts=["q: "] * n, responses=list(responses), prompt_ids=[[1]] * n,
-                       response_ids=[[2]] * n, labels=list(labels), data_sources=["code"] * n,
-                       sample_ids=[f"iter 1 prompt {i} sample 0" for i in range(n)])
+    return RewardBatch(
+        prompts=["q: "] * n,
+        responses=list(responses),
+        prompt_ids=[[1]] * n,
+        response_ids=[[2]] * n,
+        labels=list(labels),
+        data_sources=["code"] * n,
+        sample_ids=[f"iter 1 prompt {i} sample 0" for i in range(n)],
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -107,8 +114,14 @@ def test_the_config_setting_reaches_the_source(rewards):
     from engines.scoring.scorer import build_reward_sources
     from ppoflow.config import build_config
 
-    cfg = build_config({"reward": {"sources": [{"kind": "function", "target": f"{rewards}:spins",
-                                                "isolation": "process", "name": "code"}]}}, "test")
+    cfg = build_config(
+        {
+            "reward": {
+                "sources": [{"kind": "function", "target": f"{rewards}:spins", "isolation": "process", "name": "code"}]
+            }
+        },
+        "test",
+    )
     (source,) = build_reward_sources(cfg)
     assert source.isolation == "process"
     assert int(source.score(_batch(["fine"], [""]))[0]) != os.getpid()  # scored in another process

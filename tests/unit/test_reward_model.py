@@ -1,4 +1,5 @@
 """RewardModelSource on a tiny random Llama reward model built locally and loaded with from_pretrained."""
+
 import random
 import shutil
 
@@ -15,8 +16,14 @@ def make_batch(n: int, seed: int = 0) -> RewardBatch:
     """Digits prompts with responses of 1-12 words (so lengths differ and batches need padding)."""
     rows, rng = make_rows(n, seed), random.Random(seed)
     responses = [" " + " ".join(rng.choice("0123456789") for _ in range(rng.randint(1, 12))) for _ in range(n)]
-    return RewardBatch(prompts=rows["prompt"], responses=responses, prompt_ids=[[]] * n, response_ids=[[]] * n,
-                       labels=rows["label"], sample_ids=[f"row {i}" for i in range(n)])
+    return RewardBatch(
+        prompts=rows["prompt"],
+        responses=responses,
+        prompt_ids=[[]] * n,
+        response_ids=[[]] * n,
+        labels=rows["label"],
+        sample_ids=[f"row {i}" for i in range(n)],
+    )
 
 
 def single(batch: RewardBatch, i: int) -> RewardBatch:
@@ -109,8 +116,14 @@ class TestErrors:
     def test_too_long_input_names_the_sample(self, rm_dir):
         # "say 1 : 1" is <s> + 4 words = 5 tokens; row 2 adds 7 more words, 12 > 6.
         source = RewardModelSource(rm_dir, name="rm", max_length=6)
-        batch = RewardBatch(["say 1 :"] * 3, [" 1", " 1", " 1 2 3 4 5 6 7 8"], [[]] * 3, [[]] * 3, ["1"] * 3,
-                            sample_ids=["row 0", "row 1", "row 2"])
+        batch = RewardBatch(
+            ["say 1 :"] * 3,
+            [" 1", " 1", " 1 2 3 4 5 6 7 8"],
+            [[]] * 3,
+            [[]] * 3,
+            ["1"] * 3,
+            sample_ids=["row 0", "row 1", "row 2"],
+        )
         with pytest.raises(RewardError, match="row 2 has .* tokens, more than max_length=6"):
             source.score(batch)
 

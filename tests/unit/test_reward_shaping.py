@@ -1,4 +1,5 @@
 """DAPO's overlong penalty, the running reward normaliser and shape_scores: hand values and properties."""
+
 import json
 
 import pytest
@@ -72,10 +73,10 @@ def test_shape_scores_normalises_then_penalises():
     # rewards 1, 3 (lengths 2 and 4 of max 4, buffer 2): normalised to -1, +1 (mean 2, std 1), then the
     # 4-token response loses the full penalty 0.5
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
-    scores, metrics = shape_scores(torch.tensor([1.0, 3.0]), mask, RunningMoments(), overlong=(2, 0.5),
-                                   max_new_tokens=4)
+    scores, metrics = shape_scores(
+        torch.tensor([1.0, 3.0]), mask, RunningMoments(), overlong=(2, 0.5), max_new_tokens=4
+    )
     torch.testing.assert_close(scores, torch.tensor([-1.0, 0.5]), atol=1e-6, rtol=0)
-    assert metrics == {"reward/running_mean": 2.0, "reward/running_std": 1.0,
-                       "reward/overlong_penalty_mean": -0.25}
+    assert metrics == {"reward/running_mean": 2.0, "reward/running_std": 1.0, "reward/overlong_penalty_mean": -0.25}
     same, none = shape_scores(torch.tensor([1.0, 3.0]), mask)
     assert same.tolist() == [1.0, 3.0] and none == {}

@@ -4,6 +4,7 @@ Two datasets with the same prompt and different labels used to share hits: the s
 digits reward. Scored here with the real Scorer (tiny reference, real function sources) and storage's
 ScoreCache; expected rewards come from the second implementation in test_score_cache_logic.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,7 @@ import pytest
 
 from engines.scoring.cached import score_inputs_read, score_key, score_with_cache
 from engines.scoring.scorer import Scorer
-from tests.unit.test_score_cache_logic import (expected_reward, local_cache, make_input, scorer_config,
-                                               write_reward_file)
+from tests.unit.test_score_cache_logic import expected_reward, local_cache, make_input, scorer_config, write_reward_file
 
 
 @pytest.fixture(scope="module")

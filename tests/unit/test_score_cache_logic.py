@@ -5,6 +5,7 @@ Work is counted where it happens, not from the cache's own stats: the reward fil
 call to a log, and a forward hook on the reference model counts the rows it scores. Expected rewards are
 derived from the reward definitions by a second implementation in this file (`expected_reward`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -72,7 +73,8 @@ def count_reference_rows(scorer: Scorer) -> tuple[list[int], object]:
     """([rows seen], hook handle): a forward hook on the reference model, removed by the caller."""
     rows: list[int] = []
     handle = scorer.reference.model.register_forward_hook(
-        lambda module, args, kwargs, output: rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+        lambda module, args, kwargs, output: rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True
+    )
     return rows, handle
 
 
@@ -90,27 +92,56 @@ TOKENIZER = build_tokenizer()
 def make_input(prompt: str, response: str, label: str, sample_id: str) -> ScoringInput:
     """A row as the rollout stage writes it: prompt ids with BOS, response text decoded from its ids."""
     response_ids = TOKENIZER(response, add_special_tokens=False)["input_ids"]
-    return ScoringInput(prompt=prompt, response=TOKENIZER.decode(response_ids, skip_special_tokens=True),
-                        prompt_ids=TOKENIZER(prompt)["input_ids"], response_ids=response_ids, label=label,
-                        sample_id=sample_id)
+    return ScoringInput(
+        prompt=prompt,
+        response=TOKENIZER.decode(response_ids, skip_special_tokens=True),
+        prompt_ids=TOKENIZER(prompt)["input_ids"],
+        response_ids=response_ids,
+        label=label,
+        sample_id=sample_id,
+    )
 
 
 # Twelve distinct (prompt, response) pairs of different lengths.
-DISTINCT = [make_input(f"say {d} :", " ".join([str(d)] * (1 + i % 5) + ["w3"] * (i % 3)), str(d), f"row {i}")
-            for i, d in enumerate([3, 7, 1, 3, 0, 9, 7, 2, 5, 3, 8, 4])]
+DISTINCT = [
+    make_input(f"say {d} :", " ".join([str(d)] * (1 + i % 5) + ["w3"] * (i % 3)), str(d), f"row {i}")
+    for i, d in enumerate([3, 7, 1, 3, 0, 9, 7, 2, 5, 3, 8, 4])
+]
 
 
-def scorer_config(model_dir: Path, reward_file: Path, function: str = "length_reward", length_weight: float = 0.5,
-                  digits_weight: float = 2.0, clip: float = 10.0, timeout_s: float = 60.0):
-    return build_config({
-        "model": {"policy_path": str(model_dir)},
-        "train": {"micro_batch_size": 8},
-        "reward": {"clip": clip, "sources": [
-            {"kind": "function", "target": f"{reward_file}:{function}", "name": "length",
-             "weight": length_weight, "timeout_s": timeout_s},
-            {"kind": "function", "target": "engines.toy.task:reward_func", "name": "digits", "weight": digits_weight},
-        ]},
-    })
+def scorer_config(
+    model_dir: Path,
+    reward_file: Path,
+    function: str = "length_reward",
+    length_weight: float = 0.5,
+    digits_weight: float = 2.0,
+    clip: float = 10.0,
+    timeout_s: float = 60.0,
+):
+    return build_config(
+        {
+            "model": {"policy_path": str(model_dir)},
+            "train": {"micro_batch_size": 8},
+            "reward": {
+                "clip": clip,
+                "sources": [
+                    {
+                        "kind": "function",
+                        "target": f"{reward_file}:{function}",
+                        "name": "length",
+                        "weight": length_weight,
+                        "timeout_s": timeout_s,
+                    },
+                    {
+                        "kind": "function",
+                        "target": "engines.toy.task:reward_func",
+                        "name": "digits",
+                        "weight": digits_weight,
+                    },
+                ],
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +178,12 @@ class TestScoreKey:
         assert score_key("s", [1, 23], [4]) != score_key("s", [12, 3], [4])
 
     @settings(max_examples=200, deadline=None)
-    @given(st.lists(st.integers(0, 300), max_size=6), st.lists(st.integers(0, 300), max_size=6),
-           st.lists(st.integers(0, 300), max_size=6), st.lists(st.integers(0, 300), max_size=6))
+    @given(
+        st.lists(st.integers(0, 300), max_size=6),
+        st.lists(st.integers(0, 300), max_size=6),
+        st.lists(st.integers(0, 300), max_size=6),
+        st.lists(st.integers(0, 300), max_size=6),
+    )
     def test_keys_are_equal_exactly_when_pairs_are(self, p1, r1, p2, r2):
         assert (score_key("s", p1, r1) == score_key("s", p2, r2)) == ((p1, r1) == (p2, r2))
 
@@ -178,10 +213,17 @@ class TestScoreWithCache:
         # 4 prompts x 4 samples, GRPO-style: the sampler repeats answers inside a group. New pairs by hand:
         # rows 0-3 -> 2, rows 4-7 -> 1, rows 8-11 -> 4, rows 12-15 -> 1 (rows 12 and 14 repeat row 0 of
         # another group): 2 + 1 + 4 + 1 = 8.
-        groups = [(DISTINCT[0], DISTINCT[1], DISTINCT[0], DISTINCT[1]), (DISTINCT[2],) * 4,
-                  (DISTINCT[3], DISTINCT[4], DISTINCT[5], DISTINCT[6]), (DISTINCT[0], DISTINCT[7]) * 2]
-        inputs = [ScoringInput(**{**vars(x), "sample_id": f"prompt {g} sample {s}"})
-                  for g, group in enumerate(groups) for s, x in enumerate(group)]
+        groups = [
+            (DISTINCT[0], DISTINCT[1], DISTINCT[0], DISTINCT[1]),
+            (DISTINCT[2],) * 4,
+            (DISTINCT[3], DISTINCT[4], DISTINCT[5], DISTINCT[6]),
+            (DISTINCT[0], DISTINCT[7]) * 2,
+        ]
+        inputs = [
+            ScoringInput(**{**vars(x), "sample_id": f"prompt {g} sample {s}"})
+            for g, group in enumerate(groups)
+            for s, x in enumerate(group)
+        ]
         distinct = len({(tuple(x.prompt_ids), tuple(x.response_ids)) for x in inputs})
         assert distinct == 8
         before_fn, (rows, hook) = samples_scored(log), count_reference_rows(scorer)
@@ -191,7 +233,7 @@ class TestScoreWithCache:
             hook.remove()
         assert (stats.hits, stats.misses, stats.computed) == (0, 16, distinct)
         assert samples_scored(log) - before_fn == distinct  # the function saw each pair once
-        assert sum(rows) == distinct                        # so did the reference
+        assert sum(rows) == distinct  # so did the reference
         assert results[0] == results[2] == results[12] and results[4] == results[7]
         assert results[0].ref_logprobs is not results[2].ref_logprobs  # equal values, not shared lists
 
@@ -240,10 +282,13 @@ class TestScoreWithCache:
         assert (stats.hits, stats.computed) == (0, 12)
         assert [r.reward for r in results] == [r.reward for r in reweighted.score(DISTINCT)]
 
-    @pytest.mark.parametrize("function, message", [("failing_score", "raised ValueError: cannot score the word w13"),
-                                                   ("hanging_score", "timed out after 0.5 s")])
-    def test_a_failed_reward_names_the_sample_and_caches_nothing(self, tiny_model_dir, reward_file, tmp_path,
-                                                                 function, message):
+    @pytest.mark.parametrize(
+        "function, message",
+        [("failing_score", "raised ValueError: cannot score the word w13"), ("hanging_score", "timed out after 0.5 s")],
+    )
+    def test_a_failed_reward_names_the_sample_and_caches_nothing(
+        self, tiny_model_dir, reward_file, tmp_path, function, message
+    ):
         failing = Scorer(scorer_config(tiny_model_dir, reward_file[0], function=function, timeout_s=0.5))
         inputs = DISTINCT[:4] + [make_input("say 5 :", "5 w13 5", "5", "iter 2 prompt 9 sample 3")]
         cache = local_cache(str(tmp_path / "c"))
@@ -258,6 +303,12 @@ class TestKeyFor:
         assert key == score_key("scorer", (1, 2), (3,)) and len(key) == 64 and int(key, 16) >= 0
 
     def test_every_input_matters_including_the_boundary(self):
-        keys = {score_key("scorer", [1, 2], [3]), score_key("scorer", [1], [2, 3]), score_key("other", [1, 2], [3]),
-                score_key("scorer", [1, 2], [4]), score_key("scorer", [2, 1], [3]), score_key("scorer", [], [1, 2, 3])}
+        keys = {
+            score_key("scorer", [1, 2], [3]),
+            score_key("scorer", [1], [2, 3]),
+            score_key("other", [1, 2], [3]),
+            score_key("scorer", [1, 2], [4]),
+            score_key("scorer", [2, 1], [3]),
+            score_key("scorer", [], [1, 2, 3]),
+        }
         assert len(keys) == 6

@@ -1,4 +1,5 @@
 """Shards describe themselves (schema metadata on every part) and `shards ls` reports a truncated part."""
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_every_part_carries_run_iteration_stage_config_hash_and_version(tmp_path):
@@ -72,8 +74,7 @@ def test_shards_ls_reports_a_truncated_part_as_broken(tmp_path):
     fs, run = fsutil.resolve(str(tmp_path / "r"))
     good, bad = fsutil.join(run, "iter-000001", "rollout"), fsutil.join(run, "iter-000001", "scored")
     write_shards(fs, good, synthetic_table("rollout", 30, prompt_len=4, response_len=4), "rollout")
-    manifest = write_shards(fs, bad, synthetic_table("scored", 30, prompt_len=4, response_len=4), "scored",
-                            max_rows=10)
+    manifest = write_shards(fs, bad, synthetic_table("scored", 30, prompt_len=4, response_len=4), "scored", max_rows=10)
     victim = os.path.join(bad, manifest.parts[1].name)
     with open(victim, "r+b") as f:
         f.truncate(manifest.parts[1].bytes - 100)
@@ -94,8 +95,9 @@ def test_runs_ls_takes_the_root_as_positional(tmp_path):
         run = tmp_path / "root" / name
         run.mkdir(parents=True)
         (run / "config.yaml").write_text("run: {}\n")
-        (run / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i + 1, "reward/mean": r}) + "\n"
-                                                   for i, r in enumerate(rows)))
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps({"iteration": i + 1, "reward/mean": r}) + "\n" for i, r in enumerate(rows))
+        )
     elsewhere = tmp_path / "elsewhere"  # cwd without ./runs: only the positional can find the runs
     elsewhere.mkdir()
     result = _cli("runs", "ls", str(tmp_path / "root"), cwd=elsewhere)

@@ -1,4 +1,5 @@
 """Storage pieces that need no server: schema checks, part planning, cache keys, run layout, atomic writes."""
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,9 @@ class TestValidate:
 
     def test_null_in_non_nullable_column_is_named(self):
         table = synthetic_table("rollout", 2)
-        holed = table.set_column(table.schema.get_field_index("response"), "response",
-                                 pa.array(["ok", None], pa.string()))
+        holed = table.set_column(
+            table.schema.get_field_index("response"), "response", pa.array(["ok", None], pa.string())
+        )
         with pytest.raises(SchemaMismatchError, match=r"'response' holds 1 null"):
             validate(holed, "rollout")
 
@@ -47,8 +49,12 @@ class TestValidate:
 
 class TestPlanParts:
     @settings(max_examples=100, deadline=None)
-    @given(rows=st.integers(0, 5000), row_bytes=st.integers(1, 4000), max_rows=st.integers(1, 900),
-           max_bytes=st.integers(1024, 2**20))
+    @given(
+        rows=st.integers(0, 5000),
+        row_bytes=st.integers(1, 4000),
+        max_rows=st.integers(1, 900),
+        max_bytes=st.integers(1024, 2**20),
+    )
     def test_parts_cover_rows_in_order_within_bounds(self, rows, row_bytes, max_rows, max_bytes):
         plan = plan_parts(rows, rows * row_bytes, max_rows, max_bytes)
         assert sum(n for _, n in plan) == rows

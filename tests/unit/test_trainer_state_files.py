@@ -1,5 +1,6 @@
 """engines/trainer/state.py's safetensors writer against the safetensors library's own reader, and the
 hashes it returns against hashlib over the written bytes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,13 @@ def _sha256(path) -> str:
 def test_written_file_reads_back_with_the_safetensors_library(tmp_path):
     base = torch.randn(3, 4)
     tensors = {
-        "f32": base, "bf16": torch.randn(5).bfloat16(), "f16": torch.randn(2, 2).half(), "i64": torch.arange(7),
-        "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 2), "mask": torch.tensor([True, False, True]),
+        "f32": base,
+        "bf16": torch.randn(5).bfloat16(),
+        "f16": torch.randn(2, 2).half(),
+        "i64": torch.arange(7),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 2),
+        "mask": torch.tensor([True, False, True]),
         "transposed": torch.arange(6, dtype=torch.int32).reshape(2, 3).t(),  # not contiguous
         "row_of_f32": base[1],  # shares memory with "f32" (safetensors' own writer refuses this)
     }
@@ -41,8 +47,10 @@ def test_unsupported_dtype_is_named(tmp_path):
 def test_save_nested_returns_file_hashes_and_round_trips(tmp_path):
     state = {"state": {0: {"exp_avg": torch.randn(4), "step": torch.tensor(3.0)}}, "lr": 1e-3, "betas": (0.9, 0.99)}
     hashes = save_nested(state, tmp_path, "opt")
-    assert hashes == {"opt.safetensors": _sha256(tmp_path / "opt.safetensors"),
-                      "opt.json": _sha256(tmp_path / "opt.json")}
+    assert hashes == {
+        "opt.safetensors": _sha256(tmp_path / "opt.safetensors"),
+        "opt.json": _sha256(tmp_path / "opt.json"),
+    }
     back = load_nested(tmp_path, "opt")
     assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
     assert back["betas"] == (0.9, 0.99) and back["lr"] == 1e-3

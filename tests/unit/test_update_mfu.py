@@ -1,5 +1,6 @@
 """bench/update_mfu.py: its FLOP counts against hand derivations and transformers' own parameter count, and
 one CPU run of the real PPOTrainer update through it (no GPU here: MFU itself is measured only on one)."""
+
 import pytest
 
 import bench.update_mfu as mfu
@@ -11,8 +12,16 @@ class TestLayerParams:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         size = ModelSize(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=320, vocab_size=50)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=128, intermediate_size=320,
-                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=50,
+                hidden_size=128,
+                intermediate_size=320,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+            )
+        )
         counted = sum(p.numel() for p in model.model.layers[0].parameters())
         assert layer_params(size) == counted
 
@@ -47,11 +56,31 @@ def test_a_cpu_run_reports_consistent_figures(tmp_path, monkeypatch, micro_batch
     first-forward reuse is reported exactly when one micro-batch holds the whole batch."""
     captured = {}
     monkeypatch.setattr(mfu, "emit", lambda name, figures: captured.update(figures) or figures)
-    monkeypatch.setitem(mfu.SIZES, "test", ModelSize(hidden_size=128, num_layers=1, num_heads=2,
-                                                     intermediate_size=256, vocab_size=64))
-    mfu.main(["--size", "test", "--device", "cpu", "--batch", "4", "--micro-batch", str(micro_batch),
-              "--prompt-len", "6", "--response-len", "4", "--epochs", "2", "--updates", "1",
-              "--work-dir", str(tmp_path)])
+    monkeypatch.setitem(
+        mfu.SIZES, "test", ModelSize(hidden_size=128, num_layers=1, num_heads=2, intermediate_size=256, vocab_size=64)
+    )
+    mfu.main(
+        [
+            "--size",
+            "test",
+            "--device",
+            "cpu",
+            "--batch",
+            "4",
+            "--micro-batch",
+            str(micro_batch),
+            "--prompt-len",
+            "6",
+            "--response-len",
+            "4",
+            "--epochs",
+            "2",
+            "--updates",
+            "1",
+            "--work-dir",
+            str(tmp_path),
+        ]
+    )
     f = captured
     assert f["old_from_first_forward"] is reuse
     assert f["mfu"] is None and f["peak_mem_gib"] is None  # no peak and no GPU memory on CPU

@@ -1,6 +1,7 @@
 """The filter drops vLLM's per-reload "RotaryEmbedding: Failed to load weights" and nothing else (why it is
 harmless: engines/rollout/vllm_engine.RotaryReloadWarningFilter). Built like vLLM's own call in
 vllm/model_executor/model_loader/reload/layerwise.py: logger.warning("%s: Failed to load weights", name)."""
+
 import json
 import logging
 
@@ -8,8 +9,9 @@ from engines.rollout.vllm_engine import RotaryReloadWarningFilter, _install_vllm
 
 
 def _record(msg: str, *args) -> logging.LogRecord:
-    return logging.LogRecord("vllm.model_executor.model_loader.reload.layerwise", logging.WARNING, "layerwise.py",
-                             266, msg, args, None)
+    return logging.LogRecord(
+        "vllm.model_executor.model_loader.reload.layerwise", logging.WARNING, "layerwise.py", 266, msg, args, None
+    )
 
 
 def test_only_the_rotary_reload_warning_is_dropped():
