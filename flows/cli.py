@@ -2,6 +2,7 @@
 
     ppoflow demo                          tiny model + digits task, trained on the embedded default
     ppoflow train CONFIG.yaml [--set section.field=value ...]
+    ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...]   reward model from preference pairs
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT]
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
@@ -28,6 +29,13 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.set)
     train(cfg)
+    return 0
+
+
+def cmd_train_rm(args) -> int:
+    from flows.rm_training import train_reward_model
+
+    train_reward_model(load_config(args.config, args.set))
     return 0
 
 
@@ -107,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     train.set_defaults(func=cmd_train)
+
+    train_rm = sub.add_parser("train-rm", help="train a Bradley-Terry reward model (the rm_train section)")
+    train_rm.add_argument("config")
+    train_rm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    train_rm.set_defaults(func=cmd_train_rm)
 
     shards = sub.add_parser("shards", help="inspect shards")
     shards.add_argument("action", choices=["ls", "show", "stats"])

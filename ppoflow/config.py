@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ppoflow.rm_config import RMTrainConfig
+
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in a YAML file must not silently fall back to a default.
@@ -179,6 +181,7 @@ class PPOFlowConfig(_Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    rm_train: RMTrainConfig = Field(default_factory=RMTrainConfig)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PPOFlowConfig":
