@@ -17,6 +17,11 @@ Quantization:
 - "bnb-8bit" / "bnb-4bit": loaded through bitsandbytes on a CUDA GPU. Not tested on the CPU machines:
   a clear RewardError is raised when no GPU or no bitsandbytes is present.
 
+Normalisation: a folder written by reward-model training with rm_train.normalize holds
+reward_normalization.json {"mean", "std"} (of its eval scores); every score is then returned as
+(score - mean) / std, so rewards are centred and of unit scale whatever the head's scale. A malformed file
+is a RewardError naming it. Without the file, scores are the head's raw output.
+
 identity: sha256 over the folder's files (weights, config, tokenizer) plus the class name, dtype and
 quantization, so new weights are a new identity and a score-cache miss. The file hash is cached per
 process, keyed by (path, file names, sizes, mtimes), so it is read once per weights version.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import math
 import sys
 import threading
@@ -33,6 +39,7 @@ from pathlib import Path
 from typing import Optional
 
 from engines.rewards.base import RewardBatch, RewardError
+from engines.rm.model import NORMALIZATION_FILE
 from engines.scoring.batching import token_budget_batches
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -80,6 +87,21 @@ def _check_reward_model_folder(folder: Path):
         raise RewardError(f"reward model folder {folder} has num_labels={config.num_labels}; "
                           "a reward model must have exactly one (a scalar score)")
     return config
+
+
+def _read_normalization(folder: Path) -> tuple[float, float]:
+    """(mean, std) from the folder's reward_normalization.json, or (0, 1) when it has none."""
+    path = folder / NORMALIZATION_FILE
+    if not path.is_file():
+        return 0.0, 1.0
+    try:
+        values = json.loads(path.read_text())
+        mean, std = float(values["mean"]), float(values["std"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise RewardError(f"{path} must hold {{\"mean\": number, \"std\": number}}: {e}") from None
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+        raise RewardError(f"{path}: mean must be finite and std finite and > 0, got mean={mean}, std={std}")
+    return mean, std
 
 
 def _load_model(folder: Path, dtype: str, quantize: str, device: str):
@@ -153,6 +175,7 @@ class RewardModelSource:
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.model = _load_model(self.folder, dtype, quantize, device)
         self.pad_token_id = self._pad_token_id(config)
+        self.norm_mean, self.norm_std = _read_normalization(self.folder)
         self.max_length = max_length or getattr(config, "max_position_embeddings", None) or sys.maxsize
         self.identity = hashlib.sha256(
             f"{type(self).__name__}|{folder_fingerprint(self.folder)}|{dtype}|{quantize}".encode()).hexdigest()
@@ -199,7 +222,7 @@ class RewardModelSource:
             logits = self.model(input_ids=input_ids.to(self.device),
                                 attention_mask=attention_mask.to(self.device)).logits  # (b, 1)
         self.model_calls += 1
-        return logits[:, 0].float().cpu().tolist()
+        return ((logits[:, 0].float().cpu() - self.norm_mean) / self.norm_std).tolist()
 
     def score(self, batch: RewardBatch) -> list[float]:
         """One float per row of `batch`, in order. Raises RewardError naming the sample for an input that

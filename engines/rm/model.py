@@ -17,8 +17,6 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from engines.models import torch_dtype
-
 NORMALIZATION_FILE = "reward_normalization.json"  # {"mean", "std"}: read by engines/rewards/model.py
 SUMMARY_FILE = "rm_train.json"  # the training config and eval metrics, beside the weights
 
@@ -31,6 +29,8 @@ def load_reward_model(path: str | Path, pad_token_id: int, dtype: str = "float32
     another number of labels than 1.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from engines.models import torch_dtype
 
     folder = Path(path)
     if not (folder / "config.json").is_file():

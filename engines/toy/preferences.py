@@ -6,7 +6,7 @@ pairs right has learned the rule's order. Three kinds of pairs, so the model see
 from its random start to its end:
   perfect   chosen is the digit 8 times; rejected is a random response (below)          (40%)
   graded    two random responses, the one with the higher rule reward chosen           (40%)
-  wrong     chosen is mostly the digit; rejected repeats another digit                  (20%)
+  wrong     chosen is mostly the digit; rejected is mostly another digit, 4..8 words     (20%)
 A random response has 1..8 words, each the prompt's digit with probability q (q uniform in [0, 1] per
 response), else any other non-special word of the toy vocabulary.
 
@@ -47,7 +47,8 @@ def _pair(rng: random.Random, kind: str, digit: str) -> tuple[str, str]:
         words = [digit] * TARGET_LENGTH
         for k in rng.sample(range(TARGET_LENGTH), rng.randint(0, 2)):
             words[k] = rng.choice(WORDS)
-        chosen, rejected = " ".join(words), " ".join([other] * rng.randint(1, TARGET_LENGTH))
+        chosen = " ".join(words)
+        rejected = " ".join(other if rng.random() < 0.8 else rng.choice(WORDS) for _ in range(rng.randint(4, 8)))
     else:
         chosen, rejected = random_response(rng, digit), random_response(rng, digit)
     if digit_reward(chosen, digit) < digit_reward(rejected, digit):
