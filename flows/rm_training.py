@@ -20,18 +20,32 @@ from prefect.artifacts import create_table_artifact
 
 from flows.records import read_metrics, record_metrics
 from ppoflow.config import PPOFlowConfig
-from storage.checkpoints import latest_iteration
+from storage.checkpoints import latest_iteration, read_commit_marker
 from tasks.common import as_config, layout_for, result_storage_for
 from tasks.rm_train import rm_export_task, rm_prepare_task, rm_unit_task, start_ref
 
 
-def unit_row(unit: int, plan: dict[str, Any], manifest: dict[str, Any], seconds: float) -> dict[str, Any]:
+def unit_row(unit: int, plan: dict[str, Any], manifest: dict[str, Any], seconds: float | None) -> dict[str, Any]:
     """The metrics.jsonl line of one unit ("iteration" first, as every line of that file)."""
     row: dict[str, Any] = {"iteration": unit, **manifest["metrics"], "rm/train_pairs": plan["train_pairs"]}
     row.update({f"rm/dropped/{k}": v for k, v in plan["dropped"].items()})
-    row["timing/unit"] = seconds
+    if seconds is not None:
+        row["timing/unit"] = seconds
     row["time/finished_unix"] = time.time()
     return row
+
+
+def restore_last_row(layout, plan: dict[str, Any], latest: int | None) -> None:
+    """Put the last committed unit's metrics line back when a crash came between its commit and that line.
+
+    The commit marker's meta holds the unit's metrics (tasks/rm_train.py), so the line is rebuilt from what
+    was committed; only the flow's own wall time of that unit (timing/unit) is not known any more.
+    """
+    if latest is None or any(row["iteration"] == latest for row in read_metrics(layout)):
+        return
+    marker = read_commit_marker(layout, latest)
+    row = unit_row(latest, plan, {"metrics": marker["meta"]["metrics"]}, seconds=None)
+    record_metrics(layout, row)
 
 
 def _artifact_key(cfg: PPOFlowConfig) -> str:
@@ -48,7 +62,9 @@ def rm_training(config: dict[str, Any]) -> dict[str, Any]:
     delays = [cfg.pipeline.retry_delay_s * 2 ** k for k in range(cfg.pipeline.retries)] or 0
     options = {"retries": cfg.pipeline.retries, "retry_delay_seconds": delays, "result_storage": result_storage_for(cfg)}
     plan = rm_prepare_task.with_options(**options)(cfg)
-    start = (latest_iteration(layout) or 0) + 1
+    latest = latest_iteration(layout)
+    restore_last_row(layout, plan, latest)
+    start = (latest or 0) + 1
     logger.info("reward model %s: %d train / %d eval pairs, %d steps in %d units; units %d..%d to run",
                 cfg.run.name, plan["train_pairs"], plan["eval_pairs"], plan["total_steps"], plan["units"], start,
                 plan["units"])
@@ -71,9 +87,10 @@ def train_reward_model(cfg: PPOFlowConfig) -> dict[str, Any]:
     console = Console()
     result = rm_training(cfg.model_dump(mode="json"))
     for row in read_metrics(layout_for(cfg)):
+        seconds = f"{row['timing/unit']:.1f} s" if "timing/unit" in row else ""
         console.print(f"unit {row['iteration']}  step {row.get('rm/step')}  loss {row['rm/loss']:.4f}  "
                       f"train acc {row['rm/accuracy']:.3f}  eval acc {row.get('rm/eval_accuracy', float('nan')):.3f}  "
-                      f"{row['timing/unit']:.1f} s")
+                      f"{seconds}")
     console.print(f"reward model: {result['uri']}  (eval: {result['eval']})")
     console.print(f"use it:       --set 'reward.sources=[{{kind: model, target: {result['uri']}}}]'")
     return result
