@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     cfg = build_config(yaml.safe_load(config_path.read_text()), str(config_path))
     data = load_preferences(cfg.rm_train, load_tokenizer(model_dir), cfg.run.seed)
     tokens_path = WORK_DIR / "tokens.json"
+    sides_of = lambda pairs: {"chosen_ids": pairs.chosen_ids, "rejected_ids": pairs.rejected_ids}  # noqa: E731
     tokens_path.write_text(json.dumps({"pad_token_id": load_tokenizer(model_dir).pad_token_id,
-                                       "train": {"chosen_ids": data.train.chosen_ids, "rejected_ids": data.train.rejected_ids},
-                                       "eval": {"chosen_ids": data.eval.chosen_ids, "rejected_ids": data.eval.rejected_ids}}))
+                                       "train": sides_of(data.train), "eval": sides_of(data.eval)}))
     engine = [sys.executable, "-m", "bench.rm_peer", "--side", "engine", "--config", str(config_path)]
     cpu_sets = [x for k, v in CPU_SETTINGS.items() for x in ("--set", f"{k}={v}")]
     trl = [str(ensure_venv("trl-grpo")), str(REPO_ROOT / "bench" / "trl_side" / "rm_trl.py"), "--model", str(model_dir),

@@ -60,7 +60,8 @@ def rm_training(config: dict[str, Any]) -> dict[str, Any]:
     layout.write_config_once(cfg.to_yaml())
     logger = get_run_logger()
     delays = [cfg.pipeline.retry_delay_s * 2 ** k for k in range(cfg.pipeline.retries)] or 0
-    options = {"retries": cfg.pipeline.retries, "retry_delay_seconds": delays, "result_storage": result_storage_for(cfg)}
+    options = {"retries": cfg.pipeline.retries, "retry_delay_seconds": delays,
+               "result_storage": result_storage_for(cfg)}
     plan = rm_prepare_task.with_options(**options)(cfg)
     latest = latest_iteration(layout)
     restore_last_row(layout, plan, latest)

@@ -29,8 +29,13 @@ from engines.rm.model import NORMALIZATION_FILE, SUMMARY_FILE
 from engines.rm.trainer import RMTrainer
 from ppoflow.config import PPOFlowConfig
 from storage import fs as fsutil
-from storage.checkpoints import (checkpoint_scratch, commit_checkpoint, load_checkpoint, read_commit_marker,
-                                 save_checkpoint_files)
+from storage.checkpoints import (
+    checkpoint_scratch,
+    commit_checkpoint,
+    load_checkpoint,
+    read_commit_marker,
+    save_checkpoint_files,
+)
 from tasks.common import as_config, layout_for, local_path_state, stable_hash
 
 RM_TRAINER_ROLE = "rm-trainer"
@@ -138,7 +143,8 @@ def run_rm_export(config: PPOFlowConfig | dict, plan: dict[str, Any], final: dic
     cfg = as_config(config)
     layout = layout_for(cfg)
     if final["unit"] != plan["units"]:
-        raise RuntimeError(f"export needs the last unit ({plan['units']}) committed; {final['uri']} is unit {final['unit']}")
+        raise RuntimeError(f"export needs the last unit ({plan['units']}) committed; "
+                           f"{final['uri']} is unit {final['unit']}")
     local = load_checkpoint(layout, final["unit"], parts=("model",))
     marker = read_commit_marker(layout, final["unit"])
     metrics = marker["meta"]["metrics"]
@@ -148,7 +154,7 @@ def run_rm_export(config: PPOFlowConfig | dict, plan: dict[str, Any], final: dic
         fsutil.upload_file_atomic(layout.fs, str(path), fsutil.join(target, path.name))
     eval_metrics = {k: v for k, v in metrics.items() if k.startswith("rm/eval_")}
     fsutil.write_json(layout.fs, fsutil.join(target, SUMMARY_FILE),
-                      {"eval": eval_metrics, "units": plan["units"], "plan": plan, "config": cfg.model_dump(mode="json")})
+                      {"eval": eval_metrics, "plan": plan, "config": cfg.model_dump(mode="json")})
     normalization = None
     if cfg.rm_train.normalize:
         std = metrics["rm/eval_score_std"]

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokens["pad_token_id"]
-    train = Dataset.from_dict({"chosen_ids": tokens["train"]["chosen_ids"], "rejected_ids": tokens["train"]["rejected_ids"]})
+    train = Dataset.from_dict({key: tokens["train"][key] for key in ("chosen_ids", "rejected_ids")})
     with tempfile.TemporaryDirectory(prefix="rm_trl_") as out:
         config = RewardConfig(
             output_dir=out, seed=a.seed, use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no",

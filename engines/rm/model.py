@@ -12,10 +12,8 @@ architectures [*ForSequenceClassification], num_labels 1, model.safetensors, tok
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Optional
 
 NORMALIZATION_FILE = "reward_normalization.json"  # {"mean", "std"}: read by engines/rewards/model.py
 SUMMARY_FILE = "rm_train.json"  # the training config and eval metrics, beside the weights
@@ -66,10 +64,3 @@ def save_reward_model(model, tokenizer, folder: str | Path) -> dict[str, str]:
     tokenizer.save_pretrained(out)
     return digests
 
-
-def write_summary(folder: str | Path, config_json: dict, eval_metrics: dict, normalization: Optional[dict]) -> None:
-    """rm_train.json (config + eval metrics) and, when given, reward_normalization.json into `folder`."""
-    out = Path(folder)
-    (out / SUMMARY_FILE).write_text(json.dumps({"eval": eval_metrics, "config": config_json}, indent=1))
-    if normalization is not None:
-        (out / NORMALIZATION_FILE).write_text(json.dumps(normalization))

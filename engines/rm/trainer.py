@@ -30,9 +30,18 @@ from engines.rm.batching import batch_for_step, collate, steps_per_epoch
 from engines.rm.data import PreferenceData, PreferencePairs
 from engines.rm.loss import bradley_terry, sequence_scores
 from engines.rm.model import load_reward_model, save_reward_model
-from engines.trainer.checkpoint import (_engine_counters, _set_engine_counters, load_optimizer,
-                                        save_optimizer)
-from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
+from engines.trainer.checkpoint import (
+    _engine_counters,
+    _set_engine_counters,
+    load_optimizer,
+    save_optimizer,
+)
+from engines.trainer.deepspeed_setup import (
+    deepspeed_config,
+    lr_multiplier,
+    make_engine,
+    setup_distributed,
+)
 from engines.trainer.state import load_nested, rng_state, save_nested, set_rng_state
 
 STATE_FILE = "rm_state.json"
@@ -138,7 +147,8 @@ class RMTrainer:
     def save(self, out_dir: str, extra_state: Optional[dict] = None) -> dict[str, str]:
         """out_dir/model/ (HF folder) and out_dir/trainer/; returns {relative path: sha256} of the hashed files."""
         out = Path(out_dir)
-        hashed = {f"model/{k}": v for k, v in save_reward_model(self.engine.module, self.tokenizer, out / "model").items()}
+        model_files = save_reward_model(self.engine.module, self.tokenizer, out / "model")
+        hashed = {f"model/{k}": v for k, v in model_files.items()}
         state_dir = out / "trainer"
         files = dict(save_optimizer(self.engine, state_dir, "optimizer"))
         files.update(save_nested(rng_state(), state_dir, "rng"))

@@ -54,9 +54,9 @@ def _finish(process: subprocess.Popen) -> str:
 
 
 def test_a_killed_rm_run_resumes_to_the_uninterrupted_result(prefect_api, tmp_path, tiny_model_dir):
+    from engines.models import load_critic
     from engines.rewards.base import RewardBatch
     from engines.rewards.model import RewardModelSource
-    from engines.models import load_critic
     from engines.toy.preferences import build_preferences
     from flows.records import read_metrics
     from storage.checkpoints import latest_iteration

@@ -70,13 +70,15 @@ def test_truncation_policies(tmp_path, tokenizer):
     # BOS + 6 x please + say 2 : + 2 2 = 12 tokens (the prompt ends in a space: plain text is joined as it is)
     long_row = {"prompt": "please " * 6 + "say 2 : ", "chosen": "2 2", "rejected": "3 3"}
     path = _write(tmp_path, [long_row, {"prompt": "say 2 :", "chosen": "2", "rejected": "3"}])
-    with pytest.raises(PreferenceDataError, match="row 0: prompt \\+ chosen has 12 tokens, more than rm_train.max_length=8"):
+    with pytest.raises(PreferenceDataError,
+                       match="row 0: prompt \\+ chosen has 12 tokens, more than rm_train.max_length=8"):
         load_preferences(_cfg(path, max_length=8), tokenizer, seed=0)
     dropped = load_preferences(_cfg(path, max_length=8, truncation="drop"), tokenizer, seed=0)
     assert dropped.train.rows == [1] and dropped.dropped == {"train/too_long": 1}
     cut = load_preferences(_cfg(path, max_length=8, truncation="truncate_left"), tokenizer, seed=0)
     # BOS kept, then the last 7 of the other 11 tokens: the prompt loses its first 4 words, the response none
-    assert tokenizer.convert_ids_to_tokens(cut.train.chosen_ids[0]) == ["<s>", "please", "please", "say", "2", ":", "2", "2"]
+    tokens = tokenizer.convert_ids_to_tokens(cut.train.chosen_ids[0])
+    assert tokens == ["<s>", "please", "please", "say", "2", ":", "2", "2"]
 
 
 def test_margin_column_and_eval_split(tmp_path, tokenizer):
