@@ -7,15 +7,20 @@ Same work on every side: the tiny Llama built here (engines/toy/model.py) with a
 the toy preference pairs (engines/toy/preferences.py), tokenized once by ppoflow (engines/rm/data.py) and
 handed to TRL as token ids, batch 32 pairs per optimizer step, the same epochs, AdamW lr 1e-3, linear
 warm-up 5 steps then cosine, clipping 1.0, seed 0. Sides, each a fresh process with one CPU thread, in turn:
-    ppoflow_engine   engines/rm/trainer.RMTrainer (DeepSpeed, ZeRO stage 0, float32, SDPA): no Prefect
-    ppoflow_cpu      the same with ppoflow's CPU settings: bfloat16 autocast, eager attention
-    ppoflow_flow     `ppoflow train-rm` (the Prefect flow: units, checkpoints, metrics, export), float32;
-                     its step time is timing/step of metrics.jsonl (the units' training loops), and
-                     flow_wall_s the whole command (Prefect's local server start included)
-    trl_reward       TRL 1.16 RewardTrainer in its own venv (bench/trl_env.py, bench/trl_side/rm_trl.py)
-Figures: ratio = ppoflow_engine / trl_reward seconds per step (same precision; goal <= 0.7),
-ratio_cpu_settings = ppoflow_cpu / trl_reward, flow_ratio = ppoflow_flow / trl_reward; eval accuracy of every
-side on the same held-out pairs (goal: ppoflow >= TRL). One run each: on a shared machine, noisy.
+    ppoflow_engine       engines/rm/trainer.RMTrainer (DeepSpeed ZeRO stage 0) with ppoflow's CPU settings
+                         (bench/ppoflow_side.py's choice for the PPO peer bench: bfloat16 autocast, eager
+                         attention; weights and AdamW state float32), no Prefect
+    trl_reward           TRL 1.16 RewardTrainer as it runs by default (float32, SDPA), in its own venv
+                         (bench/trl_env.py, bench/trl_side/rm_trl.py)
+    ppoflow_engine_fp32  ppoflow in float32 with SDPA: TRL's precision
+    trl_reward_bf16      TRL with bf16=True (bfloat16 autocast on CPU): ppoflow's precision
+    ppoflow_flow         `ppoflow train-rm` with the CPU settings (the Prefect flow: units, checkpoints,
+                         metrics, export); its step time is timing/step of metrics.jsonl (the units'
+                         training loops), flow_wall_s the whole command (Prefect's local server start included)
+Figures: ratio = ppoflow_engine / trl_reward seconds per step (the peer number, as bench.peer_trl's; goal
+<= 0.7), ratio_same_precision_fp32 = ppoflow_engine_fp32 / trl_reward, ratio_same_precision_bf16 =
+ppoflow_engine / trl_reward_bf16, flow_ratio = ppoflow_flow / trl_reward; the eval accuracy of every side on
+the same held-out pairs (goal: ppoflow >= TRL). One run each on a shared machine: figures are noisy.
 """
 from __future__ import annotations
 
@@ -36,13 +41,14 @@ WORK_DIR = REPO_ROOT / "bench" / ".work" / "rm_peer"
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO_ROOT)}
 SETTINGS = {"batch_size": 32, "micro_batch_size": 32, "lr": 1e-3, "warmup_steps": 5, "seed": 0}
-CPU_SETTINGS = {"model.autocast_dtype": "bfloat16", "model.attn_implementation": "eager"}
+CPU_SETTINGS = {"autocast_dtype": "bfloat16", "attn_implementation": "eager"}  # the model section's
+FP32_SETTINGS = ["--set", "model.autocast_dtype=null", "--set", "model.attn_implementation=sdpa"]
 
 
 def config_data(model_dir: Path, data_path: Path, epochs: int, run: str, root: Path) -> dict:
-    """The ppoflow config (as a dict) every ppoflow side uses."""
+    """The ppoflow config (as a dict) of the ppoflow sides (ppoflow_engine_fp32 overrides the model settings)."""
     return {"run": {"name": run, "root": str(root), "seed": SETTINGS["seed"]},
-            "model": {"policy_path": str(model_dir)},
+            "model": {"policy_path": str(model_dir), **CPU_SETTINGS},
             "train": {"zero_stage": 0, "warmup_steps": SETTINGS["warmup_steps"], "lr_schedule": "cosine",
                       "max_grad_norm": 1.0},
             "rm_train": {"data_path": str(data_path), "eval_fraction": 0.1, "epochs": epochs,
@@ -142,21 +148,23 @@ def main(argv: list[str] | None = None) -> dict | None:
     tokens_path.write_text(json.dumps({"pad_token_id": load_tokenizer(model_dir).pad_token_id,
                                        "train": sides_of(data.train), "eval": sides_of(data.eval)}))
     engine = [sys.executable, "-m", "bench.rm_peer", "--side", "engine", "--config", str(config_path)]
-    cpu_sets = [x for k, v in CPU_SETTINGS.items() for x in ("--set", f"{k}={v}")]
     trl = [str(ensure_venv("trl-grpo")), str(REPO_ROOT / "bench" / "trl_side" / "rm_trl.py"), "--model", str(model_dir),
            "--tokens", str(tokens_path), "--seed", str(SETTINGS["seed"]), "--epochs", str(a.epochs),
            "--batch-size", str(SETTINGS["batch_size"]), "--micro-batch-size", str(SETTINGS["micro_batch_size"]),
            "--lr", str(SETTINGS["lr"]), "--warmup-steps", str(SETTINGS["warmup_steps"])]
     sides = {}
     for name, run in (("ppoflow_engine", lambda: _run(engine, a.timeout)), ("trl_reward", lambda: _run(trl, a.timeout)),
-                      ("ppoflow_cpu", lambda: _run(engine + cpu_sets, a.timeout)),
+                      ("ppoflow_engine_fp32", lambda: _run(engine + FP32_SETTINGS, a.timeout)),
+                      ("trl_reward_bf16", lambda: _run(trl + ["--bf16"], a.timeout)),
                       ("ppoflow_flow", lambda: flow_side(config_path, root, "rm-peer", a.timeout))):
         sides[name] = run()
         print(f"# {name}: {json.dumps(sides[name])[:400]}", file=sys.stderr, flush=True)
     figures = {"pairs": a.pairs, "train_pairs": len(data.train), "eval_pairs": len(data.eval), "epochs": a.epochs,
                **SETTINGS, "threads_per_process": 1, "model": "tiny Llama (engines/toy/model.py defaults)",
+               "ppoflow_settings": CPU_SETTINGS,
                "ratio": _ratio(sides["ppoflow_engine"], sides["trl_reward"]),
-               "ratio_cpu_settings": _ratio(sides["ppoflow_cpu"], sides["trl_reward"]),
+               "ratio_same_precision_fp32": _ratio(sides["ppoflow_engine_fp32"], sides["trl_reward"]),
+               "ratio_same_precision_bf16": _ratio(sides["ppoflow_engine"], sides["trl_reward_bf16"]),
                "flow_ratio": _ratio(sides["ppoflow_flow"], sides["trl_reward"]),
                **{f"{name}_eval_accuracy": side.get("eval_accuracy") for name, side in sides.items()},
                "sides": sides, "note": "one run per side on a machine shared with other work: figures are noisy"}

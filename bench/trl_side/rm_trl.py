@@ -8,7 +8,8 @@ pairs, the pad id), passed to RewardTrainer as its pre-tokenized `chosen_ids` / 
 both sides train on the same token ids. Same model folder (AutoModelForSequenceClassification, num_labels 1,
 a new score head), same pairs per optimizer step (per_device_train_batch_size = micro-batch,
 gradient_accumulation_steps = batch / micro-batch), epochs, AdamW lr, cosine schedule after linear warm-up,
-gradient clipping 1.0, float32, no gradient checkpointing. TRL's own choices stay: its random (not
+gradient clipping 1.0, float32 (bfloat16 autocast with --bf16), no gradient checkpointing.
+TRL's own choices stay: its random (not
 length-sorted) batches and its last partial batch.
 Eval accuracy is computed here after training by the same rule as ppoflow's (score at the last token,
 r_chosen > r_rejected), over the eval pairs.
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, kind in (("--model", str), ("--tokens", str), ("--seed", int), ("--epochs", int), ("--batch-size", int),
                        ("--micro-batch-size", int), ("--lr", float), ("--warmup-steps", int)):
         p.add_argument(name, type=kind, required=True)
+    p.add_argument("--bf16", action="store_true", help="bf16=True: bfloat16 autocast (ppoflow's CPU precision)")
     a = p.parse_args(argv)
     one_thread()
     started = time.perf_counter()
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="rm_trl_") as out:
         config = RewardConfig(
             output_dir=out, seed=a.seed, use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no",
-            logging_strategy="no", disable_tqdm=True, bf16=False, gradient_checkpointing=False,
+            logging_strategy="no", disable_tqdm=True, bf16=a.bf16, gradient_checkpointing=False,
             per_device_train_batch_size=a.micro_batch_size,
             gradient_accumulation_steps=a.batch_size // a.micro_batch_size, num_train_epochs=a.epochs,
             learning_rate=a.lr, lr_scheduler_type="cosine", warmup_steps=a.warmup_steps, weight_decay=0.0,
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         result = trainer.train()
         train_s = time.perf_counter() - train_started
     steps = int(result.global_step)
-    emit_record("final", trainer="trl_reward", seed=a.seed, steps=steps, setup_s=setup_s, train_s=train_s,
+    emit_record("final", trainer="trl_reward_bf16" if a.bf16 else "trl_reward", seed=a.seed, steps=steps,
+                setup_s=setup_s, train_s=train_s,
                 step_s=train_s / max(steps, 1), train_loss=float(result.training_loss),
                 eval_accuracy=eval_accuracy(model, tokens["eval"], tokens["pad_token_id"]))
 

@@ -47,8 +47,8 @@ def batch_for_step(lengths: list[int], batch_size: int, seed: int, step: int) ->
 
 
 class PairBatch(NamedTuple):
-    """One forward's rows: input_ids / attention_mask (2b, T), right-padded, the b chosen rows first and then
-    the b rejected rows in the same pair order; margins (b,)."""
+    """One forward's rows: input_ids / attention_mask (2b, T), padded, the b chosen rows first and then the
+    b rejected rows in the same pair order; margins (b,)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -59,14 +59,19 @@ class PairBatch(NamedTuple):
         return self.margins.shape[0]
 
 
-def collate(pairs: PreferencePairs, indices: list[int], pad_token_id: int) -> PairBatch:
-    """Chosen and rejected sides of `indices` as one right-padded batch (one forward for both sides)."""
+def collate(pairs: PreferencePairs, indices: list[int], pad_token_id: int, padding_side: str = "left") -> PairBatch:
+    """Chosen and rejected sides of `indices` as one padded batch (one forward for both sides).
+
+    Left padding (the default) puts every row's last token in the last column, which lets the forward skip
+    the last layer's MLP on the other columns (engines/rm/loss.sequence_scores); scores are the same.
+    """
     rows = [pairs.chosen_ids[i] for i in indices] + [pairs.rejected_ids[i] for i in indices]
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for j, ids in enumerate(rows):
-        input_ids[j, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[j, :len(ids)] = 1
+        cols = slice(0, len(ids)) if padding_side == "right" else slice(width - len(ids), width)
+        input_ids[j, cols] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[j, cols] = 1
     margins = torch.tensor([pairs.margins[i] for i in indices], dtype=torch.float32)
     return PairBatch(input_ids, attention_mask, margins)

@@ -2,7 +2,7 @@
 
 One optimizer step = one batch of rm_train.batch_size pairs (engines/rm/batching.py), accumulated over
 micro-batches of rm_train.micro_batch_size pairs. Each micro-batch is ONE forward over its 2b rows
-(chosen rows, then rejected rows, right-padded), scores read at each row's last real token
+(chosen rows, then rejected rows, left-padded), scores read at each row's last real token
 (engines/rm/loss.sequence_scores), loss -log sigmoid(r_c - r_r - margin) (engines/rm/loss.bradley_terry).
 Each micro-batch's loss is its pairs' summed loss over the step's pairs and DeepSpeed's own 1/accumulation
 scaling is off (`scale_wrt_gas=False`), so the step's gradient is that of the step's mean loss however it

@@ -116,9 +116,12 @@ class TestBatches:
                     for e in range(4)]
         assert len({frozenset(s) for s in left_out}) > 1  # a different few are left out each epoch
 
-    def test_collate_puts_chosen_rows_then_rejected_rows_right_padded(self):
+    def test_collate_puts_chosen_rows_then_rejected_rows(self):
         pairs = PreferencePairs([[1, 2, 3], [1, 4]], [[1, 5], [1, 6, 7, 8]], [0.0, 1.0], [0, 1])
-        batch = collate(pairs, [1, 0], pad_token_id=0)
-        assert batch.input_ids.tolist() == [[1, 4, 0, 0], [1, 2, 3, 0], [1, 6, 7, 8], [1, 5, 0, 0]]
-        assert batch.attention_mask.sum(dim=1).tolist() == [2, 3, 4, 2]
-        assert batch.margins.tolist() == [1.0, 0.0] and batch.pairs == 2
+        right = collate(pairs, [1, 0], pad_token_id=0, padding_side="right")
+        assert right.input_ids.tolist() == [[1, 4, 0, 0], [1, 2, 3, 0], [1, 6, 7, 8], [1, 5, 0, 0]]
+        assert right.attention_mask.tolist() == (right.input_ids != 0).long().tolist()
+        left = collate(pairs, [1, 0], pad_token_id=0)
+        assert left.input_ids.tolist() == [[0, 0, 1, 4], [0, 1, 2, 3], [1, 6, 7, 8], [0, 0, 1, 5]]
+        assert left.attention_mask.tolist() == (left.input_ids != 0).long().tolist()
+        assert left.margins.tolist() == [1.0, 0.0] and left.pairs == 2

@@ -81,6 +81,13 @@ def test_last_token_score_is_the_same_under_left_right_and_no_padding(tiny_rewar
         with torch.no_grad():
             ours = sequence_scores(model, ids, mask)
         assert ours.tolist() == pytest.approx(alone, abs=1e-5), side
+    with torch.no_grad():  # under left padding the last layer's MLP saw only the last column (and changed nothing)
+        widths = []
+        inside_mlp = model.model.layers[-1].mlp.down_proj  # sees what the MLP computes, after the trim
+        hook = inside_mlp.register_forward_pre_hook(lambda _m, args: widths.append(args[0].shape[1]))
+        sequence_scores(model, ids, mask)
+        hook.remove()
+    assert widths == [1]
     with torch.no_grad():  # and the model's own forward agrees on right padding (what the reward source feeds)
         ids[:] = pad
         ids[0, :6], ids[1, :4] = torch.tensor(rows[0]), torch.tensor(rows[1])
