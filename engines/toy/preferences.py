@@ -8,7 +8,10 @@ from its random start to its end:
   graded    two random responses, the one with the higher rule reward chosen           (40%)
   wrong     chosen is mostly the digit; rejected is mostly another digit, 4..8 words     (20%)
 A random response has 1..8 words, each the prompt's digit with probability q (q uniform in [0, 1] per
-response), else any other non-special word of the toy vocabulary.
+response), else a filler word; the filler is, per response and equally often, any other non-special word,
+any other digit, or one other digit throughout. The last two matter: without them a reward model learns
+"digits, 8 of them" as much as "the prompt's digit", and PPO on it settles on repeating one wrong digit
+("1 1 1 1 1 1 1 1" for every prompt, rule reward 0: seen with the first version of these pairs).
 
 Prompts are chat messages ([{"role": "user", "content": "repeat 3 :"}]) and responses plain text, so the
 reward model is trained on the chat-templated text "user : repeat 3 : assistant : 3 3 ..." that the score
@@ -32,10 +35,11 @@ _NON_SPECIAL = [w for w in build_vocab() if not w.startswith("<")]
 
 
 def random_response(rng: random.Random, digit: str) -> str:
-    """1..TARGET_LENGTH words, each `digit` with a per-response probability q, else another vocabulary word."""
+    """1..TARGET_LENGTH words, each `digit` with a per-response probability q, else a filler (module docstring)."""
     q = rng.random()
-    others = [w for w in _NON_SPECIAL if w != digit]
-    return " ".join(digit if rng.random() < q else rng.choice(others) for _ in range(rng.randint(1, TARGET_LENGTH)))
+    other_digits = [d for d in DIGITS if d != digit]
+    fillers = rng.choice([[w for w in _NON_SPECIAL if w != digit], other_digits, [rng.choice(other_digits)]])
+    return " ".join(digit if rng.random() < q else rng.choice(fillers) for _ in range(rng.randint(1, TARGET_LENGTH)))
 
 
 def _pair(rng: random.Random, kind: str, digit: str) -> tuple[str, str]:
