@@ -9,8 +9,7 @@ both sides train on the same token ids. Same model folder (AutoModelForSequenceC
 a new score head), same pairs per optimizer step (per_device_train_batch_size = micro-batch,
 gradient_accumulation_steps = batch / micro-batch), epochs, AdamW lr, cosine schedule after linear warm-up,
 gradient clipping 1.0, float32 (bfloat16 autocast with --bf16), no gradient checkpointing.
-TRL's own choices stay: its random (not
-length-sorted) batches and its last partial batch.
+TRL's own choices stay: its random (not length-sorted) batches and its last partial batch.
 Eval accuracy is computed here after training by the same rule as ppoflow's (score at the last token,
 r_chosen > r_rejected), over the eval pairs.
 Prints one {"event": "final", ...} JSON line (bench/trl_side/common.py protocol).
