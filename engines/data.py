@@ -197,7 +197,7 @@ def _parquet_schema(path: Path) -> tuple[list[str], list[str], int]:
 
 def _folder_schema(path: Path) -> tuple[list[str], list[str], int]:
     try:
-        rows = _load_rows(str(path))  # memory-mapped Arrow: the schema and length, no rows read
+        rows = load_rows(str(path))  # memory-mapped Arrow: the schema and length, no rows read
     except DataError:
         raise
     except Exception as e:
@@ -208,7 +208,7 @@ def _folder_schema(path: Path) -> tuple[list[str], list[str], int]:
     return list(schema.names), [str(t) for t in schema.types], len(rows)
 
 
-def _load_rows(path: str) -> Any:
+def load_rows(path: str) -> Any:
     """A `datasets.Dataset` from a save_to_disk folder, a .jsonl or a .parquet file."""
     import datasets
 
@@ -258,7 +258,7 @@ class PromptSource:
     def __init__(self, data_cfg, tokenizer, apply_chat_template: bool = False):
         self.cfg = data_cfg
         self.tokenizer = tokenizer
-        rows = _load_rows(data_cfg.path)
+        rows = load_rows(data_cfg.path)
         columns = list(rows.column_names)
         for role, key in (
             ("data.prompt_key", data_cfg.prompt_key),

@@ -2,6 +2,8 @@
 
     ppoflow demo [--iterations N] [--verbose]   tiny model + digits task, trained on the embedded default
     ppoflow train CONFIG.yaml [--set section.field=value ...] [--verbose]
+    ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...]   reward model from preference pairs
+    ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
@@ -14,6 +16,7 @@ run); set PREFECT_API_URL to report to a running server and see the runs in its 
 goes to the run's log file (<root>/<run>/logs/), `--verbose` shows it here too. A failure prints one
 message: what failed, where, the log file with the traceback, and the command that resumes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,6 +63,13 @@ def cmd_train(args) -> int:
     return _run_with_capture(cfg, "train", args, lambda console: train(cfg, console))
 
 
+def cmd_train_rm(args) -> int:
+    from flows.rm_training import train_reward_model
+
+    train_reward_model(load_config(args.config, args.set))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from flows.run import demo_config, prepare_demo, train
 
@@ -89,8 +99,10 @@ def cmd_shards(args) -> int:
         out = shard_inspect.shards_stats(args.uri, storage_cfg)
     Console().print(out)
     if broken:
-        print(f"ppoflow: error: {len(broken)} stage folder(s) with missing or truncated parts: "
-              + ", ".join(broken), file=sys.stderr)
+        print(
+            f"ppoflow: error: {len(broken)} stage folder(s) with missing or truncated parts: " + ", ".join(broken),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -130,12 +142,21 @@ def cmd_serve_reward(args) -> int:
         raise ConfigError(f"serve-reward requires a bearer token in the environment variable {args.token_env}")
     if args.model:
         from engines.rewards.model import RewardModelSource
+
         source = RewardModelSource(args.model, name="model", batch_size=args.max_batch_size)
     else:
         from engines.rewards.function import FunctionRewardSource
+
         source = FunctionRewardSource(args.function, timeout_s=60.0, batch_size=args.max_batch_size, name="function")
-    serve(source, host=args.host, port=args.port, token=token, max_batch_size=args.max_batch_size,
-          max_wait_ms=args.max_wait_ms, max_request_items=args.max_request_items)
+    serve(
+        source,
+        host=args.host,
+        port=args.port,
+        token=token,
+        max_batch_size=args.max_batch_size,
+        max_wait_ms=args.max_wait_ms,
+        max_request_items=args.max_request_items,
+    )
     return 0
 
 
@@ -154,7 +175,9 @@ def cmd_config_reference(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ppoflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ppoflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train the tiny model on the digits task, locally")
@@ -170,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     train.set_defaults(func=cmd_train)
 
+    train_rm = sub.add_parser("train-rm", help="train a Bradley-Terry reward model (the rm_train section)")
+    train_rm.add_argument("config")
+    train_rm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    train_rm.set_defaults(func=cmd_train_rm)
+
     shards = sub.add_parser("shards", help="inspect shards")
     shards.add_argument("action", choices=["ls", "show", "stats"])
     shards.add_argument("uri")
@@ -180,8 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser("runs", help="list runs, show one, plot one, or repair one's corrupt latest checkpoint")
     runs.add_argument("action", choices=["ls", "show", "plot", "repair"])
-    runs.add_argument("run", nargs="?", default=None, metavar="RUN|ROOT",
-                      help="the run (show, plot, repair) or the root to list (ls; default --root)")
+    runs.add_argument(
+        "run",
+        nargs="?",
+        default=None,
+        metavar="RUN|ROOT",
+        help="the run (show, plot, repair) or the root to list (ls; default --root)",
+    )
     runs.add_argument("--root", default="./runs")
     runs.add_argument("--out", default=None, help="plot: the PNG to write (default <run>-metrics.png here)")
     runs.add_argument("--endpoint-url", default=None)

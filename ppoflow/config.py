@@ -10,6 +10,7 @@ k1 KL estimator folded into the reward.
 Every field carries a description; `ppoflow config-reference` prints them as the README's table.
 A validation error names the dotted field, the value given and what is allowed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,6 +21,9 @@ from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algorithm, resolve_loss_agg
+from ppoflow.rm_config import RMTrainConfig
 
 # The stages an iteration runs, in order; `pipeline.stage_pools` keys must be among them.
 PIPELINE_STAGES = ("rollout", "score", "update", "checkpoint")
@@ -32,8 +36,6 @@ def _takes_float(annotation: Any) -> bool:
     """True for `float` and `Optional[float]` field annotations."""
     union = typing.get_origin(annotation) is typing.Union
     return annotation is float or (union and float in typing.get_args(annotation))
-
-from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algorithm, resolve_loss_agg
 
 
 class _Section(BaseModel):
@@ -62,7 +64,9 @@ class _Section(BaseModel):
 
 class RunConfig(_Section):
     name: str = Field("demo", description="Run name; the run's folder is <root>/<name>.", pattern=r"^[A-Za-z0-9._-]+$")
-    root: str = Field("./runs", description="Storage root as a path or fsspec URL (./runs, file:///x, s3://bucket/prefix).")
+    root: str = Field(
+        "./runs", description="Storage root as a path or fsspec URL (./runs, file:///x, s3://bucket/prefix)."
+    )
     iterations: int = Field(10, ge=1, description="Total PPO iterations; a resumed run continues from LATEST + 1.")
     seed: int = Field(0, description="Seed for sampling, initialisation and data order.")
     keep_checkpoints: int = Field(2, ge=1, description="Committed checkpoints kept; the latest is never removed.")
@@ -71,21 +75,38 @@ class RunConfig(_Section):
     @classmethod
     def _plain_name(cls, name: str) -> str:
         if name in RESERVED_RUN_NAMES or len(name) > 64:
-            raise ValueError(f"must be a plain folder name of 1-64 characters [A-Za-z0-9._-], not one of "
-                             f"{', '.join(repr(n) for n in RESERVED_RUN_NAMES)} (they name the root, its parent "
-                             f"or the shared score cache)")
+            raise ValueError(
+                f"must be a plain folder name of 1-64 characters [A-Za-z0-9._-], not one of "
+                f"{', '.join(repr(n) for n in RESERVED_RUN_NAMES)} (they name the root, its parent "
+                f"or the shared score cache)"
+            )
         return name
 
 
 class StorageConfig(_Section):
     endpoint_url: Optional[str] = Field(None, description="S3 endpoint URL (MinIO, moto, Ceph); None = AWS.")
     region: Optional[str] = Field(None, description="S3 region.")
-    profile: Optional[str] = Field(None, description="AWS profile; credentials otherwise from the usual AWS_* variables.")
+    profile: Optional[str] = Field(
+        None, description="AWS profile; credentials otherwise from the usual AWS_* variables."
+    )
     shard_max_rows: int = Field(4096, ge=1, description="Rows per Arrow part before a new part starts.")
-    shard_max_bytes: int = Field(256 * 2**20, ge=1024, description="Bytes per Arrow part (approximate) before a new part starts.")
-    multipart_chunk_bytes: int = Field(50 * 2**20, ge=5 * 2**20, description="S3 multipart chunk size; objects of 2x this or more go up as a multipart upload (aborted on failure).")
-    local_cache_dir: Optional[str] = Field(None, description="Local folder for copies of remote checkpoints (vLLM/transformers need local folders), under checkpoints/<run name>/; None = $PPOFLOW_CACHE, else ~/.cache/ppoflow.")
-    checkpoint_cache_keep: int = Field(2, ge=1, description="Copies of remote checkpoints kept per run in the local cache, most recently used first; older ones are deleted after each load (each copy is a whole checkpoint, or the parts a worker fetched).")
+    shard_max_bytes: int = Field(
+        256 * 2**20, ge=1024, description="Bytes per Arrow part (approximate) before a new part starts."
+    )
+    multipart_chunk_bytes: int = Field(
+        50 * 2**20,
+        ge=5 * 2**20,
+        description="S3 multipart chunk size; objects of 2x this or more go up as a multipart upload (aborted on failure).",
+    )
+    local_cache_dir: Optional[str] = Field(
+        None,
+        description="Local folder for copies of remote checkpoints (vLLM/transformers need local folders), under checkpoints/<run name>/; None = $PPOFLOW_CACHE, else ~/.cache/ppoflow.",
+    )
+    checkpoint_cache_keep: int = Field(
+        2,
+        ge=1,
+        description="Copies of remote checkpoints kept per run in the local cache, most recently used first; older ones are deleted after each load (each copy is a whole checkpoint, or the parts a worker fetched).",
+    )
 
     def fsspec_options(self) -> dict[str, Any]:
         """Keyword arguments for `fsspec.filesystem("s3", ...)`; empty for AWS defaults."""
@@ -104,47 +125,87 @@ class StorageConfig(_Section):
 
 class LoraConfig(_Section):
     rank: int = Field(8, ge=1, description="LoRA rank r of each adapter (A: r x in, B: out x r).")
-    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the adapter's output is scaled by alpha / rank.")
+    alpha: float = Field(
+        16.0, gt=0, description="LoRA scaling numerator: the adapter's output is scaled by alpha / rank."
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
-                                      description="Names (last component) of the nn.Linear modules that get an adapter; each must exist in the policy (checked against its config before any work).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names (last component) of the nn.Linear modules that get an adapter; each must exist in the policy (checked against its config before any work).",
+    )
 
 
 class ModelConfig(_Section):
-    policy_path: str = Field("./runs/_models/tiny-llama", description="Local Hugging Face folder of the initial policy (loaded with from_pretrained).")
-    critic_path: Optional[str] = Field(None, description="Backbone for the critic: a reward-model or causal-LM folder; None = the policy.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute precision: float32 on CPU, bfloat16 on GPU.")
-    autocast_dtype: Optional[Literal["bfloat16"]] = Field(None, description="Mixed precision for the trainer's and the reference's forward/backward and for HF-generate rollouts: matmuls in bfloat16 under torch.autocast while weights, gradients and optimizer state stay in `dtype` (float32). Pays on CPUs with AVX512-BF16 or AMX and on GPUs; None = off. (vLLM rollouts follow `dtype`.)")
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="Attention kernel passed to from_pretrained.")
-    apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template when it has one.")
+    policy_path: str = Field(
+        "./runs/_models/tiny-llama",
+        description="Local Hugging Face folder of the initial policy (loaded with from_pretrained).",
+    )
+    critic_path: Optional[str] = Field(
+        None, description="Backbone for the critic: a reward-model or causal-LM folder; None = the policy."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute precision: float32 on CPU, bfloat16 on GPU."
+    )
+    autocast_dtype: Optional[Literal["bfloat16"]] = Field(
+        None,
+        description="Mixed precision for the trainer's and the reference's forward/backward and for HF-generate rollouts: matmuls in bfloat16 under torch.autocast while weights, gradients and optimizer state stay in `dtype` (float32). Pays on CPUs with AVX512-BF16 or AMX and on GPUs; None = off. (vLLM rollouts follow `dtype`.)",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained."
+    )
+    apply_chat_template: bool = Field(
+        False, description="Wrap prompts with the tokenizer's chat template when it has one."
+    )
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in actor and critic.")
-    lora: Optional[LoraConfig] = Field(None, description="LoRA adapters (peft) on the actor: only they train, the frozen base is the reference, checkpoints hold policy/adapter plus the merged policy folder. A critic (algo with a critic) is still fully fine-tuned. Fields: rank (8), alpha (16.0; scale alpha/rank), dropout (0.0), target_modules (q_proj, k_proj, v_proj, o_proj: Linear names the policy must have); e.g. `--set model.lora.rank=16`. None = full fine-tune.")
+    lora: Optional[LoraConfig] = Field(
+        None,
+        description="LoRA adapters (peft) on the actor: only they train, the frozen base is the reference, checkpoints hold policy/adapter plus the merged policy folder. A critic (algo with a critic) is still fully fine-tuned. Fields: rank (8), alpha (16.0; scale alpha/rank), dropout (0.0), target_modules (q_proj, k_proj, v_proj, o_proj: Linear names the policy must have); e.g. `--set model.lora.rank=16`. None = full fine-tune.",
+    )
 
 
 class DataConfig(_Section):
     path: str = Field("./runs/_data/digits", description="A datasets folder (save_to_disk), or a .jsonl/.parquet file.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
-    label_key: Optional[str] = Field("label", description="Column passed to reward functions as the label / ground truth.")
-    data_source_key: Optional[str] = Field(None, description="Column passed to veRL-style compute_score as data_source.")
+    label_key: Optional[str] = Field(
+        "label", description="Column passed to reward functions as the label / ground truth."
+    )
+    data_source_key: Optional[str] = Field(
+        None, description="Column passed to veRL-style compute_score as data_source."
+    )
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are an error naming the row.")
 
 
 class RolloutConfig(_Section):
-    engine: Literal["auto", "vllm", "hf"] = Field("auto", description="Generation engine; auto = vLLM when installed, else HF generate.")
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="Generation engine; auto = vLLM when installed, else HF generate."
+    )
     prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn from the dataset per iteration.")
     n_samples: int = Field(4, ge=1, description="Responses sampled per prompt (GRPO/RLOO groups).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are taken at the same temperature.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; log-probs are taken at the same temperature."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 = off.")
     max_new_tokens: int = Field(16, ge=1, description="Response length cap.")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="Extra stop tokens besides EOS."
+    )
     # vLLM engine settings
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPU).")
-    gpu_memory_utilization: float = Field(0.1, gt=0, le=1, description="vLLM memory fraction; on CPU the share of host RAM reserved for KV cache.")
+    gpu_memory_utilization: float = Field(
+        0.1, gt=0, le=1, description="vLLM memory fraction; on CPU the share of host RAM reserved for KV cache."
+    )
     max_model_len: Optional[int] = Field(None, ge=1, description="vLLM context length; None = the model's.")
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in vLLM (always on CPU).")
-    kv_cache_space_gib: Optional[float] = Field(None, gt=0, description="vLLM on CPU: GiB of host RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE); None = gpu_memory_utilization's share.")
-    sleep_between_iterations: bool = Field(False, description="GPU only: vLLM sleep/wake around the update when it shares a GPU with training.")
+    kv_cache_space_gib: Optional[float] = Field(
+        None,
+        gt=0,
+        description="vLLM on CPU: GiB of host RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE); None = gpu_memory_utilization's share.",
+    )
+    sleep_between_iterations: bool = Field(
+        False, description="GPU only: vLLM sleep/wake around the update when it shares a GPU with training."
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -155,16 +216,27 @@ class RolloutConfig(_Section):
 
 
 class RewardSourceConfig(_Section):
-    kind: Literal["function", "model", "remote"] = Field(description="function: path/to/file.py:fn or pkg.module:fn; model: a sequence-classification folder; remote: an HTTP reward server.")
+    kind: Literal["function", "model", "remote"] = Field(
+        description="function: path/to/file.py:fn or pkg.module:fn; model: a sequence-classification folder; remote: an HTTP reward server."
+    )
     target: str = Field(description="The function spec, model folder or server URL.")
     weight: float = Field(1.0, description="Weight of this source in the summed reward.")
     name: Optional[str] = Field(None, description="Component name in metrics and shards; defaults to kind.")
     timeout_s: float = Field(60.0, gt=0, description="Per-call timeout (function and remote sources).")
-    isolation: Literal["thread", "process"] = Field("thread", description="function: run it in a worker thread, or in a worker process that is killed on a timeout (for code that may hang).")
+    isolation: Literal["thread", "process"] = Field(
+        "thread",
+        description="function: run it in a worker thread, or in a worker process that is killed on a timeout (for code that may hang).",
+    )
     batch_size: int = Field(64, ge=1, description="Samples per call to this source.")
     token_env: str = Field("PPOFLOW_REWARD_TOKEN", description="remote: environment variable holding the bearer token.")
-    max_retries: int = Field(3, ge=0, description="remote: retries with exponential backoff on 5xx, timeouts and connection errors; 4xx fails at once.")
-    quantize: Literal["none", "int8-dynamic", "bnb-8bit", "bnb-4bit"] = Field("none", description="model: int8 dynamic quantization on CPU, bitsandbytes on GPU.")
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="remote: retries with exponential backoff on 5xx, timeouts and connection errors; 4xx fails at once.",
+    )
+    quantize: Literal["none", "int8-dynamic", "bnb-8bit", "bnb-4bit"] = Field(
+        "none", description="model: int8 dynamic quantization on CPU, bitsandbytes on GPU."
+    )
 
     @model_validator(mode="after")
     def _target_fits_kind(self) -> "RewardSourceConfig":
@@ -172,8 +244,9 @@ class RewardSourceConfig(_Section):
         if self.kind == "function":
             where, _, fn = self.target.rpartition(":")
             if not where or not fn:
-                raise ValueError(f"target={self.target!r}: a function source needs 'path/to/file.py:fn' or "
-                                 f"'pkg.module:fn'")
+                raise ValueError(
+                    f"target={self.target!r}: a function source needs 'path/to/file.py:fn' or 'pkg.module:fn'"
+                )
         elif self.kind == "remote" and not self.target.startswith(("http://", "https://")):
             raise ValueError(f"target={self.target!r}: a remote source needs an http:// or https:// URL")
         elif not self.target:
@@ -182,10 +255,12 @@ class RewardSourceConfig(_Section):
 
 
 class OverlongConfig(_Section):
-    buffer: int = Field(ge=1, description=(
-        "Tokens before rollout.max_new_tokens where the penalty ramps up linearly (DAPO's L_cache)."))
-    penalty: float = Field(1.0, gt=0, description=(
-        "Penalty at the cap: a response of max_new_tokens tokens gets reward - penalty."))
+    buffer: int = Field(
+        ge=1, description=("Tokens before rollout.max_new_tokens where the penalty ramps up linearly (DAPO's L_cache).")
+    )
+    penalty: float = Field(
+        1.0, gt=0, description=("Penalty at the cap: a response of max_new_tokens tokens gets reward - penalty.")
+    )
 
 
 class RewardConfig(_Section):
@@ -195,73 +270,115 @@ class RewardConfig(_Section):
         description="Reward sources, summed with their weights.",
     )
     clip: float = Field(10.0, gt=0, description="Scalar reward clipped to [-clip, clip].")
-    overlong: Optional[OverlongConfig] = Field(None, description=(
-        "{buffer, penalty}: DAPO's soft overlong punishment, added to the reward in the update: 0 up to "
-        "max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens; None = off."))
-    normalize: Literal["none", "running"] = Field("none", description=(
-        "running: (reward - mean) / std with the mean and std of every reward the trainer has seen (saved with "
-        "the trainer state); applied before the overlong penalty and the advantages."))
+    overlong: Optional[OverlongConfig] = Field(
+        None,
+        description=(
+            "{buffer, penalty}: DAPO's soft overlong punishment, added to the reward in the update: 0 up to "
+            "max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens; None = off."
+        ),
+    )
+    normalize: Literal["none", "running"] = Field(
+        "none",
+        description=(
+            "running: (reward - mean) / std with the mean and std of every reward the trainer has seen (saved with "
+            "the trainer state); applied before the overlong penalty and the advantages."
+        ),
+    )
 
 
 class ScoreConfig(_Section):
     token_budget: int = Field(16384, ge=1, description="Padded tokens per scoring micro-batch (rows sorted by length).")
     cache: bool = Field(True, description="Use the prompt-hash score cache under <root>/cache/score.")
-    cache_max_bytes: int = Field(2 * 2**30, ge=0, description="Cache size cap per scorer; oldest entries are evicted first.")
+    cache_max_bytes: int = Field(
+        2 * 2**30, ge=0, description="Cache size cap per scorer; oldest entries are evicted first."
+    )
 
 
 AlgoName = Literal[ALGO_NAMES]  # the registry's names (engines/ppo/algorithms.py)
 
 
 class AlgoConfig(_Section):
-    name: AlgoName = Field("ppo", description=(
-        "Algorithm (engines/ppo/algorithms.py): ppo = GAE with a critic; grpo, dr_grpo, rloo, "
-        "reinforce_pp_baseline use groups of rollout.n_samples; none but ppo trains a critic."))
+    name: AlgoName = Field(
+        "ppo",
+        description=(
+            "Algorithm (engines/ppo/algorithms.py): ppo = GAE with a critic; grpo, dr_grpo, rloo, "
+            "reinforce_pp_baseline use groups of rollout.n_samples; none but ppo trains a critic."
+        ),
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator against the reference.")
-    kl_in_reward: bool = Field(True, description="Fold the KL penalty into token rewards (PPO); else add it to the loss (GRPO style).")
+    kl_in_reward: bool = Field(
+        True, description="Fold the KL penalty into token rewards (PPO); else add it to the loss (GRPO style)."
+    )
     kl_coef: float = Field(0.01, ge=0, description="Initial KL coefficient.")
-    kl_target: Optional[float] = Field(None, gt=0, description="Adaptive KL controller target: mean KL per response "
-                                       "(summed over its tokens), nats; None = fixed coefficient.")
+    kl_target: Optional[float] = Field(
+        None,
+        gt=0,
+        description="Adaptive KL controller target: mean KL per response "
+        "(summed over its tokens), nats; None = fixed coefficient.",
+    )
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon (samples).")
     clip_low: float = Field(0.2, ge=0, lt=1, description="Policy ratio clip below 1.")
     clip_high: float = Field(0.2, ge=0, description="Policy ratio clip above 1 (DAPO's clip-higher when larger).")
-    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off.")
+    dual_clip: Optional[float] = Field(
+        None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off."
+    )
     value_clip: Optional[float] = Field(0.5, gt=0, description="Value clip around old values; None = off.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Masked whitening of advantages over the batch.")
-    loss_agg: Optional[Literal[AGG_MODES]] = Field(None, description=(
-        "Loss aggregation over an optimizer step: token_mean, seq_mean_token_mean (GRPO paper), "
-        "seq_mean_token_sum_norm (Dr. GRPO); None = the algorithm's default (dr_grpo: seq_mean_token_sum_norm, "
-        "the others: token_mean)."))
-    loss_agg_norm: Optional[float] = Field(None, gt=0, description=(
-        "seq_mean_token_sum_norm's constant (Dr. GRPO): token-loss sums are divided by responses * this; "
-        "None = rollout.max_new_tokens."))
-    tis_cap: Optional[float] = Field(None, ge=1, description=(
-        "Truncated importance sampling for the sampler/trainer mismatch: policy-gradient tokens weighted by "
-        "min(exp(old_logprobs - rollout_logprobs), tis_cap) (Yao et al. 2025); None = off."))
+    loss_agg: Optional[Literal[AGG_MODES]] = Field(
+        None,
+        description=(
+            "Loss aggregation over an optimizer step: token_mean, seq_mean_token_mean (GRPO paper), "
+            "seq_mean_token_sum_norm (Dr. GRPO); None = the algorithm's default (dr_grpo: seq_mean_token_sum_norm, "
+            "the others: token_mean)."
+        ),
+    )
+    loss_agg_norm: Optional[float] = Field(
+        None,
+        gt=0,
+        description=(
+            "seq_mean_token_sum_norm's constant (Dr. GRPO): token-loss sums are divided by responses * this; "
+            "None = rollout.max_new_tokens."
+        ),
+    )
+    tis_cap: Optional[float] = Field(
+        None,
+        ge=1,
+        description=(
+            "Truncated importance sampling for the sampler/trainer mismatch: policy-gradient tokens weighted by "
+            "min(exp(old_logprobs - rollout_logprobs), tis_cap) (Yao et al. 2025); None = off."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _removed_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "vf_coef" in data:
-            raise ValueError("algo.vf_coef was removed: actor and critic are separate DeepSpeed engines, each with "
-                             "its own AdamW and grad clip, so a value-loss weight would only rescale the critic's "
-                             "loss (Adam undoes that); tune train.critic_lr instead")
+            raise ValueError(
+                "algo.vf_coef was removed: actor and critic are separate DeepSpeed engines, each with "
+                "its own AdamW and grad clip, so a value-loss weight would only rescale the critic's "
+                "loss (Adam undoes that); tune train.critic_lr instead"
+            )
         return data
 
     @model_validator(mode="after")
     def _check_group_discount(self) -> "AlgoConfig":
         if get_algorithm(self.name).needs_groups and self.gamma != 1.0:
-            raise ValueError(f"algo.gamma={self.gamma} with algo.name={self.name!r}: the group algorithms "
-                             f"{GROUP_ALGOS} give one score per response, so they need algo.gamma = 1")
+            raise ValueError(
+                f"algo.gamma={self.gamma} with algo.name={self.name!r}: the group algorithms "
+                f"{GROUP_ALGOS} give one score per response, so they need algo.gamma = 1"
+            )
         return self
 
     @model_validator(mode="after")
     def _check_loss_agg_norm(self) -> "AlgoConfig":
         if self.loss_agg_norm is not None and self.resolved_loss_agg != "seq_mean_token_sum_norm":
-            raise ValueError(f"algo.loss_agg_norm={self.loss_agg_norm} is only used by loss_agg "
-                             f"seq_mean_token_sum_norm, but algo.loss_agg resolves to {self.resolved_loss_agg!r}")
+            raise ValueError(
+                f"algo.loss_agg_norm={self.loss_agg_norm} is only used by loss_agg "
+                f"seq_mean_token_sum_norm, but algo.loss_agg resolves to {self.resolved_loss_agg!r}"
+            )
         return self
 
     @property
@@ -277,7 +394,9 @@ class AlgoConfig(_Section):
 class TrainConfig(_Section):
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
-    train_batch_size: Optional[int] = Field(None, ge=1, description="Samples per optimizer step over all ranks; None = the whole rollout batch.")
+    train_batch_size: Optional[int] = Field(
+        None, ge=1, description="Samples per optimizer step over all ranks; None = the whole rollout batch."
+    )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     actor_lr: float = Field(1e-5, gt=0, description="Actor learning rate.")
     critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
@@ -285,35 +404,54 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
     max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Gradient max-norm clip; None = off.")
-    mask_truncated: bool = Field(False, description=(
-        "Leave samples cut off at rollout.max_new_tokens (finish_reason 'length') out of the loss (DAPO's "
-        "overlong filtering); they still count in their group's baseline."))
-    logprob_chunk: int = Field(128, ge=1, description="Token rows (over all sequences) per chunk of the selective log-softmax.")
-    offload: Literal["none", "optimizer", "optimizer_and_params"] = Field("none", description=(
-        "DeepSpeed ZeRO offload to CPU memory: 'optimizer' (offload_optimizer, ZeRO stage 1-3) keeps the fp32 "
-        "master weights and AdamW state on the CPU and steps there; 'optimizer_and_params' (also offload_param, "
-        "ZeRO stage 3 only) keeps the parameter partitions there too. The step runs torch's AdamW on CPU "
-        "tensors (DeepSpeedCPUAdam would need a JIT-compiled op). On a CPU-only machine everything already "
-        "lives in CPU memory: DeepSpeed accepts the setting, and it moves nothing."))
+    mask_truncated: bool = Field(
+        False,
+        description=(
+            "Leave samples cut off at rollout.max_new_tokens (finish_reason 'length') out of the loss (DAPO's "
+            "overlong filtering); they still count in their group's baseline."
+        ),
+    )
+    logprob_chunk: int = Field(
+        128, ge=1, description="Token rows (over all sequences) per chunk of the selective log-softmax."
+    )
+    offload: Literal["none", "optimizer", "optimizer_and_params"] = Field(
+        "none",
+        description=(
+            "DeepSpeed ZeRO offload to CPU memory: 'optimizer' (offload_optimizer, ZeRO stage 1-3) keeps the fp32 "
+            "master weights and AdamW state on the CPU and steps there; 'optimizer_and_params' (also offload_param, "
+            "ZeRO stage 3 only) keeps the parameter partitions there too. The step runs torch's AdamW on CPU "
+            "tensors (DeepSpeedCPUAdam would need a JIT-compiled op). On a CPU-only machine everything already "
+            "lives in CPU memory: DeepSpeed accepts the setting, and it moves nothing."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_offload(self) -> "TrainConfig":
         if self.offload != "none" and self.zero_stage == 0:
-            raise ValueError(f"train.offload={self.offload!r} needs train.zero_stage 1, 2 or 3 (got 0): ZeRO offload "
-                             f"moves the optimizer partitions, which stage 0 does not have")
+            raise ValueError(
+                f"train.offload={self.offload!r} needs train.zero_stage 1, 2 or 3 (got 0): ZeRO offload "
+                f"moves the optimizer partitions, which stage 0 does not have"
+            )
         if self.offload == "optimizer_and_params" and self.zero_stage != 3:
-            raise ValueError(f"train.offload='optimizer_and_params' needs train.zero_stage=3 (got {self.zero_stage}): "
-                             f"only ZeRO-3 partitions the parameters; use train.offload='optimizer' below stage 3")
+            raise ValueError(
+                f"train.offload='optimizer_and_params' needs train.zero_stage=3 (got {self.zero_stage}): "
+                f"only ZeRO-3 partitions the parameters; use train.offload='optimizer' below stage 3"
+            )
         return self
 
 
 class PipelineConfig(_Section):
-    stage_pools: Optional[dict[str, str]] = Field(None, description="Stage -> deployment as FLOW/DEPLOYMENT, e.g. {rollout: ppo-rollout/ppo-rollout} as prefect.yaml creates them; None = all stages in-process.")
+    stage_pools: Optional[dict[str, str]] = Field(
+        None,
+        description="Stage -> deployment as FLOW/DEPLOYMENT, e.g. {rollout: ppo-rollout/ppo-rollout} as prefect.yaml creates them; None = all stages in-process.",
+    )
     retries: int = Field(2, ge=0, description="Task retries for each stage.")
     retry_delay_s: float = Field(5.0, ge=0, description="First retry delay; doubles each retry.")
     stage_workers: list[Literal["rollout", "score", "update", "checkpoint"]] = Field(
-        default_factory=list, description="Stages sent to warm Prefect task workers (`ppoflow worker --stage S`), "
-                                          "which keep their engines between iterations; [] = none.")
+        default_factory=list,
+        description="Stages sent to warm Prefect task workers (`ppoflow worker --stage S`), "
+        "which keep their engines between iterations; [] = none.",
+    )
 
     @field_validator("stage_pools")
     @classmethod
@@ -325,8 +463,10 @@ class PipelineConfig(_Section):
                 raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
             flow_name, _, name = deployment.partition("/")
             if not flow_name or not name or "/" in name:
-                raise ValueError(f"stage {stage!r}: deployment {deployment!r} must be 'flow-name/deployment-name' "
-                                 f"(e.g. 'ppo-{stage}/ppo-{stage}')")
+                raise ValueError(
+                    f"stage {stage!r}: deployment {deployment!r} must be 'flow-name/deployment-name' "
+                    f"(e.g. 'ppo-{stage}/ppo-{stage}')"
+                )
         return pools
 
 
@@ -341,27 +481,36 @@ class PPOFlowConfig(_Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    rm_train: RMTrainConfig = Field(default_factory=RMTrainConfig)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PPOFlowConfig":
         if get_algorithm(self.algo.name).needs_groups and self.rollout.n_samples < 2:
-            raise ValueError(f"algo.name={self.algo.name!r} needs rollout.n_samples >= 2 (got {self.rollout.n_samples})")
+            raise ValueError(
+                f"algo.name={self.algo.name!r} needs rollout.n_samples >= 2 (got {self.rollout.n_samples})"
+            )
         batch = self.rollout_batch_size
         tbs = self.train.train_batch_size
         if tbs is not None and (tbs > batch or batch % tbs):
-            raise ValueError(f"train.train_batch_size={tbs} must divide the rollout batch "
-                             f"(rollout.prompts_per_iteration * rollout.n_samples = {batch})")
+            raise ValueError(
+                f"train.train_batch_size={tbs} must divide the rollout batch "
+                f"(rollout.prompts_per_iteration * rollout.n_samples = {batch})"
+            )
         overlong = self.reward.overlong
         if overlong is not None and overlong.buffer > self.rollout.max_new_tokens:
-            raise ValueError(f"reward.overlong.buffer={overlong.buffer} must be <= rollout.max_new_tokens="
-                             f"{self.rollout.max_new_tokens} (the penalty ramps up over the last buffer tokens)")
+            raise ValueError(
+                f"reward.overlong.buffer={overlong.buffer} must be <= rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens} (the penalty ramps up over the last buffer tokens)"
+            )
         # The trainer's rule (engines/trainer/deepspeed_setup.py) for one rank: micro-batches of
         # min(micro_batch_size, train batch) must tile the train batch. More ranks are checked at the update.
         step_batch = tbs or batch
         micro = min(self.train.micro_batch_size, step_batch)
         if step_batch % micro:
-            raise ValueError(f"train.micro_batch_size={self.train.micro_batch_size} must divide the train batch of "
-                             f"{step_batch} samples (train.train_batch_size, else the rollout batch), or be larger")
+            raise ValueError(
+                f"train.micro_batch_size={self.train.micro_batch_size} must divide the train batch of "
+                f"{step_batch} samples (train.train_batch_size, else the rollout batch), or be larger"
+            )
         return self
 
     @property

@@ -98,7 +98,7 @@ def load_optimizer(engine, folder: Path, stem: str) -> None:
         )
 
 
-def _engine_counters(engine) -> dict[str, Any]:
+def engine_counters(engine) -> dict[str, Any]:
     return {
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
@@ -108,7 +108,7 @@ def _engine_counters(engine) -> dict[str, Any]:
     }
 
 
-def _set_engine_counters(engine, state: dict[str, Any]) -> None:
+def set_engine_counters(engine, state: dict[str, Any]) -> None:
     engine.global_steps = state["global_steps"]
     engine.global_samples = state["global_samples"]
     engine.micro_steps = state["micro_steps"]
@@ -147,10 +147,10 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
             hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer, critic_state)))
     state_dir = out / "trainer"
     hashes = dict(save_optimizer(trainer.actor, state_dir, _rank_stem("actor_optimizer", rank, world)))
-    engines = {"actor": _engine_counters(trainer.actor)}
+    engines = {"actor": engine_counters(trainer.actor)}
     if trainer.critic is not None:
         hashes.update(save_optimizer(trainer.critic, state_dir, _rank_stem("critic_optimizer", rank, world)))
-        engines["critic"] = _engine_counters(trainer.critic)
+        engines["critic"] = engine_counters(trainer.critic)
     hashes.update(save_nested(rng_state(), state_dir, _rank_stem("rng", rank, world)))
     if world > 1:  # every rank's partition is on disk before rank 0 reports the checkpoint written
         import torch.distributed as dist
@@ -210,10 +210,10 @@ def load_trainer_state(trainer, state_dir: str) -> None:
             f"(start it on {saved_world} ranks)"
         )
     load_optimizer(trainer.actor, folder, _rank_stem("actor_optimizer", rank, world))
-    _set_engine_counters(trainer.actor, meta["engines"]["actor"])
+    set_engine_counters(trainer.actor, meta["engines"]["actor"])
     if trainer.critic is not None:
         load_optimizer(trainer.critic, folder, _rank_stem("critic_optimizer", rank, world))
-        _set_engine_counters(trainer.critic, meta["engines"]["critic"])
+        set_engine_counters(trainer.critic, meta["engines"]["critic"])
     trainer.kl_controller.load_state_dict(meta["kl_controller"])
     if trainer.reward_normalizer is not None and "reward_normalizer" in meta:
         trainer.reward_normalizer.load_state_dict(meta["reward_normalizer"])

@@ -1,0 +1,1 @@
+"""Reward-model training: Bradley-Terry loss, preference data, the DeepSpeed RM trainer. No Prefect here."""
