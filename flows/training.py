@@ -27,7 +27,7 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     cfg = as_config(config)
     preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
-    layout.write_config_once(cfg.to_yaml())
+    layout.write_config_once(cfg.to_yaml(), defaults=type(cfg)().model_dump(mode="json"))
     start = (latest_iteration(layout) or 0) + 1
     logger = get_run_logger()
     _crash_stale_run(cfg, layout, logger)

@@ -143,8 +143,11 @@ class RunLayout:
         """Shared by every run under the same root; see `fingerprint_component` for the folder name."""
         return fsutil.join(self.root, "cache", "score", fingerprint_component(fingerprint))
 
-    def write_config_once(self, cfg_yaml: str) -> None:
+    def write_config_once(self, cfg_yaml: str, defaults: Optional[dict[str, Any]] = None) -> None:
         """Save the resolved config; on a resumed run, check that it is the same config.
+
+        defaults: the config's default values (nested, JSON form). A key the saved config lacks and the new one
+        holds at its default is a setting added by a newer ppoflow, not a change: it is no conflict.
 
         The first call writes config.yaml. Later calls accept the same config; when the only differences
         are among LOCATION_KEYS (the run folder moved to another root or bucket, a run extended to more
@@ -162,7 +165,7 @@ class RunLayout:
             old = yaml.safe_load(old_text)
             if old == new:
                 return
-            changed = _differences(old, new)
+            changed = [key for key in _differences(old, new) if not _added_at_default(key, old, new, defaults)]
             if any(key not in LOCATION_KEYS for key in changed):
                 raise ConfigConflictError(
                     f"{self.url(self.config_path)} holds another config (hash {_config_hash(old)}) than this "
@@ -171,6 +174,22 @@ class RunLayout:
                     f"resume)."
                 )
         fsutil.write_bytes_atomic(self.fs, self.config_path, cfg_yaml.encode())
+
+
+_MISSING = object()
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+def _added_at_default(key: str, old: Any, new: Any, defaults: Optional[dict[str, Any]]) -> bool:
+    """True when dotted `key` is absent from the saved config and the new config holds its default there."""
+    return defaults is not None and _at(old, key) is _MISSING and _at(new, key) == _at(defaults, key)
 
 
 def iteration_name(iteration: int) -> str:

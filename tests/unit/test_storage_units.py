@@ -160,3 +160,24 @@ class TestMoveFile:
         src.write_bytes(b"payload")
         fsutil.move_file_atomic(memory, str(src), "/bucket/run/b.bin")
         assert memory.cat_file("/bucket/run/b.bin") == b"payload" and not src.exists()
+
+
+def test_a_setting_added_by_a_newer_version_at_its_default_is_no_config_conflict(tmp_path):
+    import yaml
+
+    from storage.layout import ConfigConflictError, RunLayout
+
+    layout = RunLayout(str(tmp_path), "older")
+    defaults = {"algo": {"kl_coef": 0.01, "tis_cap": None}, "rm_train": {"epochs": 1}}
+    saved = {"algo": {"kl_coef": 0.02}}  # written by a version without algo.tis_cap and rm_train
+    layout.write_config_once(yaml.safe_dump(saved))
+    resumed = {"algo": {"kl_coef": 0.02, "tis_cap": None}, "rm_train": {"epochs": 1}}
+    layout.write_config_once(yaml.safe_dump(resumed), defaults=defaults)  # new keys at their defaults: accepted
+    with pytest.raises(ConfigConflictError, match="rm_train"):
+        layout.write_config_once(
+            yaml.safe_dump({"algo": {"kl_coef": 0.02}, "rm_train": {"epochs": 3}}), defaults=defaults
+        )  # the saved config now holds rm_train.epochs=1
+    with pytest.raises(ConfigConflictError, match="algo.kl_coef"):
+        layout.write_config_once(
+            yaml.safe_dump({**resumed, "algo": {"kl_coef": 0.05, "tis_cap": None}}), defaults=defaults
+        )
