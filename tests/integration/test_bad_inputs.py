@@ -32,11 +32,12 @@ RUN = "kept"
 
 
 def folder_digest(folder: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file under `folder`."""
+    """{relative path: sha256} of every file under `folder` but the CLI's log files (logs/: each command adds
+    one, holding the refused start's traceback; nothing the run had committed)."""
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.relative_to(folder).parts[0] != "logs"
     }
 
 
