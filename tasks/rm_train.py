@@ -40,8 +40,6 @@ from storage.checkpoints import (
 )
 from storage.layout import layout_for
 
-RM_TRAINER_ROLE = "rm-trainer"
-RM_DATA_ROLE = "rm-data"
 RM_SECTIONS = ("model", "train", "rm_train")  # what a unit's result depends on, besides its inputs
 OUTPUT_FOLDER = "reward_model"  # <root>/<run>/reward_model/: the trained model, loadable as it is
 
@@ -67,8 +65,7 @@ def _data_identity(cfg: PPOFlowConfig) -> str:
 def preference_data(cfg: PPOFlowConfig) -> PreferenceData:
     """The tokenized train / eval pairs, built once per process and data version."""
     return warm.get_or_build(
-        RM_DATA_ROLE,
-        _data_identity(cfg),
+        warm.WarmKey(warm.Role.RM_DATA, _data_identity(cfg)),
         lambda: load_preferences(cfg.rm_train, load_tokenizer(base_model_path(cfg)), cfg.run.seed),
     )
 
@@ -119,10 +116,9 @@ def start_ref(cfg: PPOFlowConfig, unit: int) -> dict[str, Any]:
 
 
 def _take_trainer(cfg: PPOFlowConfig, data: PreferenceData, start: dict[str, Any]) -> RMTrainer:
-    held = warm.peek(RM_TRAINER_ROLE)
-    warm.invalidate(RM_TRAINER_ROLE)
-    if held is not None and held[0] == start["content_hash"]:
-        return held[1]
+    held = warm.take(warm.WarmKey(warm.Role.RM_TRAINER, start["content_hash"]))
+    if held is not None:
+        return held
     if start["unit"] == 0:
         return RMTrainer(cfg, data, start["uri"])
     local = load_checkpoint(layout_for(cfg), start["unit"])
@@ -156,7 +152,7 @@ def run_rm_unit(config: PPOFlowConfig | dict, unit: int, plan: dict[str, Any], s
         keep_last=cfg.run.keep_checkpoints,
     )
     content_hash = stable_hash(marker)
-    warm.get_or_build(RM_TRAINER_ROLE, content_hash, lambda: trainer)  # holds exactly the committed state
+    warm.put(warm.WarmKey(warm.Role.RM_TRAINER, content_hash), trainer)  # holds exactly the committed state
     return {
         "stage": "rm-unit",
         "unit": unit,
