@@ -57,6 +57,36 @@ def build_tokenizer(vocab_size: int = 64):
     return fast
 
 
+def toy_llama_config(
+    tokenizer,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    **extra,
+):
+    """The LlamaConfig of the toy models (policy and reward model): the toy tokenizer's vocabulary and special
+    ids, one key/value head per head, float32; `extra` adds the head-specific settings."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **extra,
+    )
+
+
 def build_tiny_llama(
     out_dir: str | Path,
     vocab_size: int = 64,
@@ -72,24 +102,20 @@ def build_tiny_llama(
     Raises ValueError when hidden_size / num_heads is not 64 (vLLM CPU needs head_dim 64).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if hidden_size % num_heads or hidden_size // num_heads != 64:
         raise ValueError(f"head_dim = hidden_size/num_heads must be 64, got {hidden_size}/{num_heads}")
     tokenizer = build_tokenizer(vocab_size)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
+    config = toy_llama_config(
+        tokenizer,
+        vocab_size,
+        hidden_size,
+        num_layers,
+        num_heads,
+        intermediate_size,
+        max_position_embeddings,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     out = save_model_folder(LlamaForCausalLM(config), tokenizer, out_dir)

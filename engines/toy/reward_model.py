@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engines.toy.model import build_tokenizer, save_model_folder
+from engines.toy.model import build_tokenizer, save_model_folder, toy_llama_config
 
 
 def build_tiny_reward_model(
@@ -32,22 +32,18 @@ def build_tiny_reward_model(
     pad_token_id is set in the config: the classifier pools at the last non-pad token and needs it.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers import LlamaForSequenceClassification
 
     tokenizer = build_tokenizer(vocab_size)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    config = toy_llama_config(
+        tokenizer,
+        vocab_size,
+        hidden_size,
+        num_layers,
+        num_heads,
+        intermediate_size,
+        max_position_embeddings,
         num_labels=num_labels,
-        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     return save_model_folder(LlamaForSequenceClassification(config), tokenizer, out_dir)
