@@ -56,6 +56,11 @@ class EngineLoop:
     rollout engine cannot take weights in memory, and the one `save_policy` writes."""
 
     def __init__(self, cfg, work_dir: Optional[str] = None):
+        if cfg.pipeline.max_staleness:
+            raise ValueError(
+                f"pipeline.max_staleness={cfg.pipeline.max_staleness}: the in-memory loop runs one iteration after "
+                "another; pipelined iterations run through the training flow (ppoflow train)"
+            )
         self.cfg = cfg
         # A folder the loop made itself is removed by shutdown(); a caller's folder is the caller's.
         self._owns_work_dir = work_dir is None

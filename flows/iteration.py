@@ -16,9 +16,10 @@ from typing import Any
 
 from prefect import flow
 
-from engines.stages.manifests import STAGE_MANIFESTS, StageManifest
-from engines.stages.policy import policy_ref
+from engines.stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
+from engines.stages.policy import behaviour_policy_ref, policy_ref
 from flows.artifacts import publish_iteration_artifacts
+from flows.in_flight import wait_for_previous
 from flows.records import read_metrics, read_stage_record, record_metrics
 from flows.stages import run_stage
 from ppoflow.config import as_config
@@ -66,17 +67,25 @@ def recover_missing_rows(layout: RunLayout, committed_through: int) -> list[int]
     return rebuilt
 
 
+def _trained_policy(cfg, iteration: int) -> PolicyRef:
+    """The policy the update trains: the one committed at iteration-1, waited for when that iteration is in
+    flight (pipelined iterations); RuntimeError when it is not committed."""
+    wait_for_previous(cfg, iteration)
+    return policy_ref(cfg, iteration)
+
+
 @flow(name="ppo-iteration", flow_run_name="ppo-iter-{iteration:04d}")
 def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
     """Run iteration `iteration` (1-based) of the run described by `config`; returns its metrics row."""
     cfg = as_config(config)
-    policy = policy_ref(cfg, iteration)
     manifests: dict[str, StageManifest] = {}
     timings: dict[str, float] = {}
     stage_inputs = {
-        "rollout": lambda: {"policy": policy},
+        # The behaviour policy: the one it starts from, or with pipeline.max_staleness = k the one committed at
+        # iteration-1-k (flows/pipeline.py).
+        "rollout": lambda: {"policy": behaviour_policy_ref(cfg, iteration)},
         "score": lambda: {"rollout": manifests["rollout"]},
-        "update": lambda: {"policy": policy, "scored": manifests["score"]},
+        "update": lambda: {"policy": _trained_policy(cfg, iteration), "scored": manifests["score"]},
         "checkpoint": lambda: {"update": manifests["update"]},
     }
     for stage, inputs in stage_inputs.items():

@@ -33,6 +33,7 @@ from engines.stages.manifests import (
 from flows.records import read_stage_record, write_stage_record
 from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
+from tasks.leases import clear_lease, lease_holder_dead, read_lease
 from tasks.results import result_storage_for
 from tasks.stages import STAGE_TASKS
 
@@ -81,16 +82,37 @@ def run_stage_on_worker(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs
     """Submit the stage task to the warm workers serving it and wait for its manifest (raises its error).
 
     The submitting side's serializer only stores the submission (parameters and Prefect's run context, which
-    JSON cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON."""
+    JSON cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON. A worker
+    that dies mid-stage is found through the stage's lease (tasks/leases.py): its task run is set Crashed and
+    StageFailed names the worker."""
+    layout = layout_for(cfg)
+    clear_lease(layout, iteration, stage)
     submit = STAGE_TASKS[stage].with_options(result_serializer="pickle")
     future = submit.delay(cfg.model_dump(mode="json"), iteration, **inputs)
     # The future's own wait follows task-run events and can return before the final state is readable (seen:
     # "has no state"); the API's view of the run is what decides.
     while not (state := future.state).is_final():
         future.wait(timeout=5)
+        if why := lease_holder_dead(read_lease(layout, iteration, stage)):
+            message = (
+                f"stage {stage} of iteration {iteration} was running on a warm worker that died: {why}. "
+                f"Start `ppoflow worker --stage {stage}` again and retry the flow run: the stage reruns from the "
+                f"last committed checkpoint"
+            )
+            _crash_task_run(future.task_run_id, message)
+            raise StageFailed(message)
     manifest = state.result(raise_on_failure=True)
-    write_stage_record(layout_for(cfg), iteration, stage, manifest.model_dump(mode="json"))
+    write_stage_record(layout, iteration, stage, manifest.model_dump(mode="json"))
     return manifest
+
+
+def _crash_task_run(task_run_id, message: str) -> None:
+    """Set a task run whose process died to Crashed (it would show Running for good)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        client.set_task_run_state(task_run_id, Crashed(message=message), force=True)
 
 
 def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:

@@ -10,18 +10,24 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.context import SettingsContext, get_settings_context
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import start_progress, update_progress
 from flows.iteration import ppo_iteration, recover_missing_rows
+from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
-from ppoflow.config import as_config
+from ppoflow.config import MAX_STALENESS, as_config
 from storage.checkpoints import latest_iteration
 from storage.layout import layout_for
 
 
-@flow(name="ppo-training", flow_run_name="ppo-training-{config[run][name]}")
+# Pipelined iterations (pipeline.max_staleness = k) run as up to k+1 task runs at once in this task runner.
+@flow(
+    name="ppo-training",
+    flow_run_name="ppo-training-{config[run][name]}",
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_STALENESS + 1),
+)
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""
     cfg = as_config(config)
@@ -39,26 +45,28 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
         )
     logger.info("run %s at %s: iterations %d..%d", cfg.run.name, layout.url(layout.run_dir), start, cfg.run.iterations)
     progress = start_progress(cfg, start - 1)
-    rows: list[dict[str, Any]] = []
-    cfg_json = cfg.model_dump(mode="json")
-    # One heartbeat thread per process is enough: this flow run's (Prefect marks it Crashed when the process
-    # dies). A subflow's own heartbeat thread sleeps in 1 s steps and is joined when the subflow ends, which
-    # costs ~0.25 s per iteration on average for nothing. The settings copy is made once (~50 ms).
-    outer = get_settings_context()
-    no_heartbeat = outer.settings.copy_with_update(updates={"flows.heartbeat_frequency": None})
-    for iteration in range(start, cfg.run.iterations + 1):
-        with SettingsContext(profile=outer.profile, settings=no_heartbeat):
-            row = ppo_iteration(cfg_json, iteration)
-        rows.append(row)
-        update_progress(progress, cfg, iteration)
+
+    def report(row: dict[str, Any]) -> None:
+        update_progress(progress, cfg, row["iteration"])
         kl = row.get("kl/mean")
         logger.info(
             "iteration %d: reward %.3f kl %s (%.1f s)",
-            iteration,
+            row["iteration"],
             row["reward/mean"],
             "-" if kl is None else f"{kl:.4f}",
             row["timing/iteration"],
         )
+
+    if cfg.pipeline.max_staleness:
+        rows = run_pipelined(cfg, start, report)
+    else:
+        rows = []
+        cfg_json = cfg.model_dump(mode="json")
+        for iteration in range(start, cfg.run.iterations + 1):
+            with subflow_settings():
+                row = ppo_iteration(cfg_json, iteration)
+            rows.append(row)
+            report(row)
     return {
         "run_uri": layout.url(layout.run_dir),
         "first_iteration": start,

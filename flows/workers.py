@@ -29,10 +29,12 @@ def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> Non
     one trainer or sampler must not run two stages at the same time)."""
     from prefect.task_worker import serve
 
+    from tasks.leases import serve_as_worker
     from tasks.stages import STAGE_TASKS
 
     unknown = sorted(set(stages) - set(STAGES))
     if unknown or not stages:
         raise ValueError(f"ppoflow worker --stage {unknown or '(none)'}: allowed are {', '.join(STAGES)}")
     tasks = [STAGE_TASKS[s].with_options(retries=retries) for s in dict.fromkeys(stages)]
+    serve_as_worker()  # stage bodies hold leases: the submitting flow finds out if this process dies
     serve(*tasks, limit=limit)

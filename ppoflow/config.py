@@ -27,6 +27,7 @@ from ppoflow.rm_config import RMTrainConfig
 
 # The stages an iteration runs, in order; `pipeline.stage_pools` keys must be among them.
 PIPELINE_STAGES = ("rollout", "score", "update", "checkpoint")
+MAX_STALENESS = 8  # pipeline.max_staleness: iterations in flight beyond the one updating
 # Run names that would put a run where it does not belong: `.` is the root itself (the run would mix with the
 # shared score cache under <root>/cache), `..` its parent, `cache` the shared score cache folder.
 RESERVED_RUN_NAMES = (".", "..", "cache")
@@ -451,6 +452,15 @@ class PipelineConfig(_Section):
         default_factory=list,
         description="Stages sent to warm Prefect task workers (`ppoflow worker --stage S`), "
         "which keep their engines between iterations; [] = none.",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=MAX_STALENESS,
+        description="Pipelined iterations: k >= 1 runs the rollout and score of iterations i+1..i+k while iteration "
+        "i updates; iteration i samples with the policy committed at i-1-k (fixed schedule, so runs stay "
+        "reproducible and resumable) and its update corrects for the stale samples (decoupled PPO, importance "
+        "weights capped at algo.tis_cap, 2.0 when unset). 0 = one iteration after another.",
     )
 
     @field_validator("stage_pools")

@@ -93,13 +93,19 @@ def _host_tag() -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs; a zombie (dead, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]  # the field after "(comm)", which may hold spaces
+    except (OSError, IndexError):  # no /proc (macOS): os.kill said it exists
+        return True
+    return state not in (b"Z", b"X")
 
 
 def remove_stale_scratch(parent: str) -> list[str]:

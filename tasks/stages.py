@@ -17,7 +17,9 @@ from engines.stages import score as score_stage
 from engines.stages import update as update_stage
 from engines.stages.manifests import CheckpointManifest, PolicyRef, RolloutManifest, ScoreManifest, UpdateManifest
 from ppoflow.config import PPOFlowConfig, as_config
+from storage.layout import layout_for
 from tasks.cache_keys import cache_key_fn
+from tasks.leases import stage_lease
 
 Config = PPOFlowConfig | dict[str, Any]
 
@@ -34,19 +36,27 @@ def _stage_task(stage: str, body):
 
 
 def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManifest:
-    return rollout_stage.run_rollout(as_config(config), iteration, policy)
+    cfg = as_config(config)
+    with stage_lease(layout_for(cfg), iteration, "rollout"):  # on a warm worker: found if it dies
+        return rollout_stage.run_rollout(cfg, iteration, policy)
 
 
 def _score(config: Config, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
-    return score_stage.run_score(as_config(config), iteration, rollout)
+    cfg = as_config(config)
+    with stage_lease(layout_for(cfg), iteration, "score"):  # on a warm worker: found if it dies
+        return score_stage.run_score(cfg, iteration, rollout)
 
 
 def _update(config: Config, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
-    return update_stage.run_update(as_config(config), iteration, policy, scored)
+    cfg = as_config(config)
+    with stage_lease(layout_for(cfg), iteration, "update"):  # on a warm worker: found if it dies
+        return update_stage.run_update(cfg, iteration, policy, scored)
 
 
 def _checkpoint(config: Config, iteration: int, update: UpdateManifest) -> CheckpointManifest:
-    return checkpoint_stage.run_checkpoint(as_config(config), iteration, update)
+    cfg = as_config(config)
+    with stage_lease(layout_for(cfg), iteration, "checkpoint"):  # on a warm worker: found if it dies
+        return checkpoint_stage.run_checkpoint(cfg, iteration, update)
 
 
 STAGE_TASKS = {

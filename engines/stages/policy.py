@@ -67,3 +67,12 @@ def local_policy_dir(cfg, ref: PolicyRef) -> str:
     """The referenced policy as a local Hugging Face folder; of a checkpoint only policy/ is fetched."""
     ckpt = local_checkpoint_dir(cfg, ref, parts=("policy",))
     return ref.uri if ckpt is None else os.path.join(ckpt, "policy")
+
+
+def behaviour_policy_ref(cfg, iteration: int) -> PolicyRef:
+    """The policy iteration `iteration` samples with: the one committed at iteration-1-k (k =
+    pipeline.max_staleness), the initial model before that; with k = 0 the policy it starts from.
+
+    A fixed schedule, not "the newest checkpoint": the rollout's inputs, so its cache key and its samples,
+    depend on the iteration alone, and a resumed pipelined run samples exactly what an uninterrupted one did."""
+    return policy_ref(cfg, iteration - cfg.pipeline.max_staleness)

@@ -40,11 +40,13 @@ def rollout_engine_for(cfg, policy: PolicyRef) -> RolloutEngine:
     very tensors) and the engine takes weights in memory (HF generate), they are handed over directly;
     otherwise the checkpoint's policy/ is fetched, verified and loaded into the running engine.
     """
-    trainer = warm.peek(trainer_key(policy.weights_id))
-    if trainer is not None and (weights := trainer.actor_weights()) is not None:
-        engine = serve_in_memory(cfg.rollout, cfg.model, weights, f"memory:{policy.weights_id}", policy.version)
-        if engine is not None:
-            return engine
+    # Borrowed: with pipelined iterations the next update may take this trainer and train it meanwhile; it
+    # waits until the engine has copied the weights.
+    with warm.borrowed(trainer_key(policy.weights_id)) as trainer:
+        if trainer is not None and (weights := trainer.actor_weights()) is not None:
+            engine = serve_in_memory(cfg.rollout, cfg.model, weights, f"memory:{policy.weights_id}", policy.version)
+            if engine is not None:
+                return engine
     return get_rollout_engine(cfg.rollout, cfg.model, local_policy_dir(cfg, policy), policy.version, cfg.run.seed)
 
 
@@ -54,8 +56,9 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
     Writing again replaces the iteration's rollout folder (manifest last), so a retry never duplicates rows.
     """
     started = time.perf_counter()
-    engine = rollout_engine_for(cfg, policy)
-    table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
+    with warm.stage_lock("rollout"):  # pipelined iterations: one engine, one rollout at a time
+        engine = rollout_engine_for(cfg, policy)
+        table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
     layout = layout_for(cfg)
     manifest = write_stage_table(cfg, layout, iteration, "rollout", table)
     return RolloutManifest(

@@ -19,6 +19,7 @@ from typing import Optional
 
 import pyarrow as pa
 
+from engines import warm
 from engines.scoring.cached import CacheStats, ScoreCacheLike, score_with_cache
 from engines.scoring.scorer import Scorer
 from engines.stages.held import score_cache_for, scorer_for
@@ -42,9 +43,10 @@ def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     stage_dir = layout.stage_dir(iteration, "scored")
     clear_stage_dir(layout.fs, stage_dir)  # uncommitted until this attempt succeeds: see the module docstring
     table = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
-    scorer = scorer_for(cfg)
-    cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
-    scored, stats = score_rows(scorer, table, cache)
+    with warm.stage_lock("score"):  # pipelined iterations: one scorer, one score at a time
+        scorer = scorer_for(cfg)
+        cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
+        scored, stats = score_rows(scorer, table, cache)
     manifest = write_stage_table(cfg, layout, iteration, "scored", scored)
     rewards = scored.column("reward").to_pylist()
     return ScoreManifest(

@@ -15,6 +15,7 @@ import os
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from engines import warm
 from engines.stages.held import trainer_key
@@ -57,6 +58,13 @@ def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
     return trainer
 
 
+def staleness(policy: PolicyRef, scored: pa.Table) -> int:
+    """How many policy versions the samples are behind the weights they train: policy.version minus the oldest
+    `policy_version` of the rows (0 on-policy; min(k, i-1) at iteration i with pipeline.max_staleness = k)."""
+    versions = scored.column("policy_version")
+    return int(policy.version - pc.min(versions).as_py()) if len(versions) else 0
+
+
 def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
     """Train on iteration `iteration`'s scored shards starting from `policy`; stage the new checkpoint."""
     started = time.perf_counter()
@@ -80,6 +88,6 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
         experience_uri=layout.url(layout.stage_dir(iteration, "experience")),
         weights_id=weights_id,
         experience_hash=exp_manifest.content_hash,
-        metrics=result.metrics,
+        metrics={**result.metrics, "async/staleness": staleness(policy, table)},
         **provenance(started),
     )

@@ -24,7 +24,8 @@ rows[rank::world] of each step, and aggregates with the WHOLE step's denominator
 ranks' gradients, so each rank's loss is multiplied by the world size: the step's gradient is then the
 gradient of the token mean over all tokens of the step on all ranks, as with one rank.
 The loss mask is the response mask, without truncated samples when train.mask_truncated is on; with
-algo.tis_cap the policy-gradient tokens carry truncated importance weights (losses.truncated_is_weights).
+algo.tis_cap, or with pipelined iterations (pipeline.max_staleness >= 1), the policy-gradient tokens carry truncated
+importance weights pi_old / pi_sampler (decoupled PPO: engines/ppo/off_policy.py).
 
 Grad norms: `optim/*_grad_norm` is the pre-clip global norm of the step's gradient. ZeRO stages 1-3 report
 it (DeepSpeed's optimizer computes it to clip); at stage 0 DeepSpeed clips without keeping it, so the
@@ -52,6 +53,7 @@ from engines.ppo.kl import kl_penalty
 from engines.ppo.kl_controller import make_kl_controller
 from engines.ppo.losses import StepNorm, entropy_loss, kl_loss, policy_loss, step_norm, truncated_is_weights, value_loss
 from engines.ppo.masked import masked_mean, masked_sum
+from engines.ppo.off_policy import behaviour_is_cap, is_weight_metric_names
 from engines.ppo.reward_norm import RunningMoments
 from engines.ppo.reward_shaping import shape_scores
 from engines.ppo.rewards import token_level_rewards
@@ -150,6 +152,8 @@ class PPOTrainer:
             )
         self.kl_controller = make_kl_controller(cfg.algo)
         self.loss_agg = cfg.algo.resolved_loss_agg
+        self.is_cap = behaviour_is_cap(cfg)
+        self.is_metric_names = is_weight_metric_names(cfg)
         self.reward_normalizer = RunningMoments() if cfg.reward.normalize == "running" else None
         self._pre_step_grad_norms: dict[str, float] = {}
         self.update_count = 0
@@ -261,8 +265,11 @@ class PPOTrainer:
                 f"update batch has {len(batch)} samples, not a multiple of the train batch "
                 f"{self.train_batch_size} (train.train_batch_size)"
             )
-        if self.cfg.algo.tis_cap is not None and batch.rollout_logprobs is None:
-            raise ValueError("algo.tis_cap needs the sampler's log-probs, but this batch has no rollout_logprobs")
+        if self.is_cap is not None and batch.rollout_logprobs is None:
+            raise ValueError(
+                "the importance weights (algo.tis_cap, pipeline.max_staleness) need the sampler's log-probs, "
+                "but this batch has no rollout_logprobs"
+            )
         batch.loss_mask(self.cfg.train.mask_truncated)  # raises when truncation is asked for but unknown
 
     def _shaped(self, batch: ExperienceBatch) -> tuple[ExperienceBatch, dict[str, float]]:
@@ -399,12 +406,13 @@ class PPOTrainer:
         agg = dict(agg_mode=self.loss_agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs, max_len=norm.max_len)
         weight = float(loss_mask.sum())
         tis_weights = None
-        if algo.tis_cap is not None:
+        if self.is_cap is not None:
             tis_weights, tis_mean, tis_clipfrac = truncated_is_weights(
-                old_logprobs, mb.rollout_logprobs, loss_mask, algo.tis_cap
+                old_logprobs, mb.rollout_logprobs, loss_mask, self.is_cap
             )
-            sums.add("tis/weight_mean", tis_mean, weight)
-            sums.add("tis/clipfrac", tis_clipfrac, weight)
+            mean_name, clipfrac_name = self.is_metric_names
+            sums.add(mean_name, tis_mean, weight)
+            sums.add(clipfrac_name, tis_clipfrac, weight)
         pl = policy_loss(
             out.logprobs,
             old_logprobs,

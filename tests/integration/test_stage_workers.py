@@ -1,11 +1,21 @@
 """Warm stage workers: three long-lived `ppoflow worker` processes (rollout, score, update+checkpoint) on the
-loopback Prefect server run every stage of a 4-iteration run; each stage's manifest names the worker process
-that ran it, and no worker built an engine after the first iteration (engines stay warm). The run learns the
-same as in-process: its metrics rows equal an in-process run's (same seeds, same computation)."""
+loopback Prefect server run every stage of a 6-iteration run with max_staleness k = 0 and another with k = 1.
+
+What must hold, from the design rather than from the code's output:
+- each stage's manifest names the worker process serving that stage, and no worker built an engine after
+  its first iteration of a run (the engines stay warm; the rollout engine and the scorer also across runs);
+- with k = 1 the staleness of iteration i is min(1, i-1) (the fixed schedule);
+- the k = 0 run's rows equal an in-process run's (the computation does not depend on where it runs);
+- killing the update worker with SIGKILL in the middle of iteration 3's update (k = 1) fails the flow run
+  with a message naming the dead worker, instead of waiting for it forever; after the worker is started
+  again, `prefect flow-run retry` (the README's command) resumes the run and its final checkpoint and
+  metrics rows equal the uninterrupted k = 1 run's.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,75 +24,122 @@ from pathlib import Path
 import pytest
 
 from tests.integration.pipeline_helpers import small_config
+from tests.integration.test_pipeline_crash import COMPARED, _digests
 from tests.integration.test_pipeline_pools import _stop_workers
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = {"rollout": ["rollout"], "score": ["score"], "train": ["update", "checkpoint"]}
-ITERATIONS = 4
+ALL_STAGES = ["rollout", "score", "update", "checkpoint"]
+ITERATIONS = 6
+_DISTRIBUTED_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-def test_stages_run_on_warm_workers_that_build_each_engine_once(
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
+
+
+def _start_worker(tmp_path: Path, name: str, stages: list[str], kill: str | None = None) -> subprocess.Popen:
+    """`ppoflow worker --stage ...`; with `kill` (a tests/fixtures/kill_cli spec) it SIGKILLs itself then."""
+    entry = ["flows.cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
+    return subprocess.Popen(
+        [sys.executable, "-m", *entry, "worker", *[a for s in stages for a in ("--stage", s)]],
+        cwd=REPO,
+        env=_env(),
+        stdout=open(tmp_path / f"{name}.log", "a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _worker_config(tmp_path, name, model_dir, data_dir, k, iterations=ITERATIONS):
+    pipeline = {"stage_workers": ALL_STAGES, "max_staleness": k}
+    return small_config(str(tmp_path / "runs"), name, model_dir, data_dir, iterations=iterations, pipeline=pipeline)
+
+
+def _manifests(layout, stage: str, iterations: int):
+    from engines.stages.manifests import STAGE_MANIFESTS
+    from flows.records import read_stage_record
+
+    return [
+        STAGE_MANIFESTS[stage].model_validate(read_stage_record(layout, i, stage)) for i in range(1, iterations + 1)
+    ]
+
+
+def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from engines import warm
-    from engines.stages.manifests import STAGE_MANIFESTS
-    from flows.records import read_metrics, read_stage_record
+    from flows.records import read_metrics
     from flows.training import ppo_training
     from storage.layout import layout_for
 
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    }
-    workers = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "worker", *[a for s in stages for a in ("--stage", s)]],
-            cwd=REPO,
-            env=env,
-            stdout=open(tmp_path / f"{name}.log", "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for name, stages in WORKERS.items()
-    }
+    workers = {name: _start_worker(tmp_path, name, stages) for name, stages in WORKERS.items()}
+    host = socket.gethostname()
     try:
-        cfg = small_config(
-            str(tmp_path / "runs"),
-            "warm",
-            tiny_model_dir,
-            digits_dataset_dir,
-            iterations=ITERATIONS,
-            pipeline={"stage_workers": ["rollout", "score", "update", "checkpoint"]},
+        configs = {}
+        for k in (0, 1):
+            cfg = configs[k] = _worker_config(tmp_path, f"warm-k{k}", tiny_model_dir, digits_dataset_dir, k)
+            state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
+            logs = "\n".join((tmp_path / f"{n}.log").read_text()[-3000:] for n in WORKERS)
+            assert state.is_completed(), f"{state}\n{logs}"
+            layout = layout_for(cfg)
+            for name, stages in WORKERS.items():
+                for stage in stages:
+                    manifests = _manifests(layout, stage, ITERATIONS)
+                    assert {m.worker for m in manifests} == {f"{host}:{workers[name].pid}"}, (k, stage)
+                    builds = [m.engine_builds for m in manifests]
+                    # Built in the run's first iteration at most (checkpoint builds nothing), never again.
+                    assert builds == [builds[0]] * ITERATIONS, (k, stage, builds)
+            rows = read_metrics(layout)
+            assert [r["async/staleness"] for r in rows] == [min(k, i - 1) for i in range(1, ITERATIONS + 1)]
+        first, second = (layout_for(configs[k]) for k in (0, 1))
+        # The rollout engine (prompt set + sampler) and the scorer were built once, in the k = 0 run's iteration
+        # 1; the k = 1 run reused them (the sampler loaded its weights in place). The trainer is rebuilt once per
+        # run: it holds one run's optimizer state.
+        assert _manifests(first, "rollout", 1)[0].engine_builds >= 2
+        assert _manifests(second, "rollout", 1)[0].engine_builds == _manifests(first, "rollout", 1)[0].engine_builds
+        assert _manifests(second, "score", 1)[0].engine_builds == _manifests(first, "score", 1)[0].engine_builds
+        assert _manifests(second, "update", 1)[0].engine_builds == _manifests(first, "update", 1)[0].engine_builds + 1
+
+        # SIGKILL the update worker at its 3rd update of the next run (iteration 3; iteration 4's rollout and
+        # score are in flight on the other workers meanwhile).
+        _stop_workers([workers.pop("train")])
+        killer = _start_worker(tmp_path, "train", WORKERS["train"], kill="engines.stages.update:train_on@3")
+        killed = _worker_config(tmp_path, "warm-k1-killed", tiny_model_dir, digits_dataset_dir, 1)
+        state = ppo_training(config=killed.model_dump(mode="json"), return_state=True)
+        assert killer.wait(timeout=60) == -signal.SIGKILL
+        assert state.is_failed(), state
+        with pytest.raises(Exception, match=rf"worker {host}:{killer.pid} is gone"):
+            state.result()
+        assert read_metrics(layout_for(killed))[-1]["iteration"] == 2
+
+        workers["train"] = _start_worker(tmp_path, "train", WORKERS["train"])
+        retry = subprocess.run(
+            [sys.executable, "-m", "prefect", "flow-run", "retry", str(state.state_details.flow_run_id)]
+            + ["--entrypoint", "flows/training.py:ppo_training"],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
-        state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
-        logs = "\n".join((tmp_path / f"{n}.log").read_text()[-3000:] for n in WORKERS)
-        assert state.is_completed(), f"{state}\n{logs}"
+        assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
     finally:
         _stop_workers(list(workers.values()))
 
-    layout = layout_for(cfg)
-    host = socket.gethostname()
-    for name, stages in WORKERS.items():
-        for stage in stages:
-            manifests = [
-                STAGE_MANIFESTS[stage].model_validate(read_stage_record(layout, i, stage))
-                for i in range(1, ITERATIONS + 1)
-            ]
-            assert {m.worker for m in manifests} == {f"{host}:{workers[name].pid}"}, (stage, manifests)
-            builds = [m.engine_builds for m in manifests]
-            # Built in iteration 1 (checkpoint builds nothing), never again afterwards.
-            assert builds == [builds[0]] * ITERATIONS, (stage, builds)
-    assert read_stage_record(layout, 1, "rollout")["engine_builds"] >= 2  # prompt set + sampler
-    assert read_stage_record(layout, 1, "update")["engine_builds"] >= 1  # the trainer
+    resumed = layout_for(killed)
+    assert _digests(Path(resumed.checkpoint_dir(ITERATIONS))) == _digests(Path(second.checkpoint_dir(ITERATIONS)))
+    rows, clean_rows = read_metrics(resumed), read_metrics(second)
+    assert [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1))
+    for row, clean_row in zip(rows, clean_rows, strict=True):
+        for key in (*COMPARED, "async/staleness"):
+            assert row[key] == clean_row[key], (row["iteration"], key)
 
-    # The same run in this process: the same rows (the computation does not depend on where it runs).
+    # The k = 0 run in this process: the same rows.
     warm.invalidate()
-    local = small_config(
-        str(tmp_path / "runs"), "in-process", tiny_model_dir, digits_dataset_dir, iterations=ITERATIONS
-    )
+    local = small_config(str(tmp_path / "runs"), "in-process", tiny_model_dir, digits_dataset_dir, iterations=3)
     assert ppo_training(config=local.model_dump(mode="json"), return_state=True).is_completed()
-    for row, local_row in zip(read_metrics(layout), read_metrics(layout_for(local)), strict=True):
+    for row, local_row in zip(read_metrics(first)[:3], read_metrics(layout_for(local)), strict=True):
         for key in ("reward/mean", "loss/policy", "loss/value", "kl/mean"):
             assert row[key] == local_row[key], (row["iteration"], key)

@@ -85,7 +85,8 @@ def test_a_cpu_run_reports_consistent_figures(tmp_path, monkeypatch, micro_batch
     assert f["old_from_first_forward"] is reuse
     assert f["mfu"] is None and f["peak_mem_gib"] is None  # no peak and no GPU memory on CPU
     tokens = 4 * (6 + 4)
-    assert f["update_tokens_per_s"] == pytest.approx(tokens * 2 / f["update_s"], rel=1e-3)
-    assert f["plain_tokens_per_s"] == pytest.approx(tokens / f["plain_step_s"], rel=1e-3)
+    # The bench rounds tokens/s to 0.1: a slow step prints 37.0 where the seconds give 36.95.
+    assert f["update_tokens_per_s"] == pytest.approx(tokens * 2 / f["update_s"], rel=1e-3, abs=0.1)
+    assert f["plain_tokens_per_s"] == pytest.approx(tokens / f["plain_step_s"], rel=1e-3, abs=0.1)
     expected = update_flops(mfu.SIZES["test"], 4, 6, 4, 2, reuse) / f["update_s"] / 1e12
     assert f["update_tflops"] == pytest.approx(expected, rel=1e-2, abs=1e-3)
