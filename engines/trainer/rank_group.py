@@ -23,14 +23,13 @@ MASTER_PORT are set as a launcher sets them) and DeepSpeed adopting that process
 Commands travel through the same TCPStore (key cmd/<n>), not through a collective: a rank may wait for the
 next iteration far longer than any collective timeout (rollout and scoring run in between). They are JSON
 (no pickle), a few hundred bytes: references to storage, never tensors. A rank that fails a command writes
-its error to the store (err/<rank>) and exits 1; rank 0 then names it. Ranks die with rank 0
-(PR_SET_PDEATHSIG, and a check of the parent pid while they wait).
+its error to the store (err/<rank>) and exits 1; rank 0 then names it. Ranks end with rank 0: while
+waiting for a command they check their parent pid, and in a collective gloo/NCCL fail when its sockets close.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import datetime
 import json
 import os
@@ -296,7 +295,7 @@ class RankLink:
         self.world = int(os.environ["WORLD_SIZE"])
         self.parent = int(os.environ["PPOFLOW_RANK_PARENT"])
         timeout_s = float(os.environ["PPOFLOW_RANK_TIMEOUT_S"])
-        _die_with_parent()
+        _check_parent()
         self.store = _store(int(os.environ["MASTER_PORT"]), False, timeout_s)
         self.store.set(f"booted/{self.rank}", str(os.getpid()))
         from engines.trainer.deepspeed_setup import join_process_group
@@ -333,14 +332,13 @@ class RankLink:
             pass
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank when its parent (rank 0) dies; elsewhere the parent-pid check remains."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != int(os.environ["PPOFLOW_RANK_PARENT"]):  # the parent died before prctl took effect
+def _check_parent() -> None:
+    """Exit when the parent that started this rank is already gone (it died before the rank came up).
+
+    Not PR_SET_PDEATHSIG: Linux sends that signal when the THREAD that started the child ends, and rank 0 may
+    start the group from a worker thread of a Prefect task runner that ends long before the process does.
+    """
+    if os.getppid() != int(os.environ["PPOFLOW_RANK_PARENT"]):
         os._exit(3)
 
 

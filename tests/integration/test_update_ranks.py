@@ -58,7 +58,7 @@ DRIVER = textwrap.dedent("""
     for i in (1, 2, 3):
         metrics = step(live, i, scored).metrics
         out["live"].append({"starts": metrics["ranks/group_starts"], "world": metrics["ranks/world_size"],
-                            "pids": rank_group.current().pids})
+                            "pids": rank_group.current().pids, "metrics": metrics})
     killed = config("killed")
     scored = prepare(killed)
     for i in (1, 2):
@@ -116,8 +116,8 @@ def test_two_ranks_through_the_update_stage(tiny_model_dir, digits_dataset_dir, 
         # The 1-rank reference, meanwhile: the same stages with num_ranks=1 (no process started).
         one = small_config(str(tmp_path / "one"), "one", tiny_model_dir, digits_dataset_dir, 3, score={"cache": False})
         scored = prepare(one)
-        for i in ITERATIONS:
-            assert "ranks/group_starts" not in step(one, i, scored).metrics
+        one_metrics = [step(one, i, scored).metrics for i in ITERATIONS]
+        assert all("ranks/group_starts" not in m for m in one_metrics)
         assert rank_group.group_starts() == 0
         stdout, stderr = driver.communicate(timeout=400)
     finally:
@@ -137,6 +137,13 @@ def test_two_ranks_through_the_update_stage(tiny_model_dir, digits_dataset_dir, 
     # summation order (a mean of per-rank means would differ by far more: the ranks' token counts differ).
     # Adam turns an fp32-rounding difference in a near-zero gradient into at most 2 lr per step where the sign
     # flips, so three steps bound every weight by 3 x 2 lr; all but a sliver (< 1%) agree within lr / 100.
+    # The gradient's scale too (Adam alone hardly sees it): the loss and the pre-clip norm of the step's gradient
+    # of every iteration are the 1-rank ones (a mean of per-rank means would halve the norm).
+    for two, one_m in zip((it["metrics"] for it in out["live"]), one_metrics):
+        for key in ("loss/policy", "loss/value"):
+            assert two[key] == pytest.approx(one_m[key], abs=1e-5), key
+        for key in ("optim/actor_grad_norm", "optim/critic_grad_norm"):
+            assert two[key] == pytest.approx(one_m[key], rel=1e-4), key
     one_rank, two_ranks = _weights(tmp_path / "one", "one"), _weights(root, "live")
     assert set(one_rank) == set(two_ranks)
     for k, v in one_rank.items():
