@@ -33,6 +33,7 @@ import atexit
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,13 @@ class RankGroup:
     """Ranks 1..world-1 as child processes and this process as rank 0 of one torch.distributed group."""
 
     def __init__(self, world: int, entry: str, timeout_s: float):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"train.num_ranks={world} needs one GPU per rank on this machine, but it has "
+                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
         self.world = world
         self.timeout_s = timeout_s
         self.store = _store(0, True, timeout_s)  # port 0: the OS picks a free port, no race with others
@@ -186,6 +194,8 @@ class RankGroup:
                 proc.kill()
                 proc.wait()
         _leave_process_group()
+        if graceful:  # after a failure the logs stay: the error message points at them
+            shutil.rmtree(self.log_dir, ignore_errors=True)
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -1,7 +1,7 @@
 """train.num_ranks=2 through the update stage (CPU, gloo, real DeepSpeed): the rank group is started once and
-kept over three iterations, takes the 1-rank updates (weights within float tolerance), and a rank killed between
-iterations fails the next update naming it; re-running the stage starts a new group from the committed
-checkpoint and stages the very files the never-killed run committed.
+kept over three iterations, takes the 1-rank updates (weights within float tolerance), and a rank killed in the
+middle of an update or between iterations fails that update naming it; re-running the stage starts a new group
+from the committed checkpoint, and after both failures the run stages the very files the never-killed run did.
 
 The two-rank runs happen in a driver subprocess (its process is rank 0; the rank group's world must not be
 this pytest process's), the 1-rank reference in this process, both at once. All three runs train on the same
@@ -61,8 +61,25 @@ DRIVER = textwrap.dedent("""
                             "pids": rank_group.current().pids, "metrics": metrics})
     killed = config("killed")
     scored = prepare(killed)
-    for i in (1, 2):
-        step(killed, i, scored)
+    step(killed, 1, scored)
+    # rank 1 killed in the middle of iteration 2's update (right after rank 0 told it to train): rank 0's next
+    # collective fails, and the error names rank 1; the re-run stage starts a second group
+    group = rank_group.current()
+    send = group.send
+
+    def send_then_kill(command):
+        send(command)
+        if command["op"] == "update":
+            os.kill(group.pids[1], signal.SIGKILL)
+
+    group.send = send_then_kill
+    try:
+        step(killed, 2, scored)
+        out["mid_error"] = None
+    except Exception as exc:
+        out["mid_error"] = f"{type(exc).__name__}: {exc}"
+    step(killed, 2, scored)
+    # rank 1 killed between iterations 2 and 3
     group = rank_group.current()
     out["killed_pid"] = group.pids[1]
     os.kill(group.pids[1], signal.SIGKILL)
@@ -154,8 +171,12 @@ def test_two_ranks_through_the_update_stage(tiny_model_dir, digits_dataset_dir, 
     # Rank 1 killed between iterations 2 and 3: the next update fails naming it ...
     assert out["error"] is not None and out["error"].startswith("RankDiedError: update rank 1 of 2"), out["error"]
     assert f"(pid {out['killed_pid']}) was killed by signal SIGKILL (9)" in out["error"]
-    # ... and re-running the stage starts a second group (a new rank-1 process) from the committed checkpoint 2
-    assert out["retry_starts"] == 2.0 and out["retry_pids"]["1"] != out["killed_pid"]
+    # ... as does one killed in the middle of an update (gloo's error on rank 0 names no rank; the stage's does)
+    assert out["mid_error"] is not None and out["mid_error"].startswith("RankDiedError: update rank 1 of 2")
+    assert "was killed by signal SIGKILL (9)" in out["mid_error"]
+    # re-running the stage starts a new group (a new rank-1 process) from the committed checkpoint: a second
+    # one after the kill in the middle of iteration 2, a third after the one between iterations 2 and 3
+    assert out["retry_starts"] == 3.0 and out["retry_pids"]["1"] != out["killed_pid"]
     # that stages byte for byte the files of the never-killed run: weights, every rank's optimizer partition,
     # RNG states, trainer.json (only the two copies of the config differ: they name the run).
     layout_of = {
