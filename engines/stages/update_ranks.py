@@ -4,8 +4,8 @@ Rank 0 is the stage's own process (the in-process pipeline, or a warm `ppoflow w
 ranks 1..N-1 are started at the first update (engines/trainer/rank_group.py) and run `main` below. Per
 iteration rank 0 sends them small JSON commands, each followed by the same call on every rank:
 
-    build   {config, policy, checkpoint_dir}   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
-                                               trainers do not hold the policy: a new group, another run, a retry)
+    build   {config, policy, checkpoint_dir,   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
+             zero3_counters}                   trainers do not hold the policy: a new group, another run, a retry)
     update  {iteration, rows}                  read the iteration's scored shards from storage, train_on them
     save    {dir, extra_state}                 trainer.save(dir): rank 0 writes policy/, critic/, trainer.json;
                                                every rank its optimizer partition and RNG state
@@ -61,6 +61,25 @@ def check_saved_ranks(ckpt: Optional[str], ranks: int) -> None:
         )
 
 
+def zero3_counters(values: Optional[dict[str, int]] = None) -> dict[str, int]:
+    """DeepSpeed's process-wide ZeRO-3 numbering, {"param": ..., "module": ...}, set to `values` first if given.
+
+    ZeRO-3 numbers every parameter it partitions (`Init.param_id`) and every module it hooks (the `count`
+    default list of `DeepSpeedZeRoOffload._register_deepspeed_module`) from counters that live as long as the
+    process, and its prefetch checks that every rank traces the same module numbers. Rank 0's counters have moved
+    with every trainer it built before (a group started again after a failure has new ranks that count from 0),
+    so each build hands rank 0's values to the ranks. Below ZeRO-3 the numbers are never compared.
+    """
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # the list DeepSpeed mutates
+    if values is not None:
+        Init.param_id = int(values["param"])
+        module_count[0] = int(values["module"])
+    return {"param": int(Init.param_id), "module": int(module_count[0])}
+
+
 def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
     """run_update with train.num_ranks > 1 (see the module docstring); this process is rank 0."""
     started = time.perf_counter()
@@ -74,7 +93,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
             trainer = None
             gc.collect()  # the old trainer's memory goes before the new one is built, on every rank
             command = {"config": cfg.model_dump(mode="json"), "policy": policy.model_dump(mode="json")}
-            group.send({"op": "build", "checkpoint_dir": ckpt, **command})
+            group.send({"op": "build", "checkpoint_dir": ckpt, "zero3_counters": zero3_counters(), **command})
             trainer = build_trainer(cfg, policy, ckpt)
             warm.count_build(warm.Role.TRAINER.value)
         group.holds = None  # from here on the ranks' weights move past `policy`
@@ -127,6 +146,7 @@ class _Rank:
             gc.collect()
             self.cfg = build_config(command["config"], origin="the update group's build command")
             policy = PolicyRef.model_validate(command["policy"])
+            zero3_counters(command["zero3_counters"])
             self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])
         elif op == "update":
             layout = layout_for(self.cfg)

@@ -39,6 +39,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = (1, 2, 3)
 LR = 1e-3  # pipeline_helpers.SMALL's actor_lr and critic_lr
+# ZeRO-3, the stage whose save is itself a collective (the weights are gathered from both ranks' partitions);
+# the default stage 2 runs on ranks in test_update_ranks_worker.py.
+ZERO = {"zero_stage": 3}
 
 DRIVER = textwrap.dedent("""
     import json, os, signal, sys
@@ -50,7 +53,8 @@ DRIVER = textwrap.dedent("""
     out = {}
 
     def config(run):
-        return small_config(root, run, model, data, iterations=3, train={"num_ranks": 2}, score={"cache": False})
+        train = {"num_ranks": 2, "zero_stage": 3}  # as ZERO below
+        return small_config(root, run, model, data, iterations=3, train=train, score={"cache": False})
 
     live = config("live")
     scored = prepare(live)
@@ -131,7 +135,9 @@ def test_two_ranks_through_the_update_stage(tiny_model_dir, digits_dataset_dir, 
     torch.set_num_threads(1)  # as the driver's OMP_NUM_THREADS=1: the same kernels give the same scored floats
     try:
         # The 1-rank reference, meanwhile: the same stages with num_ranks=1 (no process started).
-        one = small_config(str(tmp_path / "one"), "one", tiny_model_dir, digits_dataset_dir, 3, score={"cache": False})
+        one = small_config(
+            str(tmp_path / "one"), "one", tiny_model_dir, digits_dataset_dir, 3, train=ZERO, score={"cache": False}
+        )
         scored = prepare(one)
         one_metrics = [step(one, i, scored).metrics for i in ITERATIONS]
         assert all("ranks/group_starts" not in m for m in one_metrics)
