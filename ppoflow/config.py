@@ -426,6 +426,26 @@ class TrainConfig(_Section):
         ),
     )
 
+    num_ranks: int = Field(
+        1,
+        ge=1,
+        le=512,
+        description=(
+            "Data-parallel ranks of the update stage on this machine: the stage's process is rank 0, ranks "
+            "1..N-1 are processes it starts at the first update and keeps between iterations (gloo on CPU, NCCL "
+            "with one GPU per rank). Each rank trains on its share of every optimizer step; the loss is the "
+            "token mean over all ranks' tokens. 1 = no other process."
+        ),
+    )
+    rank_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description=(
+            "With num_ranks > 1: seconds a rank waits in one collective (a step's all-reduce, the checkpoint "
+            "barrier while rank 0 writes the weights) or for the others to start before the stage fails."
+        ),
+    )
+
     @model_validator(mode="after")
     def _check_offload(self) -> "TrainConfig":
         if self.offload != "none" and self.zero_stage == 0:
@@ -513,7 +533,7 @@ class PPOFlowConfig(_Section):
                 f"{self.rollout.max_new_tokens} (the penalty ramps up over the last buffer tokens)"
             )
         # The trainer's rule (engines/trainer/deepspeed_setup.py) for one rank: micro-batches of
-        # min(micro_batch_size, train batch) must tile the train batch. More ranks are checked at the update.
+        # min(micro_batch_size, train batch) must tile the train batch; several ranks: _check_ranks.
         step_batch = tbs or batch
         micro = min(self.train.micro_batch_size, step_batch)
         if step_batch % micro:
@@ -521,7 +541,27 @@ class PPOFlowConfig(_Section):
                 f"train.micro_batch_size={self.train.micro_batch_size} must divide the train batch of "
                 f"{step_batch} samples (train.train_batch_size, else the rollout batch), or be larger"
             )
+        self._check_ranks(step_batch)
         return self
+
+    def _check_ranks(self, step_batch: int) -> None:
+        """Several ranks: each takes step_batch / num_ranks rows of every step, in micro-batches of
+        min(micro_batch_size, that share) that must tile it (deepspeed_setup.deepspeed_config's rule)."""
+        ranks = self.train.num_ranks
+        if ranks == 1:
+            return
+        share = step_batch // ranks
+        if step_batch % ranks:
+            raise ValueError(
+                f"train.num_ranks={ranks} must divide the train batch of {step_batch} samples "
+                f"(train.train_batch_size, else rollout.prompts_per_iteration * rollout.n_samples): "
+                f"every rank takes an equal share of each optimizer step"
+            )
+        if share % min(self.train.micro_batch_size, share):
+            raise ValueError(
+                f"train.micro_batch_size={self.train.micro_batch_size} must divide each rank's share of the "
+                f"train batch ({step_batch} samples / train.num_ranks={ranks} = {share}), or be larger"
+            )
 
     @property
     def loss_agg_norm(self) -> float:

@@ -9,5 +9,6 @@ The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stages.
 pipeline call exactly these; the bare loop (engines/loop.py) calls their compute halves (`sample_rollout`,
 `score_rows`, `train_on`) with the tables in memory instead of shards. This is the one place in engines/
 that reads and writes the run's storage; the hand-offs are typed (engines/stages/manifests.py) and the
-engines a worker keeps warm between stages are in engines/stages/held.py.
+engines a worker keeps warm between stages are in engines/stages/held.py. With train.num_ranks > 1,
+run_update drives a group of ranks kept between iterations (update_ranks.py; the bare loop trains on one rank).
 """

@@ -2,6 +2,7 @@
 
     train_on(trainer, scored rows) -> UpdateResult                 (the compute, shared with the loop)
     run_update(cfg, iteration, policy, scored) -> UpdateManifest         (the stage)
+    build_trainer(cfg, policy[, ckpt]) -> PPOTrainer                      (also each rank of a group)
 
 The trainer stays warm in the worker process between iterations. It is TAKEN from the warm registry for
 the policy the iteration starts from and PUT back, under the identity of the checkpoint it staged, only
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,6 +24,7 @@ from engines.stages.held import trainer_key
 from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest, provenance
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
+from engines.trainer import rank_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
 from storage.layout import layout_for
@@ -34,9 +37,10 @@ def train_on(trainer: PPOTrainer, scored: pa.Table) -> UpdateResult:
     return trainer.update(experience_batch(scored, trainer.tokenizer.pad_token_id or 0))
 
 
-def build_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
-    """A trainer holding `policy`: the initial model folders, or the checkpoint's policy/, critic/, trainer/."""
-    ckpt = local_checkpoint_dir(cfg, policy)
+def build_trainer(cfg, policy: PolicyRef, ckpt: Optional[str] = None) -> PPOTrainer:
+    """A trainer holding `policy`: the initial model folders, or the checkpoint's policy/, critic/, trainer/
+    (`ckpt`: its local folder when the caller fetched it already, as the ranks of a group are handed it)."""
+    ckpt = ckpt or local_checkpoint_dir(cfg, policy)
     if ckpt is None:
         return PPOTrainer(cfg, policy_dir=policy.uri, critic_dir=cfg.model.critic_path)
     critic = os.path.join(ckpt, "critic")
@@ -66,7 +70,16 @@ def staleness(policy: PolicyRef, scored: pa.Table) -> int:
 
 
 def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
-    """Train on iteration `iteration`'s scored shards starting from `policy`; stage the new checkpoint."""
+    """Train on iteration `iteration`'s scored shards starting from `policy`; stage the new checkpoint.
+
+    With train.num_ranks > 1 the update runs on a group of ranks kept between iterations (update_ranks.py).
+    """
+    if cfg.train.num_ranks > 1:
+        from engines.stages.update_ranks import run_update_on_ranks
+
+        return run_update_on_ranks(cfg, iteration, policy, scored)
+    if rank_group.current() is not None:  # this process ran with several ranks before: back to a world of one
+        rank_group.shutdown()
     started = time.perf_counter()
     layout = layout_for(cfg)
     table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))

@@ -71,7 +71,30 @@ def _open_format_part(state: dict[str, Any]) -> dict[str, Any]:
 
 def save_optimizer(engine, folder: Path, stem: str) -> dict[str, str]:
     """Write the optimizer state as folder/stem.{safetensors,json}; returns {file name: sha256}."""
+    if _is_zero3_optimizer(engine.optimizer):
+        _zero_partition_padding(engine.optimizer)
     return save_nested(_open_format_part(engine.optimizer.state_dict()), folder, stem)
+
+
+@torch.no_grad()
+def _zero_partition_padding(optimizer) -> None:
+    """Set the padding of the last rank's ZeRO-3 fp32 partitions to 0 (in place: no parameter reads it).
+
+    ZeRO-3 cuts each parameter into world-size equal partitions; the last rank's is padded past the parameter's
+    end, and DeepSpeed leaves those elements uninitialised (whatever the allocator returned). Saved as they are,
+    two runs with the same weights wrote different optimizer files, so a checkpoint rebuilt after a failure had
+    another identity (PolicyRef.weights_id hashes the files) than the one of the run that never failed.
+    Layout of fp32 group i: the partitions of its parameters back to back (`fp16_partitioned_groups[i]`), each
+    ending in `groups_padding[i][j]` padding elements (0 except on the last rank).
+    """
+    for flat, partitions, paddings in zip(
+        optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups, optimizer.groups_padding
+    ):
+        offset = 0
+        for partition, pad in zip(partitions, paddings):
+            offset += partition.numel()
+            if pad:
+                flat.view(-1)[offset - pad : offset].zero_()
 
 
 def load_optimizer(engine, folder: Path, stem: str) -> None:

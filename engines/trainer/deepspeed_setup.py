@@ -63,6 +63,40 @@ def setup_distributed() -> None:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
+def join_process_group(store, rank: int, world: int, timeout_s: float) -> None:
+    """Make this process rank `rank` of a `world`-rank process group rendezvousing through `store` (a c10d
+    TCPStore the rank group hosts: engines/trainer/rank_group.py), then let DeepSpeed adopt that group.
+
+    The environment variables a launcher would set are set too (DeepSpeed and `deepspeed_config` read them).
+    gloo on CPU, NCCL on GPU (this rank's device: cuda:<rank>, one node). `timeout_s` bounds every collective.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    port = str(store.port) if hasattr(store, "port") else os.environ.get("MASTER_PORT", "0")
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    )
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(rank)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if os.environ.get("PPOFLOW_DS_SHM_COMM") != "1":
+            _skip_shm_comm_build()
+    import deepspeed
+
+    dist.init_process_group(
+        "nccl" if gpu else "gloo",
+        store=dist.PrefixStore("process-group", store),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")  # adopts the group torch just made
+
+
 def _skip_shm_comm_build() -> None:
     """One CPU rank: tell DeepSpeed its shared-memory comm op is unavailable, so it is not compiled (module doc).
 

@@ -107,6 +107,8 @@ CONFIG_CASES = [
         ["train.train_batch_size=16", "train.micro_batch_size=6"],
         ["train.micro_batch_size=6", "16"],
     ),
+    ("ranks-zero", ["train.num_ranks=0"], ["train.num_ranks", "0", "greater than or equal to 1"]),
+    ("ranks-not-dividing", ["train.num_ranks=3"], ["train.num_ranks=3", "train batch of 16"]),
     (
         "pool-typo",
         ["pipeline.stage_pools={rollut: ppo-rollout/ppo-rollout}"],

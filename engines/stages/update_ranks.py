@@ -1,0 +1,170 @@
+"""The update stage on a group of train.num_ranks data-parallel ranks kept between iterations.
+
+Rank 0 is the stage's own process (the in-process pipeline, or a warm `ppoflow worker --stage update`);
+ranks 1..N-1 are started at the first update (engines/trainer/rank_group.py) and run `main` below. Per
+iteration rank 0 sends them small JSON commands, each followed by the same call on every rank:
+
+    build   {config, policy, checkpoint_dir,   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
+             zero3_counters}                   trainers do not hold the policy: a new group, another run, a retry)
+    update  {iteration, rows}                  read the iteration's scored shards from storage, train_on them
+    save    {dir, extra_state}                 trainer.save(dir): rank 0 writes policy/, critic/, trainer.json;
+                                               every rank its optimizer partition and RNG state
+
+Each rank reads the scored shards itself (nothing but the command travels from rank 0). It reads all the
+rows: the trainer computes old log-probs, group baselines and advantage whitening over the whole batch on
+every rank, then each rank trains on its share rows[rank::N] of every optimizer step with the whole step's
+denominators (engines/trainer/ppo_trainer.py), so N ranks take the 1-rank step.
+
+Failure: any exception during the commands tears the group down (rank_group.failed); a rank that died is
+named with its exit code or signal. The retry starts a new group whose trainers are built from the
+committed checkpoint the stage starts from, so it equals a run that never failed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from engines import warm
+from engines.stages.held import trainer_key
+from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest, provenance
+from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
+from engines.stages.tables import experience_table, write_stage_table
+from engines.stages.update import build_trainer, train_on
+from engines.trainer import rank_group
+from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
+from storage.layout import layout_for
+from storage.shards import read_shards
+
+ENTRY = "engines.stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
+
+
+def check_saved_ranks(ckpt: Optional[str], ranks: int) -> None:
+    """ValueError naming both counts when the checkpoint at `ckpt` was saved by another number of ranks.
+
+    Checked before any rank starts. Every rank's optimizer state is the partition of its rank (ZeRO 1-3) and
+    the RNG states are per rank; DeepSpeed's universal checkpoint would re-partition them, ppoflow does not.
+    """
+    meta = Path(ckpt, "trainer", "trainer.json") if ckpt is not None else None
+    if meta is None or not meta.is_file():
+        return
+    saved = int(json.loads(meta.read_text()).get("world_size", 1))
+    if saved != ranks:
+        raise ValueError(
+            f"checkpoint {ckpt} was saved by {saved} rank(s) but train.num_ranks={ranks}: resuming on another "
+            f"number of ranks is not supported (each rank's optimizer partition and RNG state are saved as "
+            f"they are); set train.num_ranks={saved}"
+        )
+
+
+def zero3_counters(values: Optional[dict[str, int]] = None) -> dict[str, int]:
+    """DeepSpeed's process-wide ZeRO-3 numbering, {"param": ..., "module": ...}, set to `values` first if given.
+
+    ZeRO-3 numbers every parameter it partitions (`Init.param_id`) and every module it hooks (the `count`
+    default list of `DeepSpeedZeRoOffload._register_deepspeed_module`) from counters that live as long as the
+    process, and its prefetch checks that every rank traces the same module numbers. Rank 0's counters have moved
+    with every trainer it built before (a group started again after a failure has new ranks that count from 0),
+    so each build hands rank 0's values to the ranks. Below ZeRO-3 the numbers are never compared.
+    """
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # the list DeepSpeed mutates
+    if values is not None:
+        Init.param_id = int(values["param"])
+        module_count[0] = int(values["module"])
+    return {"param": int(Init.param_id), "module": int(module_count[0])}
+
+
+def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
+    """run_update with train.num_ranks > 1 (see the module docstring); this process is rank 0."""
+    started = time.perf_counter()
+    layout = layout_for(cfg)
+    ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
+    check_saved_ranks(ckpt, cfg.train.num_ranks)
+    group = rank_group.group_for(cfg.train.num_ranks, ENTRY, cfg.train.rank_timeout_s)
+    try:
+        trainer = warm.take(trainer_key(policy.weights_id))
+        if trainer is None or group.holds != policy.weights_id:
+            trainer = None
+            gc.collect()  # the old trainer's memory goes before the new one is built, on every rank
+            command = {"config": cfg.model_dump(mode="json"), "policy": policy.model_dump(mode="json")}
+            group.send({"op": "build", "checkpoint_dir": ckpt, "zero3_counters": zero3_counters(), **command})
+            trainer = build_trainer(cfg, policy, ckpt)
+            warm.count_build(warm.Role.TRAINER.value)
+        group.holds = None  # from here on the ranks' weights move past `policy`
+        group.send({"op": "update", "iteration": iteration, "rows": scored.rows})
+        table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
+        result = train_on(trainer, table)
+        exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
+        extra_state = {"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}}
+        with checkpoint_scratch(layout) as tmp:
+            group.send({"op": "save", "dir": tmp, "extra_state": extra_state})
+            hashed = trainer.save(tmp, extra_state=extra_state)  # the ranks' files are on disk when it returns
+            with open(os.path.join(tmp, "config.yaml"), "w") as f:
+                f.write(cfg.to_yaml())
+            staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
+    except BaseException as exc:
+        error = rank_group.failed(exc)  # tears the group down; names a rank that died
+        if error is exc:
+            raise
+        raise error from exc
+    weights_id = checkpoint_weights_id(staged["files"])
+    group.holds = weights_id
+    warm.put(trainer_key(weights_id), trainer)
+    metrics = dict(result.metrics)
+    metrics["ranks/world_size"] = float(group.world)
+    metrics["ranks/group_starts"] = float(rank_group.group_starts())
+    return UpdateManifest(
+        iteration=iteration,
+        checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
+        experience_uri=layout.url(layout.stage_dir(iteration, "experience")),
+        weights_id=weights_id,
+        experience_hash=exp_manifest.content_hash,
+        metrics=metrics,
+        **provenance(started),
+    )
+
+
+class _Rank:
+    """A rank's state between commands: the run config and the trainer (built by `build`)."""
+
+    def __init__(self):
+        self.cfg = None
+        self.trainer = None
+
+    def __call__(self, command: dict[str, Any]) -> None:
+        op = command["op"]
+        if op == "build":
+            from ppoflow.config import build_config
+
+            self.trainer = None
+            gc.collect()
+            self.cfg = build_config(command["config"], origin="the update group's build command")
+            policy = PolicyRef.model_validate(command["policy"])
+            zero3_counters(command["zero3_counters"])
+            self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])
+        elif op == "update":
+            layout = layout_for(self.cfg)
+            where = layout.url(layout.stage_dir(command["iteration"], "scored"))
+            table = read_shards(layout.fs, layout.stage_dir(command["iteration"], "scored"))
+            if table.num_rows != command["rows"]:
+                raise ValueError(f"scored shards {where} hold {table.num_rows} rows, rank 0 expects {command['rows']}")
+            train_on(self.trainer, table)
+        elif op == "save":
+            self.trainer.save(command["dir"], extra_state=command["extra_state"])
+        else:
+            raise ValueError(f"unknown update-group command {op!r} (build, update, save, stop)")
+
+
+def main() -> None:
+    """Ranks 1..N-1: join the group, then follow rank 0's commands until told to stop."""
+    rank_group.run_rank(_Rank())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""train.num_ranks: impossible rank counts are config errors naming the fields and the numbers, before any work;
+a checkpoint saved by another number of ranks is refused naming both counts before any rank starts."""
+
+import json
+
+import pytest
+
+from engines.stages.update_ranks import check_saved_ranks
+from ppoflow.config import ConfigError, load_config
+
+# The default rollout batch: rollout.prompts_per_iteration 32 x rollout.n_samples 4 = 128 rows per step.
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["train.num_ranks=0"], ("train.num_ranks", "greater than or equal to 1")),
+        # 128 rows cannot be cut into 3 equal shares
+        (["train.num_ranks=3"], ("train.num_ranks=3", "train batch of 128")),
+        (["train.num_ranks=3", "train.train_batch_size=64"], ("train.num_ranks=3", "train batch of 64")),
+        # 12 x 4 = 48 rows: micro-batches of 16 tile one rank's 48, not each of 2 ranks' 24
+        (
+            ["rollout.prompts_per_iteration=12", "train.num_ranks=2"],
+            ("train.micro_batch_size=16", "train.num_ranks=2", "= 24"),
+        ),
+    ],
+)
+def test_rank_counts_the_batch_cannot_take_name_the_fields(overrides, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    for name in named:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # one rank, the default
+        ["train.num_ranks=2"],  # 64 rows each, micro-batches of 16
+        ["train.num_ranks=4", "train.train_batch_size=32"],  # 8 each: micro-batches of min(16, 8)
+        ["rollout.prompts_per_iteration=12", "train.num_ranks=2", "train.micro_batch_size=8"],
+    ],
+)
+def test_rank_counts_that_tile_the_batch_are_accepted(overrides):
+    load_config(None, overrides)
+
+
+def test_a_checkpoint_of_another_rank_count_is_refused_naming_both(tmp_path):
+    (tmp_path / "trainer").mkdir()
+    meta = tmp_path / "trainer" / "trainer.json"
+    meta.write_text(json.dumps({"update_count": 1, "world_size": 2}))
+    check_saved_ranks(str(tmp_path), 2)
+    check_saved_ranks(None, 4)  # the initial model: nothing saved, any count
+    with pytest.raises(ValueError, match=r"saved by 2 rank\(s\) but train.num_ranks=4.*set train.num_ranks=2"):
+        check_saved_ranks(str(tmp_path), 4)
+    meta.write_text(json.dumps({"update_count": 1}))  # written before world_size was recorded: one rank
+    with pytest.raises(ValueError, match=r"saved by 1 rank\(s\) but train.num_ranks=2"):
+        check_saved_ranks(str(tmp_path), 2)
