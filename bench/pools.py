@@ -1,0 +1,280 @@
+"""Warm stage workers against in-process, and against process work pools (the before): seconds per iteration.
+
+    python -m bench.pools [--workload batch|tiny|both] [--iterations 6] [--repeats 2] [--pool-iterations 3]
+
+One loopback Prefect server (`prefect server start`, SQLite) serves every variant. The same config
+(bench.overhead's workloads, engines/toy's config, HF generate) runs three ways, each from a fresh driver
+process that calls the training flow:
+- inprocess: the default; every stage task runs in the driver process (the baseline).
+- warm: `pipeline.stage_workers: [rollout, score, update, checkpoint]`; three `ppoflow worker` processes
+  (rollout; score; update+checkpoint), started with the driver, run the stage tasks and keep their engines.
+- pools: `pipeline.stage_pools`; the stage deployments of prefect.yaml on process work pools, one
+  `prefect worker start --type process` per pool: a fresh process per stage per iteration (Prefect's default
+  worker polling, 10 s). Slow, so it runs once per workload with --pool-iterations (3) iterations.
+inprocess and warm alternate (inprocess, warm, inprocess, warm, ...); pools follows the first pair.
+
+Figures per workload and variant (medians over repeats):
+- startup_s: from starting the processes (driver; workers for warm/pools) to the end of iteration 1, i.e.
+  what a user waits for the first iteration: imports, worker start and pickup, engine builds.
+- s_per_iter: median seconds between the ends of consecutive iterations after the first (steady state).
+- dispatch_ms: fixed cost per stage dispatch = a stage's wall time seen by the flow (metrics row
+  `timing/<stage>`) minus the stage body's own `seconds` (its stage record, measured inside the stage body
+  wherever it ran); median over the stages of iterations 2..N (per stage too). It holds task-run
+  orchestration, submission and pickup, result persistence and the stage record write.
+- first_dispatch_ms: the same for iteration 1 (a worker's first pickup, a pool's process start).
+- ratio: warm / inprocess s_per_iter (goal <= 1.15 on batch); pools_ratio: pools / inprocess.
+Checks from the stage records (`worker` = host:pid, `engine_builds`): every warm stage ran on the worker
+started for its group, no warm worker built an engine after its first stage (builds constant from the
+first iteration on), pools ran each stage in a new process every iteration; rewards equal in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import emit
+from bench.overhead import WORKLOADS, bench_config
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ("rollout", "score", "update", "checkpoint")
+WARM_GROUPS = {"rollout": ["rollout"], "score": ["score"], "train": ["update", "checkpoint"]}
+POOL_GROUPS = {"rollout-pool": ["rollout"], "score-pool": ["score"], "train-pool": ["update", "checkpoint"]}
+GOAL = 1.15
+
+
+def variant_config(workdir: str, run: str, iterations: int, workload: str, variant: str):
+    """bench.overhead's config of `workload` with the pipeline section of `variant` (inprocess|warm|pools)."""
+    from ppoflow.config import as_config
+    from tests.integration.test_pipeline_pools import STAGE_POOLS
+
+    data = bench_config(workdir, run, iterations, workload).model_dump(mode="json")
+    if variant == "warm":
+        data["pipeline"]["stage_workers"] = list(STAGES)
+    elif variant == "pools":
+        data["pipeline"]["stage_pools"] = dict(STAGE_POOLS)
+    return as_config(data)
+
+
+def driver(variant: str, workdir: str, run: str, iterations: int, workload: str) -> None:
+    """Run the training flow once in this process; print its metrics rows and stage records as one JSON line."""
+    from flows.records import read_metrics, read_stage_record
+    from flows.training import ppo_training
+    from storage.layout import layout_for
+
+    cfg = variant_config(workdir, run, iterations, workload, variant)
+    ppo_training(cfg.model_dump(mode="json"))
+    layout = layout_for(cfg)
+    records = {stage: [read_stage_record(layout, i, stage) for i in range(1, iterations + 1)] for stage in STAGES}
+    keep = ("iteration", "reward/mean", "time/finished_unix", *[f"timing/{s}" for s in STAGES])
+    rows = [{k: row[k] for k in keep} for row in read_metrics(layout)]
+    print(json.dumps({"driver": variant, "rows": rows, "records": records}), flush=True)
+
+
+def child_env(workdir: str, api_url: str) -> dict:
+    """Environment of every process of a variant: one server, one result store, no inherited rendezvous."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    }
+    env.update(
+        {
+            "PREFECT_API_URL": api_url,
+            "PREFECT_HOME": os.path.join(workdir, "prefect-home"),
+            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": os.path.join(workdir, "prefect-results"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def start_workers(variant: str, workdir: str, env: dict, tag: str) -> dict[str, subprocess.Popen]:
+    """The long-lived processes of `variant`: stage workers (warm), process pool workers (pools), none."""
+    if variant == "warm":
+        cmds = {
+            g: ["-m", "flows.cli", "worker", *[a for s in st for a in ("--stage", s)]] for g, st in WARM_GROUPS.items()
+        }
+    elif variant == "pools":
+        cmds = {
+            p: ["-m", "prefect", "worker", "start", "--pool", p, "--type", "process", "--limit", "1"]
+            for p in POOL_GROUPS
+        }
+    else:
+        return {}
+    return {
+        group: subprocess.Popen(
+            [sys.executable, *cmd],
+            cwd=REPO,
+            env=env,
+            stdout=open(os.path.join(workdir, f"{tag}-{group}.log"), "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for group, cmd in cmds.items()
+    }
+
+
+def run_variant(variant: str, workdir: str, api_url: str, iterations: int, workload: str, tag: str) -> dict:
+    """Start the variant's workers and driver; returns the driver's rows and records, t0, and worker pids."""
+    from tests.integration.test_pipeline_pools import _stop_workers
+
+    env = child_env(workdir, api_url)
+    t0 = time.time()
+    workers = start_workers(variant, workdir, env, tag)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.pools", "--driver", variant, "--workdir", workdir, "--run", tag]
+            + ["--iterations", str(iterations), "--workload", workload],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        _stop_workers(list(workers.values()))
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"driver"')]
+    if out.returncode != 0 or not lines:
+        logs = "".join(Path(workdir, f"{tag}-{g}.log").read_text()[-1500:] for g in workers)
+        raise RuntimeError(f"{tag} failed (rc {out.returncode}):\n{out.stderr[-4000:]}\n--- workers ---\n{logs}")
+    return {**json.loads(lines[-1]), "t0": t0, "pids": {g: w.pid for g, w in workers.items()}}
+
+
+def timings(data: dict) -> dict:
+    """startup_s, s_per_iter, dispatch and stage body figures of one variant run (see the module docstring)."""
+    rows, records = data["rows"], data["records"]
+    ends = [row["time/finished_unix"] for row in rows]
+    later = range(1, len(ends))
+    dispatch = {
+        s: [1e3 * (rows[i][f"timing/{s}"] - records[s][i]["seconds"]) for i in range(len(ends))] for s in STAGES
+    }
+    return {
+        "startup_s": ends[0] - data["t0"],
+        "s_per_iter": statistics.median(b - a for a, b in zip(ends, ends[1:])),
+        "dispatch_ms": statistics.median(dispatch[s][i] for s in STAGES for i in later),
+        "dispatch_ms_by_stage": {s: statistics.median(dispatch[s][i] for i in later) for s in STAGES},
+        "first_dispatch_ms": {s: dispatch[s][0] for s in STAGES},
+        "body_s_by_stage": {s: statistics.median(records[s][i]["seconds"] for i in later) for s in STAGES},
+    }
+
+
+def worker_checks(variant: str, data: dict) -> dict:
+    """What the stage records say about where each stage ran and how often engines were built."""
+    records = data["records"]
+    builds = {s: [r["engine_builds"] for r in records[s]] for s in STAGES}
+    workers = {s: sorted({r["worker"] for r in records[s]}) for s in STAGES}
+    facts: dict = {"engine_builds": builds}
+    if variant == "warm":
+        host = socket.gethostname()
+        expected = {s: f"{host}:{data['pids'][g]}" for g, stages in WARM_GROUPS.items() for s in stages}
+        facts["all_on_their_worker"] = all(workers[s] == [expected[s]] for s in STAGES)
+        # A worker's build count, read at the end of each of its stages, never grows after iteration 1.
+        facts["no_rebuild_after_first"] = all(b == [b[0]] * len(b) for b in builds.values())
+    elif variant == "pools":
+        facts["new_process_every_stage"] = all(len(workers[s]) == len(records[s]) for s in STAGES)
+    else:
+        facts["one_process"] = len({w for s in STAGES for w in workers[s]}) == 1
+    return facts
+
+
+def deploy_pools(api_url: str, workdir: str) -> None:
+    """Create the process work pools and deploy prefect.yaml (as tests/integration/test_pipeline_pools.py does)."""
+    from tests.integration.test_pipeline_pools import POOLS, _prefect
+
+    env = child_env(workdir, api_url)
+    for pool in POOLS:
+        out = _prefect("work-pool", "create", pool, "--type", "process", env=env)
+        if out.returncode != 0 and "already exists" not in out.stdout + out.stderr:
+            raise RuntimeError(f"work-pool create {pool}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+    out = _prefect("--no-prompt", "deploy", "--all", env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"prefect deploy --all: {out.stdout[-3000:]}{out.stderr[-3000:]}")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the repeats of one variant (per stage for per-stage figures); every repeat's checks must hold."""
+    ts = [timings(r) for r in runs]
+    out: dict = {}
+    for key, value in ts[0].items():
+        if isinstance(value, dict):
+            out[key] = {s: round(statistics.median(t[key][s] for t in ts), 3) for s in value}
+        else:
+            out[key] = round(statistics.median(t[key] for t in ts), 3)
+    out["runs"] = len(runs)
+    checks = [worker_checks(r["driver"], r) for r in runs]
+    out["checks"] = {k: all(c[k] for c in checks) for k in checks[0] if k != "engine_builds"}
+    out["engine_builds"] = checks[-1]["engine_builds"]
+    return out
+
+
+def measure(workload: str, a: argparse.Namespace, workdir: str, api_url: str) -> dict:
+    runs: dict[str, list[dict]] = {"inprocess": [], "warm": []}
+    for r in range(a.repeats):
+        for variant in ("inprocess", "warm"):
+            runs[variant].append(
+                run_variant(variant, workdir, api_url, a.iterations, workload, f"{variant}-{workload}-{r}")
+            )
+        if r == 0 and a.pool_iterations:
+            runs["pools"] = [run_variant("pools", workdir, api_url, a.pool_iterations, workload, f"pools-{workload}")]
+    result = {v: summarize(rs) for v, rs in runs.items()}
+    base = result["inprocess"]["s_per_iter"]
+    result["ratio"] = round(result["warm"]["s_per_iter"] / base, 3)
+    if "pools" in result:
+        result["pools_ratio"] = round(result["pools"]["s_per_iter"] / base, 3)
+    rewards = {v: [row["reward/mean"] for row in rs[0]["rows"]] for v, rs in runs.items()}
+    result["same_rewards"] = all(rewards[v] == rewards["inprocess"][: len(rewards[v])] for v in rewards)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["batch", "tiny", "both"], default="both")
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=2, help="inprocess/warm pairs per workload")
+    p.add_argument("--pool-iterations", type=int, default=3, help="iterations of the pools run (0: skip it)")
+    p.add_argument("--driver", choices=["inprocess", "warm", "pools"], help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--run", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.driver:
+        driver(a.driver, a.workdir, a.run, a.iterations, a.workload)
+        return
+    if a.iterations < 2 or a.pool_iterations == 1 or a.repeats < 1:
+        raise SystemExit("--iterations and --pool-iterations must be >= 2 (or 0 to skip pools), --repeats >= 1")
+    from tests.fixtures.prefect_server import loopback_prefect_server
+
+    workloads = ["batch", "tiny"] if a.workload == "both" else [a.workload]
+    with tempfile.TemporaryDirectory(prefix="ppoflow-pools-") as workdir:
+        home = Path(workdir, "server")
+        home.mkdir()
+        with loopback_prefect_server(home) as api_url:
+            if a.pool_iterations:
+                deploy_pools(api_url, workdir)
+            results = {w: measure(w, a, workdir, api_url) for w in workloads}
+    figures = {
+        "baseline": "in-process stages (the default), same config, same loopback Prefect server",
+        "iterations": a.iterations,
+        "pool_iterations": a.pool_iterations,
+        "repeats": a.repeats,
+        "goal": f"warm/inprocess <= {GOAL} on batch",
+        "workloads": {w: {"rollout": WORKLOADS[w], **r} for w, r in results.items()},
+    }
+    if "batch" in results:
+        figures["ratio"] = results["batch"]["ratio"]
+    if "tiny" in results:
+        figures["tiny_ratio"] = results["tiny"]["ratio"]
+    emit("pools", figures)
+
+
+if __name__ == "__main__":
+    main()
