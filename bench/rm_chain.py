@@ -1,21 +1,24 @@
 """The reward-model chain on the digits toy task: does PPO on a LEARNED reward model learn the rule?
 
-    python -m bench.rm_chain [--iterations 40] [--pairs 8000] [--epochs 4]
+    python -m bench.rm_chain [--iterations 40] [--pairs 8000] [--epochs 4] [--seeds 0,1,2]
 
 One run, one process, the engine code without Prefect or storage (as bench/learning.py):
 1. the toy preference pairs (engines/toy/preferences.py) and a held-out set drawn with another seed;
 2. a reward model trained on them (engines/rm/in_process.py: the rm-training flow's engine code; configs/demo_rm.yaml's
    rm_train settings);
-3. PPO on the rule itself (the baseline) and PPO with the learned model as the only reward source: the same
-   recipe (bench/learning.py's, with the chat template), seed and number of iterations; the rule's reward of
-   each iteration's rollouts is measured on both (engines/toy/task.digit_reward);
+3. for each seed, PPO on the rule itself (the baseline) and PPO with the learned model as the only reward
+   source: the same recipe (bench/learning.py's, with the chat template), seed and number of iterations; the
+   rule's reward of each iteration's rollouts is measured on both (engines/toy/task.digit_reward). Several
+   seeds because one 40-iteration run's final figure moves by +-0.05 with the seed (rule: 0.50, 0.44, 0.42
+   for seeds 0, 1, 2 here);
 4. the reward model's accuracy on its held-out pairs, and on POLICY-SAMPLE pairs: two samples of one prompt
    with different rule rewards, from the baseline run's rollouts (all iterations, and iterations 0-4 alone:
    the random-init policy); the correlation of model score and rule reward over the model-run's rollouts.
 
 Figures: rule_reward_rm / rule_reward_rule = mean rule reward of the last 5 iterations of each run (one
-iteration's 128 samples are noisy), their ratio (goal >= 0.8), first iteration's rule reward, the accuracies and
-correlation; one JSON line appended to bench/results/rm_chain.jsonl. OMP_NUM_THREADS=1 is set (see bench/learning.py).
+iteration's 128 samples are noisy), averaged over the seeds, their ratio (goal >= 0.8), the first iteration's rule
+reward, the accuracies and correlation (mean over seeds), and each seed's figures; one JSON line appended to
+bench/results/rm_chain.jsonl. OMP_NUM_THREADS=1 is set (see bench/learning.py).
 """
 
 from __future__ import annotations
@@ -122,10 +125,9 @@ def policy_pair_accuracy(source, rows: list[dict]) -> tuple[float, int]:
     return pair_accuracy(scores[: len(pairs)], scores[len(pairs) :]), len(pairs)
 
 
-def run(iterations: int, pairs: int, epochs: int, seed: int, work_dir: str | None) -> dict:
-    from engines.rewards.base import RewardBatch
+def run(iterations: int, pairs: int, epochs: int, seeds: list[int], work_dir: str | None) -> dict:
+    """One reward model (seed seeds[0]); for each PPO seed a run on the rule and one on the model -> figures."""
     from engines.rewards.model import RewardModelSource
-    from engines.rm.policy_pairs import pearson
     from engines.toy.model import ensure_tiny_llama
     from engines.toy.task import ensure_digits_dataset
 
@@ -133,44 +135,65 @@ def run(iterations: int, pairs: int, epochs: int, seed: int, work_dir: str | Non
     started = time.perf_counter()
     model_dir = ensure_tiny_llama(work / "tiny-llama", seed=0)
     data_dir = ensure_digits_dataset(work / "digits", num_rows=512, seed=0)
-    rm_dir, rm_metrics = train_rm(work, model_dir, pairs, epochs, seed)
+    rm_dir, rm_metrics = train_rm(work, model_dir, pairs, epochs, seeds[0])
     rm_seconds = time.perf_counter() - started
-    rule_rows = ppo_run(work, model_dir, data_dir, iterations, seed, None)
-    rm_rows = ppo_run(work, model_dir, data_dir, iterations, seed, rm_dir)
     source = RewardModelSource(rm_dir)
+    last = range(iterations - LAST, iterations)
+    per_seed = []
+    for seed in seeds:
+        rule_rows = ppo_run(work, model_dir, data_dir, iterations, seed, None)
+        rm_rows = ppo_run(work, model_dir, data_dir, iterations, seed, rm_dir)
+        per_seed.append(seed_figures(source, rule_rows, rm_rows, last) | {"seed": seed})
+    on_rm = sum(f["rule_reward_rm"] for f in per_seed) / len(per_seed)
+    on_rule = sum(f["rule_reward_rule"] for f in per_seed) / len(per_seed)
+    mean = lambda key: round(sum(f[key] for f in per_seed) / len(per_seed), 4)  # noqa: E731
+    figures = {
+        "iterations": iterations,
+        "seeds": seeds,
+        "rule_reward_rm": round(on_rm, 4),
+        "rule_reward_rule": round(on_rule, 4),
+        "ratio": round(on_rm / on_rule, 3) if on_rule > 0 else None,
+        "first_rule_reward_rm": mean("first_rule_reward_rm"),
+        "first_rule_reward_rule": mean("first_rule_reward_rule"),
+        "rm_eval_accuracy": round(rm_metrics["rm/eval_accuracy"], 4),
+        "rm_eval_pairs": rm_metrics["rm/eval_pairs"],
+        "rm_policy_pair_accuracy": mean("rm_policy_pair_accuracy"),
+        "rm_initial_policy_pair_accuracy": mean("rm_initial_policy_pair_accuracy"),
+        "rm_rule_correlation_on_rm_run": mean("rm_rule_correlation_on_rm_run"),
+        "per_seed": per_seed,
+        "train_pairs": pairs,
+        "rm_epochs": epochs,
+        "rm_seconds": round(rm_seconds, 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "final": f"mean rule reward of the last {LAST} iterations, averaged over the seeds",
+    }
+    print(f"work folder: {work}", file=sys.stderr)
+    return emit("rm_chain", figures)
+
+
+def seed_figures(source, rule_rows: list[dict], rm_rows: list[dict], last: range) -> dict:
+    """One seed's figures: final rule rewards of both runs and the model's accuracy / correlation on their samples."""
+    from engines.rewards.base import RewardBatch
+    from engines.rm.policy_pairs import pearson
+
     acc_all, n_all = policy_pair_accuracy(source, rule_rows)
     acc_init, n_init = policy_pair_accuracy(source, [r for r in rule_rows if r["iteration"] < 5])
     n = len(rm_rows)
-    rm_scores = source.score(
-        RewardBatch([r["prompt"] for r in rm_rows], [r["response"] for r in rm_rows], [[]] * n, [[]] * n, [None] * n)
-    )
-    last = range(iterations - LAST, iterations)
+    prompts, responses = [r["prompt"] for r in rm_rows], [r["response"] for r in rm_rows]
+    batch = RewardBatch(prompts, responses, [[]] * n, [[]] * n, [None] * n)
     on_rm, on_rule = mean_rule(rm_rows, last), mean_rule(rule_rows, last)
-    figures = {
-        "iterations": iterations,
-        "seed": seed,
+    return {
         "rule_reward_rm": round(on_rm, 4),
         "rule_reward_rule": round(on_rule, 4),
         "ratio": round(on_rm / on_rule, 3) if on_rule > 0 else None,
         "first_rule_reward_rm": round(mean_rule(rm_rows, range(1)), 4),
         "first_rule_reward_rule": round(mean_rule(rule_rows, range(1)), 4),
-        "last_iteration_rule_reward_rm": round(mean_rule(rm_rows, range(iterations - 1, iterations)), 4),
-        "last_iteration_rule_reward_rule": round(mean_rule(rule_rows, range(iterations - 1, iterations)), 4),
-        "rm_eval_accuracy": round(rm_metrics["rm/eval_accuracy"], 4),
-        "rm_eval_pairs": rm_metrics["rm/eval_pairs"],
         "rm_policy_pair_accuracy": round(acc_all, 4),
         "rm_policy_pairs": n_all,
         "rm_initial_policy_pair_accuracy": round(acc_init, 4),
         "rm_initial_policy_pairs": n_init,
-        "rm_rule_correlation_on_rm_run": round(pearson(rm_scores, [r["rule"] for r in rm_rows]), 4),
-        "train_pairs": pairs,
-        "rm_epochs": epochs,
-        "rm_seconds": round(rm_seconds, 1),
-        "seconds": round(time.perf_counter() - started, 1),
-        "final": f"mean rule reward of the last {LAST} iterations",
+        "rm_rule_correlation_on_rm_run": round(pearson(source.score(batch), [r["rule"] for r in rm_rows]), 4),
     }
-    print(f"work folder: {work}", file=sys.stderr)
-    return emit("rm_chain", figures)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,10 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations", type=int, default=40, help="PPO iterations of each run (the LR schedule's length)")
     p.add_argument("--pairs", type=int, default=8000, help="training pairs (held-out: a tenth, another seed)")
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0,1,2", help="PPO seeds (comma-separated); the reward model uses the first")
     p.add_argument("--work-dir", default=None, help="where the model, pairs and reward model go (default: temp)")
     a = p.parse_args(argv)
-    run(a.iterations, a.pairs, a.epochs, a.seed, a.work_dir)
+    run(a.iterations, a.pairs, a.epochs, [int(x) for x in a.seeds.split(",")], a.work_dir)
 
 
 if __name__ == "__main__":
