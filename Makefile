@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make demo   set up, then run the demo on the embedded default (CPU, local storage, local Prefect)
 #   make test   set up, then lint (ruff check + format check) and run the test suite
-.PHONY: setup demo lint test bench-docs
+#   make demo-rm  the reward-model chain: toy preference pairs -> ppoflow train-rm -> PPO on the learned model alone
+.PHONY: setup demo demo-rm lint test bench-docs
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -12,6 +13,19 @@ $(VENV)/.ready: pyproject.toml scripts/setup.sh
 
 demo: setup
 	$(VENV)/bin/ppoflow demo
+
+# README "From preference pairs to a trained policy". PPO's reward is the learned model only; the digits rule is
+# measured afterwards on the rollout shards (rule_report). Start over with: rm -rf runs/rm-demo runs/demo-rm
+RM_ITERATIONS ?= 40
+demo-rm: setup
+	$(PY) -m engines.toy.model ./runs/_models/tiny-llama
+	$(PY) -m engines.toy.preferences ./runs/_data/digits-preferences.jsonl --pairs 8000
+	$(PY) -m engines.toy.preferences ./runs/_data/digits-preferences-eval.jsonl --pairs 800 --seed 1000
+	$(VENV)/bin/ppoflow train-rm configs/demo_rm.yaml
+	$(VENV)/bin/ppoflow demo --iterations $(RM_ITERATIONS) --set run.name=demo-rm \
+	    --set model.apply_chat_template=true --set rollout.engine=hf \
+	    --set 'reward.sources=[{kind: model, target: ./runs/rm-demo/reward_model}]'
+	$(PY) -m engines.toy.rule_report ./runs/demo-rm
 
 lint: setup
 	$(VENV)/bin/ruff check .

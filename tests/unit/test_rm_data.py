@@ -96,10 +96,24 @@ def test_margin_column_and_eval_split(tmp_path, tokenizer):
     assert split_indices(10, 0.2, 7) == split_indices(10, 0.2, 7) != split_indices(10, 0.2, 8)
 
 
-def test_toy_pairs_follow_the_rule():
-    rows = make_pairs(300, seed=1)
+def test_toy_pairs_follow_the_rule_and_offer_no_shortcut():
+    rows = make_pairs(600, seed=1)
     assert all(digit_reward(r["chosen"], r["label"]) > digit_reward(r["rejected"], r["label"]) for r in rows)
-    assert {r["kind"] for r in rows} == {"perfect", "graded", "wrong"}
+    assert {r["kind"] for r in rows} == {"perfect", "graded", "two_bases"}
+    # One-base pairs: the length never tells the sides apart.
+    same_base = [r for r in rows if r["kind"] != "two_bases"]
+    assert all(len(r["chosen"].split()) == len(r["rejected"].split()) for r in same_base)
+
+    # Wrong digits are no cue: of the words that are not the prompt's digit, the side with the larger share of other
+    # digits is the chosen one about as often as the rejected one (a model that learnt "digits are good", the trap
+    # PPO fell into with the first pairs, or "digits are bad", would rank about half of these pairs wrong).
+    def wrong_digit_share(text, label):
+        others = [w for w in text.split() if w != label]
+        return sum(w.isdigit() for w in others) / len(others) if others else None
+
+    shares = [(wrong_digit_share(r["chosen"], r["label"]), wrong_digit_share(r["rejected"], r["label"])) for r in rows]
+    decided = [c > r for c, r in shares if c is not None and r is not None and c != r]
+    assert len(decided) > 200 and 0.35 < sum(decided) / len(decided) < 0.65
 
 
 class TestBatches:
