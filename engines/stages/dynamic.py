@@ -19,7 +19,9 @@ Rounds (round 0 = the iteration's own prompts, rounds 1.. = extra prompts):
   same prompts and the same samples, hence the same rows;
 - it stops when `target` = prompts_per_iteration groups with variance are kept, when
   rollout.dynamic_sampling.max_rounds rounds ran, or when no undrawn row is left;
-- `select_groups` (engines/ppo/dynamic_sampling.py) picks the groups and computes the metrics.
+- `select_groups` (engines/ppo/dynamic_sampling.py) picks the groups and computes the metrics;
+  `rollout/first_round_reward_mean` is the mean reward of round 0's samples: the iteration's own prompts,
+  comparable with an unfiltered run's reward/mean (which, with the filter on, covers only the kept groups).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def sample_dynamic(
                 f"dynamic sampling round {round_index} of iteration {iteration}: {len(records)} prompts x "
                 f"n_samples={n} but {table.num_rows} rows and {len(rewards)} rewards"
             )
+        if round_index == 0:  # the iteration's own prompts: what an unfiltered run's reward/mean measures
+            first_round_mean = sum(rewards) / len(rewards)
         tables.append(table)
         for j, record in enumerate(records):
             groups.append(SampledGroup(record.index, round_index, tuple(rewards[j * n : (j + 1) * n])))
@@ -97,4 +101,5 @@ def sample_dynamic(
     selection = select_groups(groups, target, groups_per_step)
     position = {id(g): i for i, g in enumerate(groups)}  # group i holds rows [i*n, (i+1)*n) of all rounds
     take = [position[id(g)] * n + s for g in selection.groups for s in range(n)]
-    return pa.concat_tables(tables).take(pa.array(take, pa.int64())), selection.metrics
+    metrics = {**selection.metrics, "rollout/first_round_reward_mean": first_round_mean}
+    return pa.concat_tables(tables).take(pa.array(take, pa.int64())), metrics

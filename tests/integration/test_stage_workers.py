@@ -47,6 +47,9 @@ def test_stages_run_on_warm_workers_that_build_each_engine_once(
         )
         for name, stages in WORKERS.items()
     }
+    # eval at the last iteration only (after its rollout): it runs on the rollout worker, which builds the
+    # eval prompt set and a scorer then, so the rollout manifests' engine_builds stay constant
+    eval_section = {"data_path": _held_out(tmp_path), "every": ITERATIONS}
     try:
         cfg = small_config(
             str(tmp_path / "runs"),
@@ -55,6 +58,7 @@ def test_stages_run_on_warm_workers_that_build_each_engine_once(
             digits_dataset_dir,
             iterations=ITERATIONS,
             pipeline={"stage_workers": ["rollout", "score", "update", "checkpoint"]},
+            eval=eval_section,
         )
         state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
         logs = "\n".join((tmp_path / f"{n}.log").read_text()[-3000:] for n in WORKERS)
@@ -76,13 +80,23 @@ def test_stages_run_on_warm_workers_that_build_each_engine_once(
             assert builds == [builds[0]] * ITERATIONS, (stage, builds)
     assert read_stage_record(layout, 1, "rollout")["engine_builds"] >= 2  # prompt set + sampler
     assert read_stage_record(layout, 1, "update")["engine_builds"] >= 1  # the trainer
+    evaluated = STAGE_MANIFESTS["eval"].model_validate(read_stage_record(layout, ITERATIONS, "eval"))
+    assert evaluated.worker == f"{host}:{workers['rollout'].pid}"  # eval goes where rollout goes
+    assert [read_stage_record(layout, i, "eval") for i in range(1, ITERATIONS)] == [None] * (ITERATIONS - 1)
 
     # The same run in this process: the same rows (the computation does not depend on where it runs).
     warm.invalidate()
     local = small_config(
         str(tmp_path / "runs"), "in-process", tiny_model_dir, digits_dataset_dir, iterations=ITERATIONS
-    )
+    ).model_copy(update={"eval": cfg.eval})
     assert ppo_training(config=local.model_dump(mode="json"), return_state=True).is_completed()
     for row, local_row in zip(read_metrics(layout), read_metrics(layout_for(local)), strict=True):
         for key in ("reward/mean", "loss/policy", "loss/value", "kl/mean"):
             assert row[key] == local_row[key], (row["iteration"], key)
+    assert row["eval/reward_mean"] == local_row["eval/reward_mean"]  # the last rows: the worker's eval == local
+
+
+def _held_out(tmp_path) -> str:
+    from engines.toy.task import build_digits_dataset
+
+    return str(build_digits_dataset(tmp_path / "held-out", num_rows=6, seed=5))

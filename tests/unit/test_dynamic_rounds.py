@@ -69,6 +69,7 @@ def test_rounds_by_hand(setup):
         "rollout/batch_filled": 0.0,
         "rollout/zero_variance_sampled_fraction": 8 / 11,
         "rollout/zero_variance_trained_fraction": 0.0,
+        "rollout/first_round_reward_mean": (0.5 + 1 + 0.5 + 1) / 4,  # round 0: varied, flat, varied, flat
     }
 
 
