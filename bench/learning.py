@@ -101,7 +101,7 @@ def run(
     start = time.perf_counter()
     loop = EngineLoop(cfg, work_dir=str(work / "loop"))
     setup_s = time.perf_counter() - start
-    rewards, reached = [], None
+    rewards, reached, curve = [], None, []
     try:
         for it in range(iterations):
             metrics = loop.run_iteration(it)
@@ -109,6 +109,7 @@ def run(
             # with dynamic sampling, reward/mean covers only the kept groups: take the iteration's own prompts
             reward = metrics.get("rollout/first_round_reward_mean", metrics["reward/mean"])
             rewards.append(reward)
+            curve.append((elapsed, reward))
             if reached is None and reward >= 0.9:
                 reached = round(elapsed, 1)
             print(
@@ -137,6 +138,10 @@ def run(
         "seconds": round(time.perf_counter() - start, 1),
         "setup_seconds": round(setup_s, 1),
         "reached_0.9_at_s": reached,
+        # the reward of the last iteration finished by each wall time (setup included): runs compare at equal time
+        "reward_at_s": {
+            str(t): round(r[-1], 4) for t in (10, 20, 30, 45, 60) if (r := [v for e, v in curve if e <= t])
+        },
         "baseline": "iteration 0 (random-init policy)",
     }
     return emit("learning", figures) if emit_summary else figures
