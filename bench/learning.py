@@ -4,6 +4,7 @@
     python -m bench.learning --algo grpo           # group-normalised advantages, no critic
     python -m bench.learning --algo dr_grpo        # any algo.name of engines/ppo/algorithms.py
     python -m bench.learning --algo ppo --engine vllm --iterations 40 --seconds 600
+    python -m bench.learning --algo grpo --dynamic-sampling --seconds 300   # DAPO's filter; compare with it off
 
 Baseline, in the same run: iteration 0's mean reward is the random-init policy (about 0.02 on digits).
 Goal: the mean reward rises from <= 0.2 to >= 0.9 within 10 minutes on 2 CPU cores.
@@ -11,7 +12,9 @@ Goal: the mean reward rises from <= 0.2 to >= 0.9 within 10 minutes on 2 CPU cor
 Prints one JSON line per iteration, then the summary line {"bench": "learning", "algo", "engine",
 "first_reward", "final_reward", "iterations", "seconds", "reached_0.9_at_s", ...} (appended to
 bench/results/learning.jsonl). first_reward = mean reward of iteration 0; final_reward = mean reward of the
-last iteration's samples (sampled at the training temperature, not a greedy eval).
+last iteration's samples (sampled at the training temperature, not a greedy eval). With --dynamic-sampling the
+reward is `rollout/first_round_reward_mean` (the iteration's own prompts, before the filter; reward/mean then
+covers only the groups kept), so the two runs measure the same thing; compare them at equal --seconds.
 
 The recipe (the defaults below; why each):
 - 32 prompts x 4 samples, max_new_tokens 8 (the task's target length), temperature 1.0;
@@ -98,13 +101,16 @@ def run(
     start = time.perf_counter()
     loop = EngineLoop(cfg, work_dir=str(work / "loop"))
     setup_s = time.perf_counter() - start
-    rewards, reached = [], None
+    rewards, reached, curve = [], None, []
     try:
         for it in range(iterations):
             metrics = loop.run_iteration(it)
             elapsed = time.perf_counter() - start
-            rewards.append(metrics["reward/mean"])
-            if reached is None and metrics["reward/mean"] >= 0.9:
+            # with dynamic sampling, reward/mean covers only the kept groups: take the iteration's own prompts
+            reward = metrics.get("rollout/first_round_reward_mean", metrics["reward/mean"])
+            rewards.append(reward)
+            curve.append((elapsed, reward))
+            if reached is None and reward >= 0.9:
                 reached = round(elapsed, 1)
             print(
                 json.dumps(
@@ -125,12 +131,21 @@ def run(
     figures = {
         "algo": algo,
         "engine": loop.engine.name,
+        "dynamic_sampling": cfg.rollout.dynamic_sampling.enabled,
         "first_reward": round(rewards[0], 4),
         "final_reward": round(rewards[-1], 4),
         "iterations": len(rewards),
         "seconds": round(time.perf_counter() - start, 1),
         "setup_seconds": round(setup_s, 1),
         "reached_0.9_at_s": reached,
+        # the reward of the last iteration finished by each wall time (setup included): runs compare at equal time
+        # (only times the run lasted); on a shared machine the time axis is noisy, so also per iteration
+        "reward_at_s": {
+            str(t): round([v for e, v in curve if e <= t][-1], 4)
+            for t in (10, 20, 30, 45, 60)
+            if curve[0][0] <= t <= curve[-1][0]
+        },
+        "reward_at_iteration": {str(i): round(rewards[i], 4) for i in (10, 20, 30, 40, 60) if i < len(rewards)},
         "baseline": "iteration 0 (random-init policy)",
     }
     return emit("learning", figures) if emit_summary else figures
@@ -144,8 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=600.0, help="stop after this much wall time")
     p.add_argument("--work-dir", default=None, help="where the model, data and policy syncs go (default: temp)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
+    p.add_argument(
+        "--dynamic-sampling", action="store_true", help="rollout.dynamic_sampling.enabled=true"
+    )
     a = p.parse_args(argv)
-    run(a.algo, a.engine, a.iterations, a.seconds, a.overrides, a.work_dir)
+    overrides = a.overrides + ["rollout.dynamic_sampling.enabled=true"] * a.dynamic_sampling
+    run(a.algo, a.engine, a.iterations, a.seconds, overrides, a.work_dir)
 
 
 if __name__ == "__main__":

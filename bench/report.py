@@ -30,6 +30,7 @@ VARIANT_KEYS = (
     "size",
     "model",
     "storage",
+    "dynamic_sampling",
 )  # a bench run per variant keeps one latest line per variant
 
 

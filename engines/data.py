@@ -314,6 +314,10 @@ class PromptSource:
 
     def prompts_for_iteration(self, iteration: int, count: int, seed: int) -> list[PromptRecord]:
         """`count` prompts of `iteration`; the same (seed, iteration, count) always gives the same list."""
+        return self.records(self.row_indices(iteration, count, seed))
+
+    def records(self, rows: list[int]) -> list[PromptRecord]:
+        """The prompts of these dataset rows, in that order (IndexError for a row outside the dataset)."""
         return [
             PromptRecord(
                 index=i,
@@ -322,5 +326,5 @@ class PromptSource:
                 label=self.labels[i],
                 data_source=self.data_sources[i],
             )
-            for i in self.row_indices(iteration, count, seed)
+            for i in rows
         ]

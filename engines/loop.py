@@ -20,7 +20,8 @@ from engines.data import PromptSource
 from engines.models import load_tokenizer
 from engines.rollout.base import RolloutEngine
 from engines.scoring.scorer import Scorer
-from engines.stages.rollout import sample_rollout
+from engines.stages.dynamic import sample_dynamic
+from engines.stages.rollout import sample_records, sample_rollout
 from engines.stages.score import score_rows
 from engines.stages.update import train_on
 from engines.trainer.ppo_trainer import PPOTrainer
@@ -75,7 +76,7 @@ class EngineLoop:
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """One iteration; returns the update's metrics plus timing/* and rollout/* figures."""
         t0 = time.perf_counter()
-        rollout = sample_rollout(self.engine, self.prompt_source, self.cfg, iteration)
+        rollout, rollout_metrics = self._sample(iteration)
         t1 = time.perf_counter()
         scored, _ = score_rows(self.scorer, rollout, cache=None)
         t2 = time.perf_counter()
@@ -85,6 +86,7 @@ class EngineLoop:
         sync_policy(self.trainer, self.engine, self.work_dir / "policy", self.policy_version)
         t4 = time.perf_counter()
         metrics = dict(update.metrics)
+        metrics.update(rollout_metrics)
         metrics.update(
             {
                 "iteration": iteration,
@@ -96,6 +98,20 @@ class EngineLoop:
             }
         )
         return metrics
+
+    def _sample(self, iteration: int):
+        """The rollout rows, and dynamic sampling's rollout/* metrics ({} when rollout.dynamic_sampling is off):
+        the stage's own rounds (engines/stages/dynamic.py), scored by this loop's scorer without a cache."""
+        if not self.cfg.rollout.dynamic_sampling.enabled:
+            return sample_rollout(self.engine, self.prompt_source, self.cfg, iteration), {}
+        source, cfg = self.prompt_source, self.cfg
+        return sample_dynamic(
+            lambda records: sample_records(self.engine, source, cfg, iteration, records),
+            source,
+            cfg,
+            iteration,
+            lambda table: score_rows(self.scorer, table, cache=None)[0].column("reward").to_pylist(),
+        )
 
     def save_policy(self) -> Path:
         """The actor as it is now, saved as an HF folder under work_dir (from_pretrained loads it)."""

@@ -37,6 +37,7 @@ def publish_iteration_artifacts(
         f"- scored shards: `{manifests['score']['uri']}`",
         f"- experience shards: `{manifests['update']['experience_uri']}`",
         f"- checkpoint: `{manifests['checkpoint']['uri']}`",
+        *[f"- eval shards: `{m['uri']}` ({m['rows']} rows)" for m in [manifests.get("eval")] if m],
         "",
         "Open them with `ppoflow shards show URI`, pyarrow, datasets or duckdb.",
     ]

@@ -22,7 +22,7 @@ from typing import Optional
 
 from ppoflow.config import PPOFlowConfig
 
-_STAGES = ("rollout", "score", "update", "checkpoint")
+_STAGES = ("rollout", "score", "update", "checkpoint", "eval")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MAX_MESSAGE_LINES = 12
 

@@ -1,4 +1,4 @@
-"""One PPO iteration as a Prefect flow run: rollout -> score -> update -> checkpoint.
+"""One PPO iteration as a Prefect flow run: rollout -> score -> update -> checkpoint (-> eval when due).
 
 Each stage is timed under `timing/<stage>` (wall time seen by the flow, orchestration included), the
 iteration's metrics go to `<root>/<run>/metrics.jsonl` and to a table artifact, and the shard URIs to a
@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import flow
 
+from engines.stages.evaluate import eval_due
 from engines.stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
 from engines.stages.policy import behaviour_policy_ref, policy_ref
 from flows.artifacts import publish_iteration_artifacts
@@ -42,6 +43,9 @@ def iteration_metrics(
         "rollout/engine": manifests["rollout"].engine,
     }
     row.update({k: v for k, v in update.items() if k not in row})
+    row.update(manifests["rollout"].metrics)  # dynamic sampling's rollout/* ({} when off)
+    if "eval" in manifests:
+        row.update(manifests["eval"].metrics)  # eval/reward_mean, eval/pass@k
     if timings is not None:
         row.update({f"timing/{stage}": seconds for stage, seconds in timings.items()})
         row["timing/iteration"] = sum(timings.values())
@@ -61,6 +65,8 @@ def recover_missing_rows(layout: RunLayout, committed_through: int) -> list[int]
         records = {stage: read_stage_record(layout, iteration, stage) for stage in ("rollout", "score", "update")}
         if any(record is None for record in records.values()):
             continue  # nothing to rebuild from (records removed by hand): the row stays absent, never invented
+        if (eval_record := read_stage_record(layout, iteration, "eval")) is not None:
+            records["eval"] = eval_record
         manifests = {stage: STAGE_MANIFESTS[stage].model_validate(record) for stage, record in records.items()}
         record_metrics(layout, {**iteration_metrics(iteration, manifests, None), "record/rebuilt": True})
         rebuilt.append(iteration)
@@ -92,6 +98,10 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
         started = time.perf_counter()
         manifests[stage] = run_stage(cfg, stage, iteration, **inputs())
         timings[stage] = time.perf_counter() - started
+    if eval_due(cfg, iteration):  # the held-out prompts, with the policy this iteration just committed
+        started = time.perf_counter()
+        manifests["eval"] = run_stage(cfg, "eval", iteration, policy=policy_ref(cfg, iteration + 1))
+        timings["eval"] = time.perf_counter() - started
     row = iteration_metrics(iteration, manifests, timings)
     record_metrics(layout_for(cfg), row)
     publish_iteration_artifacts(cfg, iteration, row, {k: m.model_dump(mode="json") for k, m in manifests.items()})

@@ -27,6 +27,8 @@ _COLUMNS = [
     ("timing/score", "score s", 8, "{:.1f}"),
     ("timing/update", "update s", 9, "{:.1f}"),
     ("timing/checkpoint", "ckpt s", 7, "{:.1f}"),
+    ("eval/reward_mean", "eval", 6, "{:.3f}"),  # "-" in iterations without an eval (eval.every)
+    ("timing/eval", "eval s", 7, "{:.1f}"),
     ("timing/iteration", "iter s", 7, "{:.1f}"),
 ]
 
@@ -141,7 +143,8 @@ def _print_where(cfg: PPOFlowConfig, console: Console) -> None:
 
     layout = layout_for(cfg)
     last = cfg.run.iterations
-    console.print(f"shards:      {layout.url(layout.run_dir)}/iter-*/{{rollout,scored,experience}}/", highlight=False)
+    kinds = "rollout,scored,experience" + (",eval" if cfg.eval.data_path else "")
+    console.print(f"shards:      {layout.url(layout.run_dir)}/iter-*/{{{kinds}}}/", highlight=False)
     console.print(f"checkpoints: {layout.url(layout.checkpoints_dir)}/", highlight=False)
     console.print(f"metrics:     {layout.url(layout.metrics_path)}", highlight=False)
     console.print(f"tensorboard: tensorboard --logdir {tensorboard_dir_for(layout)}", highlight=False)
@@ -159,17 +162,20 @@ def demo_config(overrides: list[str], root: str = "./runs") -> PPOFlowConfig:
         f"run.root={root_path}",
         f"model.policy_path={os.path.join(root_path, '_models', 'tiny-llama')}",
         f"data.path={os.path.join(root_path, '_data', 'digits')}",
+        f"eval.data_path={os.path.join(root_path, '_data', 'digits-eval')}",
     ]
     return load_config(DEMO_CONFIG, base + list(overrides))
 
 
 def prepare_demo(cfg: PPOFlowConfig) -> None:
-    """Build the tiny model and the digits dataset where `demo_config` put them, unless they exist."""
+    """Build the tiny model, the digits dataset and its eval set where `demo_config` put them, unless they exist."""
     from engines.toy.model import ensure_tiny_llama
     from engines.toy.task import ensure_digits_dataset
 
     ensure_tiny_llama(cfg.model.policy_path)
     ensure_digits_dataset(cfg.data.path)
+    if cfg.eval.data_path:  # 64 prompts drawn with another seed (the toy task has only 40 distinct prompts)
+        ensure_digits_dataset(cfg.eval.data_path, num_rows=64, seed=1)
 
 
 def demo(overrides: list[str], root: str = "./runs", console: Optional[Console] = None) -> dict[str, Any]:

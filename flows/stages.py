@@ -23,6 +23,7 @@ from prefect import flow
 from engines.stages.manifests import (
     STAGE_MANIFESTS,
     CheckpointManifest,
+    EvalManifest,
     HandOff,
     PolicyRef,
     RolloutManifest,
@@ -119,7 +120,8 @@ def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff)
     deployment = (cfg.pipeline.stage_pools or {}).get(stage)
     if deployment:
         return run_stage_on_pool(cfg, stage, deployment, iteration, **inputs)
-    if stage in cfg.pipeline.stage_workers:
+    # eval samples with the rollout engine, so the warm workers serving rollout serve it too (flows/workers.py)
+    if ("rollout" if stage == "eval" else stage) in cfg.pipeline.stage_workers:
         return run_stage_on_worker(cfg, stage, iteration, **inputs)
     return run_stage_in_process(cfg, stage, iteration, **inputs)
 
@@ -144,3 +146,8 @@ def update_stage(config: dict[str, Any], iteration: int, policy: PolicyRef, scor
 @flow(name="ppo-checkpoint", flow_run_name="checkpoint-iter-{iteration}")
 def checkpoint_stage(config: dict[str, Any], iteration: int, update: UpdateManifest) -> CheckpointManifest:
     return run_stage_in_process(as_config(config), "checkpoint", iteration, update=update)
+
+
+@flow(name="ppo-eval", flow_run_name="eval-iter-{iteration}")
+def eval_stage(config: dict[str, Any], iteration: int, policy: PolicyRef) -> EvalManifest:
+    return run_stage_in_process(as_config(config), "eval", iteration, policy=policy)

@@ -35,6 +35,7 @@ def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> Non
     unknown = sorted(set(stages) - set(STAGES))
     if unknown or not stages:
         raise ValueError(f"ppoflow worker --stage {unknown or '(none)'}: allowed are {', '.join(STAGES)}")
-    tasks = [STAGE_TASKS[s].with_options(retries=retries) for s in dict.fromkeys(stages)]
+    served = list(dict.fromkeys(stages)) + (["eval"] if "rollout" in stages else [])  # eval uses rollout's engine
+    tasks = [STAGE_TASKS[s].with_options(retries=retries) for s in served]
     serve_as_worker()  # stage bodies hold leases: the submitting flow finds out if this process dies
     serve(*tasks, limit=limit)

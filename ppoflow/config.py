@@ -26,7 +26,7 @@ from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algor
 from ppoflow.rm_config import RMTrainConfig
 
 # The stages an iteration runs, in order; `pipeline.stage_pools` keys must be among them.
-PIPELINE_STAGES = ("rollout", "score", "update", "checkpoint")
+PIPELINE_STAGES = ("rollout", "score", "update", "checkpoint", "eval")
 MAX_STALENESS = 8  # pipeline.max_staleness: iterations in flight beyond the one updating
 # Run names that would put a run where it does not belong: `.` is the root itself (the run would mix with the
 # shared score cache under <root>/cache), `..` its parent, `cache` the shared score cache folder.
@@ -177,6 +177,24 @@ class DataConfig(_Section):
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are an error naming the row.")
 
 
+class DynamicSamplingConfig(_Section):
+    enabled: bool = Field(
+        False,
+        description=(
+            "DAPO dynamic sampling: drop groups whose rollout.n_samples rewards are all equal (zero advantage) and "
+            "sample more prompts until prompts_per_iteration groups with variance are collected."
+        ),
+    )
+    max_rounds: int = Field(
+        4,
+        ge=1,
+        description=(
+            "Sampling rounds per iteration at most, the iteration's own prompts included; when they run out the "
+            "update trains on the groups kept, cut to whole optimizer steps (rollout/batch_filled = 0)."
+        ),
+    )
+
+
 class RolloutConfig(_Section):
     engine: Literal["auto", "vllm", "hf"] = Field(
         "auto", description="Generation engine; auto = vLLM when installed, else HF generate."
@@ -206,6 +224,9 @@ class RolloutConfig(_Section):
     )
     sleep_between_iterations: bool = Field(
         False, description="GPU only: vLLM sleep/wake around the update when it shares a GPU with training."
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="DAPO dynamic sampling (zero-variance group filter)."
     )
 
     @field_validator("top_k")
@@ -461,6 +482,21 @@ class TrainConfig(_Section):
         return self
 
 
+class EvalConfig(_Section):
+    data_path: Optional[str] = Field(
+        None,
+        description=(
+            "Held-out prompts (a datasets folder, .jsonl or .parquet with data's columns); None = no eval stage."
+        ),
+    )
+    every: int = Field(1, ge=1, description="Evaluate after every `every`-th iteration's checkpoint, and the last.")
+    n_samples: int = Field(1, ge=1, description="Responses per held-out prompt; eval/pass@k uses k = n_samples.")
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of the eval; 0 = greedy (top-k 1, as vLLM and HF both honour)."
+    )
+    max_new_tokens: Optional[int] = Field(None, ge=1, description="Response length cap; None = rollout.max_new_tokens.")
+
+
 class PipelineConfig(_Section):
     stage_pools: Optional[dict[str, str]] = Field(
         None,
@@ -512,6 +548,7 @@ class PPOFlowConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     rm_train: RMTrainConfig = Field(default_factory=RMTrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PPOFlowConfig":
@@ -526,6 +563,7 @@ class PPOFlowConfig(_Section):
                 f"train.train_batch_size={tbs} must divide the rollout batch "
                 f"(rollout.prompts_per_iteration * rollout.n_samples = {batch})"
             )
+        self._check_recipes()
         overlong = self.reward.overlong
         if overlong is not None and overlong.buffer > self.rollout.max_new_tokens:
             raise ValueError(
@@ -561,6 +599,27 @@ class PPOFlowConfig(_Section):
             raise ValueError(
                 f"train.micro_batch_size={self.train.micro_batch_size} must divide each rank's share of the "
                 f"train batch ({step_batch} samples / train.num_ranks={ranks} = {share}), or be larger"
+            )
+
+    def _check_recipes(self) -> None:
+        """Dynamic sampling needs groups and whole groups per optimizer step; eval on pools needs its deployment."""
+        if self.rollout.dynamic_sampling.enabled:
+            n, step = self.rollout.n_samples, self.train.train_batch_size or self.rollout_batch_size
+            if n < 2:
+                raise ValueError(
+                    f"rollout.dynamic_sampling.enabled needs rollout.n_samples >= 2 (got {n}): a group of one "
+                    f"sample never has reward variance"
+                )
+            if step % n:
+                raise ValueError(
+                    f"rollout.dynamic_sampling.enabled needs train.train_batch_size={step} to be a multiple of "
+                    f"rollout.n_samples={n} (the filter keeps whole groups)"
+                )
+        pools = self.pipeline.stage_pools or {}
+        if self.eval.data_path and "rollout" in pools and "eval" not in pools:
+            raise ValueError(
+                "eval.data_path is set and pipeline.stage_pools sends rollout to a pool: name the eval deployment "
+                "too (pipeline.stage_pools.eval, e.g. 'ppo-eval/ppo-eval' on the rollout pool, see prefect.yaml)"
             )
 
     @property

@@ -188,6 +188,11 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
         check_dataset(cfg.data)
     except DataError as e:
         problems.append(f"data.path: {e}")
+    if cfg.eval.data_path:  # the held-out set, read with data's columns (its message says data.path: name eval's)
+        try:
+            check_dataset(cfg.data.model_copy(update={"path": cfg.eval.data_path}))
+        except DataError as e:
+            problems.append(f"eval.data_path: {e}")
     problems += model_folder_problems(cfg.model.policy_path, "model.policy_path")
     problems += [p for p in [stop_token_problem(cfg), lora_target_problem(cfg)] if p]
     if cfg.algo.uses_critic and cfg.model.critic_path:

@@ -19,8 +19,16 @@ def _default_text(field) -> str:
 def config_reference_markdown() -> str:
     lines = ["| field | default | meaning |", "|---|---|---|"]
     for section, sfield in PPOFlowConfig.model_fields.items():
-        model = sfield.annotation
-        for name, field in model.model_fields.items():
-            desc = (field.description or "").replace("|", "\\|")
-            lines.append(f"| `{section}.{name}` | {_default_text(field)} | {desc} |")
+        lines += _rows(section, sfield.annotation)
     return "\n".join(lines)
+
+
+def _rows(prefix: str, model) -> list[str]:
+    """One row per field; a nested section (e.g. rollout.dynamic_sampling) gets its row, then its fields'."""
+    rows = []
+    for name, field in model.model_fields.items():
+        desc = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}.{name}` | {_default_text(field)} | {desc} |")
+        if field.default_factory is not None and isinstance(field.default_factory(), BaseModel):
+            rows += _rows(f"{prefix}.{name}", type(field.default_factory()))
+    return rows

@@ -25,7 +25,7 @@ import yaml
 from ppoflow.config import StorageConfig
 from storage import fs as fsutil
 
-STAGES = ("rollout", "scored", "experience")
+STAGES = ("rollout", "scored", "experience", "eval")
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 

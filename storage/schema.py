@@ -11,6 +11,7 @@ rollout:    iteration, prompt_index, sample_index (int32), prompt_hash (sha256 h
 scored:     rollout + reward (float32, weighted and clipped), reward_components (JSON object
             name -> float), ref_logprobs (list<float32>, len = response), score_cache_hit (bool)
 experience: scored + old_logprobs, values, advantages, returns (list<float32>, len = response)
+eval:       the scored columns, for the eval stage's samples of the held-out prompts (eval.data_path)
 
 Bump SCHEMA_VERSION whenever a column is added, removed or changes type; readers refuse a shard of
 another version with SchemaMismatchError instead of guessing.
@@ -23,7 +24,7 @@ from typing import Optional, Sequence
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
-KINDS = ("rollout", "scored", "experience")
+KINDS = ("rollout", "scored", "experience", "eval")
 
 _I32, _F32 = pa.int32(), pa.float32()
 _IDS, _FLOATS = pa.list_(pa.int32()), pa.list_(pa.float32())
@@ -57,6 +58,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "rollout": pa.schema(_ROLLOUT),
     "scored": pa.schema(_ROLLOUT + _SCORED_EXTRA),
     "experience": pa.schema(_ROLLOUT + _SCORED_EXTRA + _EXPERIENCE_EXTRA),
+    "eval": pa.schema(_ROLLOUT + _SCORED_EXTRA),  # the eval stage's samples of held-out prompts, scored
 }
 
 

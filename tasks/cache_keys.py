@@ -20,7 +20,17 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "score": ("model", "reward", "score", "rollout"),
     "update": ("model", "algo", "train", "reward"),
     "checkpoint": ("run",),
+    # eval: the committed policy (its PolicyRef input), the held-out set and its sampling, the reward
+    "eval": ("model", "data", "rollout", "reward", "eval"),
 }
+
+
+def stage_sections(cfg: PPOFlowConfig, stage: str) -> tuple[str, ...]:
+    """STAGE_SECTIONS, plus "reward" for a rollout with dynamic sampling (which groups it keeps is the reward's)."""
+    sections = STAGE_SECTIONS[stage]
+    if stage == "rollout" and cfg.rollout.dynamic_sampling.enabled:
+        sections += ("reward",)
+    return sections
 
 
 def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict[str, Any]) -> str:
@@ -28,7 +38,8 @@ def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict
     identities = {k: v.identity() if isinstance(v, HandOff) else v for k, v in inputs.items()}
     # Not the storage root: results persist under the run's own folder, so a run moved to another root or
     # bucket finds its completed stages again (the root is where the run is, not what it computes).
-    digest = json_hash({"inputs": identities, "config": cfg.section_hash(*STAGE_SECTIONS[stage]), "seed": cfg.run.seed})
+    config_hash = cfg.section_hash(*stage_sections(cfg, stage))
+    digest = json_hash({"inputs": identities, "config": config_hash, "seed": cfg.run.seed})
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
 
 

@@ -1,4 +1,5 @@
-"""The four stage tasks: thin Prefect wrappers around engines/stages (one function per stage).
+"""The stage tasks (rollout, score, update, checkpoint; eval after the checkpoint): thin Prefect wrappers
+around engines/stages (one function per stage).
 
 Each task declares its cache key (tasks/cache_keys.py) and persists its result, a typed manifest, as JSON
 under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
@@ -12,10 +13,18 @@ from typing import Any
 from prefect import task
 
 from engines.stages import checkpoint as checkpoint_stage
+from engines.stages import evaluate as eval_stage
 from engines.stages import rollout as rollout_stage
 from engines.stages import score as score_stage
 from engines.stages import update as update_stage
-from engines.stages.manifests import CheckpointManifest, PolicyRef, RolloutManifest, ScoreManifest, UpdateManifest
+from engines.stages.manifests import (
+    CheckpointManifest,
+    EvalManifest,
+    PolicyRef,
+    RolloutManifest,
+    ScoreManifest,
+    UpdateManifest,
+)
 from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
 from tasks.cache_keys import cache_key_fn
@@ -59,9 +68,14 @@ def _checkpoint(config: Config, iteration: int, update: UpdateManifest) -> Check
         return checkpoint_stage.run_checkpoint(cfg, iteration, update)
 
 
+def _eval(config: Config, iteration: int, policy: PolicyRef) -> EvalManifest:
+    return eval_stage.run_eval(as_config(config), iteration, policy)
+
+
 STAGE_TASKS = {
     "rollout": _stage_task("rollout", _rollout),
     "score": _stage_task("score", _score),
     "update": _stage_task("update", _update),
     "checkpoint": _stage_task("checkpoint", _checkpoint),
+    "eval": _stage_task("eval", _eval),
 }

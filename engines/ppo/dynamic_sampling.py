@@ -13,7 +13,7 @@ worker ran a round, so a retried or resumed iteration draws exactly the same ext
 - `prompts_to_draw`: how many prompts the next round asks for;
 - `select_groups`: which groups train, and the metrics.
 
-Not wired into the stages yet (the caller: the rollout/score stages, issue 21).
+The caller: engines/stages/dynamic.py (the rollout stage's sampling rounds).
 """
 
 from __future__ import annotations
@@ -101,16 +101,18 @@ def select_groups(
 
     enabled: the first `target_groups` groups with reward variance, in draw order (round, then order within
     the round); when fewer exist (the rounds ran out) as many as fill whole optimizer steps of
-    `groups_per_step` groups (train_batch_size / n_samples), possibly none. Disabled: the round-0 groups
-    as they are (today's behaviour).
+    `groups_per_step` groups (train_batch_size / n_samples). When not even one step's worth has variance,
+    the first step is topped up with zero-variance groups in draw order: the trainer needs whole steps, and
+    such groups add no policy gradient under a group estimator (the update is then mostly its KL term);
+    rollout/zero_variance_trained_fraction says how many. Disabled: the round-0 groups as they are.
 
-    metrics:
-        dynamic_sampling/rounds                    rounds that sampled (1 + the highest round seen)
-        dynamic_sampling/groups_sampled            groups drawn over all rounds
-        dynamic_sampling/zero_variance_sampled_fraction   share of the drawn groups without variance
-        dynamic_sampling/zero_variance_trained_fraction   share of the trained groups without variance
-                                                   (0 by construction when enabled; absent with no group)
-        dynamic_sampling/batch_full                1 when target_groups groups train, else 0
+    metrics (the rollout stage's, in the iteration's row):
+        rollout/dynamic_rounds                    rounds that sampled (1 + the highest round seen)
+        rollout/groups_kept                       groups trained on
+        rollout/groups_dropped                    groups sampled but not trained on
+        rollout/batch_filled                      1 when target_groups groups with variance train, else 0
+        rollout/zero_variance_sampled_fraction    share of the sampled groups without variance
+        rollout/zero_variance_trained_fraction    share of the trained groups without variance (0 unless topped up)
 
     Raises ValueError for target_groups < 1, groups_per_step < 1, or target_groups not a multiple of it.
     """
@@ -122,19 +124,25 @@ def select_groups(
     ordered = sorted(groups, key=lambda g: g.round)  # stable: keeps the order within a round
     varied = [has_reward_variance(g.rewards) for g in ordered]
     if enabled:
-        kept = [g for g, v in zip(ordered, varied, strict=True) if v][:target_groups]
-        if len(kept) < target_groups:
-            kept = kept[: len(kept) - len(kept) % groups_per_step]
+        positions = [i for i, v in enumerate(varied) if v][:target_groups]
+        if len(positions) < target_groups:
+            positions = positions[: len(positions) - len(positions) % groups_per_step]
+        if not positions:  # not one step with variance: top the first step up (see the docstring)
+            flat_first = [i for i, v in enumerate(varied) if v] + [i for i, v in enumerate(varied) if not v]
+            positions = sorted(flat_first[:groups_per_step])
+        kept_at = positions
     else:
-        kept = [g for g in ordered if g.round == 0]
+        kept_at = [i for i, g in enumerate(ordered) if g.round == 0]
+    kept = [ordered[i] for i in kept_at]
+    flat_kept = sum(not varied[i] for i in kept_at)
     metrics = {
-        "dynamic_sampling/rounds": float(1 + max((g.round for g in ordered), default=0)),
-        "dynamic_sampling/groups_sampled": float(len(ordered)),
-        "dynamic_sampling/batch_full": float(len(kept) == target_groups),
+        "rollout/dynamic_rounds": float(1 + max((g.round for g in ordered), default=0)),
+        "rollout/groups_kept": float(len(kept)),
+        "rollout/groups_dropped": float(len(ordered) - len(kept)),
+        "rollout/batch_filled": float(len(kept) == target_groups and flat_kept == 0),
     }
     if ordered:
-        metrics["dynamic_sampling/zero_variance_sampled_fraction"] = varied.count(False) / len(ordered)
+        metrics["rollout/zero_variance_sampled_fraction"] = varied.count(False) / len(ordered)
     if kept:
-        flat = sum(not has_reward_variance(g.rewards) for g in kept)
-        metrics["dynamic_sampling/zero_variance_trained_fraction"] = flat / len(kept)
+        metrics["rollout/zero_variance_trained_fraction"] = flat_kept / len(kept)
     return GroupSelection(kept, metrics)

@@ -1,9 +1,10 @@
-"""The four stages of a PPO iteration, each ONE function, pure of Prefect:
+"""The stages of a PPO iteration, each ONE function, pure of Prefect:
 
     rollout.run_rollout(cfg, i, PolicyRef)              -> RolloutManifest
     score.run_score(cfg, i, RolloutManifest)            -> ScoreManifest
     update.run_update(cfg, i, PolicyRef, ScoreManifest) -> UpdateManifest
     checkpoint.run_checkpoint(cfg, i, UpdateManifest)   -> CheckpointManifest
+    evaluate.run_eval(cfg, i, PolicyRef)                -> EvalManifest    (after the checkpoint, when due)
 
 The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stages.py) and the in-process
 pipeline call exactly these; the bare loop (engines/loop.py) calls their compute halves (`sample_rollout`,

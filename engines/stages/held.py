@@ -1,6 +1,7 @@
 """The engines a worker process keeps between stages, each under a WarmKey that says what it was built from.
 
     prompt_source_for(cfg)          tokenised prompt set      identity: data settings + dataset/tokenizer files
+    eval_prompt_source_for(cfg)     held-out prompt set       identity: the same, for eval.data_path
     scorer_for(cfg)                 reward sources + reference identity: scoring settings + model files
     score_cache_for(cfg, identity)  the score cache's reader identity: its folder URL + size cap
     trainer_key(weights_id)         the DeepSpeed trainer      identity: the weights it holds (PolicyRef.weights_id)
@@ -20,7 +21,7 @@ from engines import warm
 from engines.data import PromptSource
 from engines.models import load_tokenizer
 from engines.scoring.scorer import Scorer
-from ppoflow.fingerprint import folder_fingerprint
+from ppoflow.fingerprint import folder_fingerprint, json_hash
 from storage.layout import RunLayout
 from storage.score_cache import ScoreCache
 
@@ -29,18 +30,28 @@ def prompt_source_for(cfg) -> PromptSource:
     """The worker's tokenised prompt set, built once per data settings and files (tokenising the whole dataset
     every iteration would cost more than sampling on the tiny model). The tokenizer is the initial model's:
     checkpoints save the same tokenizer files beside the policy weights."""
+    return _prompt_source(cfg, warm.Role.PROMPTS, cfg.data)
+
+
+def eval_prompt_source_for(cfg) -> PromptSource:
+    """The held-out prompts of the eval stage: eval.data_path read with data's columns and limits, kept warm
+    under a role of its own (so the training prompts and the eval prompts do not evict each other)."""
+    return _prompt_source(cfg, warm.Role.EVAL_PROMPTS, cfg.data.model_copy(update={"path": cfg.eval.data_path}))
+
+
+def _prompt_source(cfg, role: warm.Role, data_cfg) -> PromptSource:
     identity = json.dumps(
         [
-            cfg.section_hash("data"),
+            json_hash(data_cfg.model_dump(mode="json")),
             os.path.abspath(cfg.model.policy_path),
             cfg.model.apply_chat_template,
-            _fingerprint_or_none(cfg.data.path),
+            _fingerprint_or_none(data_cfg.path),
             folder_fingerprint(cfg.model.policy_path),
         ]
     )
     return warm.get_or_build(
-        warm.WarmKey(warm.Role.PROMPTS, identity),
-        lambda: PromptSource(cfg.data, load_tokenizer(cfg.model.policy_path), cfg.model.apply_chat_template),
+        warm.WarmKey(role, identity),
+        lambda: PromptSource(data_cfg, load_tokenizer(cfg.model.policy_path), cfg.model.apply_chat_template),
     )
 
 

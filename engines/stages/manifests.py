@@ -5,6 +5,7 @@
     ScoreManifest       scored shards                         (score -> update)
     UpdateManifest      experience shards + staged checkpoint (update -> checkpoint)
     CheckpointManifest  the committed checkpoint              (checkpoint -> the next iteration)
+    EvalManifest        eval shards + eval/* metrics          (eval -> the iteration's metrics row)
 
 Every hand-off has an `identity()`: the content hash of what it names (never a time, a path alone or a
 stat of a folder), which is all a stage's Prefect cache key takes from its inputs. They are frozen pydantic
@@ -70,6 +71,20 @@ class RolloutManifest(ShardsManifest):
     stage: Literal["rollout"] = "rollout"
     policy_version: int
     engine: str
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="dynamic sampling's rollout/* accounting; {} when it is off"
+    )
+
+
+class EvalManifest(ShardsManifest):
+    """The eval stage's shards (scored rows of the held-out prompts) and its metrics (eval/reward_mean, eval/pass@k).
+
+    Identity: the shards' content hash, like the other shard stages (the metrics are a function of the rows)."""
+
+    stage: Literal["eval"] = "eval"
+    policy_version: int
+    engine: str
+    metrics: dict[str, float]
 
 
 class ScoreManifest(ShardsManifest):
@@ -114,4 +129,5 @@ STAGE_MANIFESTS: dict[str, type[StageManifest]] = {
     "score": ScoreManifest,
     "update": UpdateManifest,
     "checkpoint": CheckpointManifest,
+    "eval": EvalManifest,
 }

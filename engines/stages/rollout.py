@@ -3,6 +3,9 @@
     sample_rollout(engine, source, cfg, iteration) -> rollout rows   (the compute, shared with engines/loop.py)
     run_rollout(cfg, iteration, policy) -> RolloutManifest          (the stage: engine, compute, shards)
 
+With rollout.dynamic_sampling.enabled the stage samples in rounds and keeps only groups with reward
+variance (engines/stages/dynamic.py); the manifest's `metrics` then holds the rounds' accounting.
+
 Seeds: dataset row r in iteration i is sampled with `prompt_sampling_seed(run.seed, i, r)`, so an
 iteration's samples depend only on (seed, iteration, policy weights), not on what ran before in the
 process: a retried or resumed stage draws the same samples.
@@ -18,6 +21,7 @@ from engines import warm
 from engines.data import PromptSource
 from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_sampling_seed
 from engines.rollout.registry import get_rollout_engine, serve_in_memory
+from engines.stages.dynamic import sample_dynamic, stage_rewards
 from engines.stages.held import prompt_source_for, trainer_key
 from engines.stages.manifests import PolicyRef, RolloutManifest, provenance
 from engines.stages.policy import local_policy_dir
@@ -28,6 +32,12 @@ from storage.layout import layout_for
 def sample_rollout(engine: RolloutEngine, source: PromptSource, cfg, iteration: int) -> pa.Table:
     """The iteration's prompts, n samples each, as rollout rows ordered by (prompt, sample)."""
     records = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
+    return sample_records(engine, source, cfg, iteration, records)
+
+
+def sample_records(engine: RolloutEngine, source: PromptSource, cfg, iteration: int, records: list) -> pa.Table:
+    """These prompts (PromptRecord), n samples each, as rollout rows ordered by (prompt, sample); row r of the
+    dataset is sampled with its own seed (module docstring), so which other prompts share the call is moot."""
     seeds = [prompt_sampling_seed(cfg.run.seed, iteration, r.index) for r in records]
     samples = engine.generate([r.prompt_ids for r in records], SamplingSettings.from_config(cfg.rollout), seeds)
     return rollout_table(records, samples, source.tokenizer, iteration)
@@ -56,9 +66,15 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
     Writing again replaces the iteration's rollout folder (manifest last), so a retry never duplicates rows.
     """
     started = time.perf_counter()
+    metrics: dict[str, float] = {}
     with warm.stage_lock("rollout"):  # pipelined iterations: one engine, one rollout at a time
         engine = rollout_engine_for(cfg, policy)
-        table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
+        if cfg.rollout.dynamic_sampling.enabled:
+            source = prompt_source_for(cfg)
+            sample = lambda records: sample_records(engine, source, cfg, iteration, records)  # noqa: E731
+            table, metrics = sample_dynamic(sample, source, cfg, iteration, stage_rewards(cfg))
+        else:
+            table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
     layout = layout_for(cfg)
     manifest = write_stage_table(cfg, layout, iteration, "rollout", table)
     return RolloutManifest(
@@ -68,5 +84,6 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
         content_hash=manifest.content_hash,
         policy_version=policy.version,
         engine=engine.name,
+        metrics=metrics,
         **provenance(started),
     )

@@ -3,7 +3,7 @@
 Retry = set the failed flow run to AwaitingRetry and run it again with its id and parameters (what the
 UI's Retry and `prefect flow-run retry` do). Committed iterations are skipped via LATEST; inside the
 failed iteration, rollout and score come back from cache (their bodies, and so their engines, do not run
-again); the final state equals a run that never failed.
+again); the final state equals a run that never failed, and so do its eval rows (eval after every checkpoint).
 """
 
 from __future__ import annotations
@@ -28,13 +28,17 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(
     from prefect.states import AwaitingRetry
 
     from engines import warm
+    from engines.toy.task import build_digits_dataset
     from flows.records import read_metrics
     from flows.training import ppo_training
     from storage.layout import layout_for
+    from storage.shards import read_shards
     from tests.fixtures.faults import count_stage_bodies, fail_when
 
     root = str(tmp_path / "runs")
-    faulty = small_config(root, "faulty", tiny_model_dir, digits_dataset_dir, iterations=2)
+    # an eval after every checkpoint: the retried run's eval rows must equal the clean run's too
+    held_out = {"data_path": str(build_digits_dataset(tmp_path / "held-out", num_rows=4, seed=5)), "every": 1}
+    faulty = small_config(root, "faulty", tiny_model_dir, digits_dataset_dir, iterations=2, eval=held_out)
     params = {"config": faulty.model_dump(mode="json")}
 
     # The worst moment: after iteration 2's PPO step, before its experience shards and checkpoint are written.
@@ -62,12 +66,13 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(
     assert final.is_completed(), final
     assert calls["rollout"] == 0 and calls["score"] == 0, calls  # came back from cache
     assert calls["update"] == 1 and calls["checkpoint"] == 1, calls
+    assert calls["eval"] == 1, calls  # iteration 2's (iteration 1's committed before the fault)
 
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(flow_run_id).state.is_completed()
 
     # The same run that never failed.
-    clean = small_config(root, "clean", tiny_model_dir, digits_dataset_dir, iterations=2)
+    clean = small_config(root, "clean", tiny_model_dir, digits_dataset_dir, iterations=2, eval=held_out)
     warm.invalidate()
     assert ppo_training(config=clean.model_dump(mode="json"), return_state=True).is_completed()
     got, want = _final_policy(root, "faulty", 2), _final_policy(root, "clean", 2)
@@ -79,3 +84,10 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(
     faulty_rows = read_metrics(layout)
     clean_rows = read_metrics(layout_for(clean))
     assert [r["reward/mean"] for r in faulty_rows] == pytest.approx([r["reward/mean"] for r in clean_rows], abs=1e-6)
+    assert [r["eval/reward_mean"] for r in faulty_rows] == [r["eval/reward_mean"] for r in clean_rows]
+    for iteration in (1, 2):  # the same samples, not only the same mean
+        got, want = (
+            read_shards(lay.fs, lay.stage_dir(iteration, "eval"), columns=["response_ids", "reward"])
+            for lay in (layout, layout_for(clean))
+        )
+        assert got.equals(want), iteration

@@ -54,7 +54,17 @@ def _start_worker(tmp_path: Path, name: str, stages: list[str], kill: str | None
 
 def _worker_config(tmp_path, name, model_dir, data_dir, k, iterations=ITERATIONS):
     pipeline = {"stage_workers": ALL_STAGES, "max_staleness": k}
-    return small_config(str(tmp_path / "runs"), name, model_dir, data_dir, iterations=iterations, pipeline=pipeline)
+    # k = 1 runs evaluate at their last iteration, after their last rollout: the eval goes to the rollout worker
+    sections = {"eval": {"data_path": _held_out(tmp_path), "every": iterations}} if k else {}
+    return small_config(
+        str(tmp_path / "runs"), name, model_dir, data_dir, iterations=iterations, pipeline=pipeline, **sections
+    )
+
+
+def _held_out(tmp_path) -> str:
+    from engines.toy.task import build_digits_dataset
+
+    return str(build_digits_dataset(tmp_path / "held-out", num_rows=6, seed=5))
 
 
 def _manifests(layout, stage: str, iterations: int):
@@ -94,6 +104,8 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
             rows = read_metrics(layout)
             assert [r["async/staleness"] for r in rows] == [min(k, i - 1) for i in range(1, ITERATIONS + 1)]
         first, second = (layout_for(configs[k]) for k in (0, 1))
+        evaluated = _manifests(second, "eval", ITERATIONS)[-1]
+        assert evaluated.worker == f"{host}:{workers['rollout'].pid}"  # eval goes where rollout goes
         # The rollout engine (prompt set + sampler) and the scorer were built once, in the k = 0 run's iteration
         # 1; the k = 1 run reused them (the sampler loaded its weights in place). The trainer is rebuilt once per
         # run: it holds one run's optimizer state.
@@ -143,3 +155,10 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
     for row, local_row in zip(read_metrics(first)[:3], read_metrics(layout_for(local)), strict=True):
         for key in ("reward/mean", "loss/policy", "loss/value", "kl/mean"):
             assert row[key] == local_row[key], (row["iteration"], key)
+    assert row["eval/reward_mean"] == local_row["eval/reward_mean"]  # the last rows: the worker's eval == local
+
+
+def _held_out(tmp_path) -> str:
+    from engines.toy.task import build_digits_dataset
+
+    return str(build_digits_dataset(tmp_path / "held-out", num_rows=6, seed=5))

@@ -26,24 +26,34 @@ class TestSelectGroups:
         sel = select_groups(self.groups, target_groups=3, groups_per_step=1)
         assert [g.prompt_row for g in sel.groups] == [11, 13, 20]
         assert sel.metrics == {
-            "dynamic_sampling/rounds": 2.0,
-            "dynamic_sampling/groups_sampled": 6.0,
-            "dynamic_sampling/batch_full": 1.0,
-            "dynamic_sampling/zero_variance_sampled_fraction": 3 / 6,
-            "dynamic_sampling/zero_variance_trained_fraction": 0.0,
+            "rollout/dynamic_rounds": 2.0,
+            "rollout/groups_kept": 3.0,
+            "rollout/groups_dropped": 3.0,  # 10, 12, 21 (flat)
+            "rollout/batch_filled": 1.0,
+            "rollout/zero_variance_sampled_fraction": 3 / 6,
+            "rollout/zero_variance_trained_fraction": 0.0,
         }
 
     def test_rounds_ran_out_trains_on_whole_steps(self):
         # 3 varied groups for a target of 4 in steps of 2 groups: one step of 2 (11, 13)
         sel = select_groups(self.groups, target_groups=4, groups_per_step=2)
         assert [g.prompt_row for g in sel.groups] == [11, 13]
-        assert sel.metrics["dynamic_sampling/batch_full"] == 0.0
-        assert select_groups([_g(1, 0, 1, 1)], 2, 2).groups == []  # nothing varied: no step
+        assert sel.metrics["rollout/batch_filled"] == 0.0
+        assert sel.metrics["rollout/groups_dropped"] == 4.0  # 6 sampled - 2 kept (20 varied but past the step)
+
+    def test_not_one_step_with_variance_tops_up_with_flat_groups_in_draw_order(self):
+        # steps of 2 groups; only row 2 varies: the step is row 1 (flat, drawn first) and row 2, in draw order
+        sel = select_groups([_g(1, 0, 1, 1), _g(2, 0, 0, 1), _g(3, 1, 0, 0)], target_groups=2, groups_per_step=2)
+        assert [g.prompt_row for g in sel.groups] == [1, 2]
+        assert sel.metrics["rollout/zero_variance_trained_fraction"] == 0.5
+        assert sel.metrics["rollout/batch_filled"] == 0.0
+        flat = select_groups([_g(1, 0, 1, 1), _g(3, 1, 0, 0)], 2, 2)
+        assert [g.prompt_row for g in flat.groups] == [1, 3] and flat.metrics["rollout/batch_filled"] == 0.0
 
     def test_disabled_trains_round_zero_and_measures_flat_groups(self):
         sel = select_groups(self.groups, target_groups=4, groups_per_step=2, enabled=False)
         assert [g.prompt_row for g in sel.groups] == [10, 11, 12, 13]
-        assert sel.metrics["dynamic_sampling/zero_variance_trained_fraction"] == 0.5
+        assert sel.metrics["rollout/zero_variance_trained_fraction"] == 0.5
 
     def test_order_is_by_round_then_draw_order(self):
         shuffled = [self.groups[4], self.groups[1], self.groups[3]]  # round 1 listed first

@@ -1,0 +1,96 @@
+"""The eval stage: sample the held-out prompts with a committed policy, score them, write eval shards.
+
+    eval_due(cfg, iteration) -> bool                        does iteration `iteration` end with an eval
+    eval_sampling(cfg) -> SamplingSettings                  eval.* over rollout.* (0 = greedy)
+    run_eval(cfg, iteration, policy) -> EvalManifest        the stage: engine, prompts, scores, shards, metrics
+
+The flow runs it after iteration i's checkpoint with the policy that checkpoint committed (version i), every
+eval.every iterations and at the last one. It runs where rollout runs (its engine is the rollout engine:
+the warm worker serving rollout serves eval too; on pools, pipeline.stage_pools.eval on the rollout pool).
+
+What it computes, and the choices made:
+- every row of eval.data_path, eval.n_samples samples each, with the rollout engine of this process
+  (rollout_engine_for: the warm trainer's weights in memory, else the committed checkpoint's policy/);
+- temperature 0 is greedy, sampled as top-k 1 (the HF sampler cannot divide by 0; vLLM treats both alike);
+  otherwise eval.temperature with rollout.top_p / top_k;
+- seeds: dataset row r uses `eval_sampling_seed(run.seed, r)`, the same in every iteration, so two
+  iterations' evals differ only by the policy (common random numbers), and a retried or resumed eval
+  draws the same samples;
+- scored by the score stage's scorer (reward sources + reference) through the score cache, so the rows
+  are scored rows and `eval/reward_mean` is the mean of their `reward` column;
+- metrics: engines/evaluation.eval_metrics: eval/reward_mean, and when every reward is 0 or 1, eval/pass@1
+  and eval/pass@k for k = eval.n_samples (the unbiased estimator).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from engines import warm
+from engines.evaluation import eval_metrics
+from engines.rollout.base import SamplingSettings
+from engines.stages.held import eval_prompt_source_for, score_cache_for, scorer_for
+from engines.stages.manifests import EvalManifest, PolicyRef, provenance
+from engines.stages.rollout import rollout_engine_for
+from engines.stages.score import score_rows
+from engines.stages.tables import rollout_table, write_stage_table
+from storage.layout import layout_for
+
+
+def eval_due(cfg, iteration: int) -> bool:
+    """True when eval.data_path is set and `iteration` is a multiple of eval.every or the run's last."""
+    return bool(cfg.eval.data_path) and (iteration % cfg.eval.every == 0 or iteration == cfg.run.iterations)
+
+
+def eval_sampling(cfg) -> SamplingSettings:
+    """The eval's sampling settings: eval.n_samples / temperature / max_new_tokens over rollout's others."""
+    greedy = cfg.eval.temperature == 0
+    return SamplingSettings(
+        n=cfg.eval.n_samples,
+        temperature=1.0 if greedy else cfg.eval.temperature,
+        top_p=1.0 if greedy else cfg.rollout.top_p,
+        top_k=1 if greedy else cfg.rollout.top_k,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+        stop_token_ids=tuple(cfg.rollout.stop_token_ids),
+    )
+
+
+def eval_sampling_seed(run_seed: int, row: int) -> int:
+    """Sampling seed of held-out row `row` (63-bit); a function of (run seed, row) only, see the docstring."""
+    digest = hashlib.sha256(f"eval:{run_seed}:{row}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
+    """Evaluate `policy` (the checkpoint iteration `iteration` committed) on eval.data_path; write the scored
+    samples as the iteration's eval shards (replacing what the folder held, manifest last).
+
+    Errors: a missing or malformed eval dataset is PromptSource's error naming the file and row; a reward
+    source's error propagates and names the sample ("iter 3 prompt 12 sample 1").
+    """
+    started = time.perf_counter()
+    source = eval_prompt_source_for(cfg)
+    records = source.records(list(range(len(source))))
+    seeds = [eval_sampling_seed(cfg.run.seed, r.index) for r in records]
+    with warm.stage_lock("rollout"):  # pipelined iterations: the rollout engine serves one stage at a time
+        engine = rollout_engine_for(cfg, policy)
+        samples = engine.generate([r.prompt_ids for r in records], eval_sampling(cfg), seeds)
+    table = rollout_table(records, samples, source.tokenizer, iteration)
+    layout = layout_for(cfg)
+    scorer = scorer_for(cfg)
+    cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
+    scored, _ = score_rows(scorer, table, cache)
+    manifest = write_stage_table(cfg, layout, iteration, "eval", scored)
+    n = cfg.eval.n_samples
+    metrics = eval_metrics(scored.column("reward").to_pylist(), n, ks=sorted({1, n}))
+    return EvalManifest(
+        iteration=iteration,
+        uri=layout.url(layout.stage_dir(iteration, "eval")),
+        rows=manifest.rows,
+        content_hash=manifest.content_hash,
+        policy_version=policy.version,
+        engine=engine.name,
+        metrics=metrics,
+        **provenance(started),
+    )
