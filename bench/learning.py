@@ -159,9 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=600.0, help="stop after this much wall time")
     p.add_argument("--work-dir", default=None, help="where the model, data and policy syncs go (default: temp)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
-    p.add_argument(
-        "--dynamic-sampling", action="store_true", help="rollout.dynamic_sampling.enabled=true"
-    )
+    p.add_argument("--dynamic-sampling", action="store_true", help="rollout.dynamic_sampling.enabled=true")
     a = p.parse_args(argv)
     overrides = a.overrides + ["rollout.dynamic_sampling.enabled=true"] * a.dynamic_sampling
     run(a.algo, a.engine, a.iterations, a.seconds, overrides, a.work_dir)
