@@ -80,7 +80,8 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from engines import warm
-    from flows.records import read_metrics
+    from engines.stages.manifests import EvalManifest
+    from flows.records import read_metrics, read_stage_record
     from flows.training import ppo_training
     from storage.layout import layout_for
 
@@ -104,7 +105,7 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
             rows = read_metrics(layout)
             assert [r["async/staleness"] for r in rows] == [min(k, i - 1) for i in range(1, ITERATIONS + 1)]
         first, second = (layout_for(configs[k]) for k in (0, 1))
-        evaluated = _manifests(second, "eval", ITERATIONS)[-1]
+        evaluated = EvalManifest.model_validate(read_stage_record(second, ITERATIONS, "eval"))
         assert evaluated.worker == f"{host}:{workers['rollout'].pid}"  # eval goes where rollout goes
         # The rollout engine (prompt set + sampler) and the scorer were built once, in the k = 0 run's iteration
         # 1; the k = 1 run reused them (the sampler loaded its weights in place). The trainer is rebuilt once per
