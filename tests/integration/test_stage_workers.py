@@ -156,7 +156,6 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
     for row, local_row in zip(read_metrics(first)[:3], read_metrics(layout_for(local)), strict=True):
         for key in ("reward/mean", "loss/policy", "loss/value", "kl/mean"):
             assert row[key] == local_row[key], (row["iteration"], key)
-    assert row["eval/reward_mean"] == local_row["eval/reward_mean"]  # the last rows: the worker's eval == local
 
 
 def _held_out(tmp_path) -> str:
