@@ -4,6 +4,7 @@
     ppoflow train CONFIG.yaml [--set section.field=value ...] [--verbose]
     ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...]   reward model from preference pairs
     ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
+    ppoflow serve                          execute retried runs of `ppoflow train` (UI Retry, prefect flow-run retry)
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
@@ -167,6 +168,13 @@ def cmd_worker(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from flows.deployment import serve_deployment
+
+    serve_deployment()
+    return 0
+
+
 def cmd_config_reference(args) -> int:
     from ppoflow.reference import config_reference_markdown
 
@@ -235,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--stage", action="append", required=True, choices=["rollout", "score", "update", "checkpoint"])
     worker.add_argument("--retries", type=int, default=0, help="retries of each task run on this worker")
     worker.set_defaults(func=cmd_worker)
+
+    serve_runs = sub.add_parser(
+        "serve", help="execute the runs of the ppoflow-train deployment that a Retry (UI or CLI) schedules"
+    )
+    serve_runs.set_defaults(func=cmd_serve)
 
     ref = sub.add_parser("config-reference", help="print the config reference (Markdown)")
     ref.set_defaults(func=cmd_config_reference)

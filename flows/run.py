@@ -108,8 +108,11 @@ def _watch(table: IterationTable, stop: threading.Event) -> None:
 
 
 def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, Any]:
-    """Run the training flow for `cfg` with a progress bar and the iteration table on `console`."""
-    from flows.training import ppo_training
+    """Run the training flow for `cfg` with a progress bar and the iteration table on `console`.
+
+    The flow run is a run of the `ppoflow-train` deployment (flows/deployment.py), so it can be retried from
+    the UI and with `prefect flow-run retry ID`."""
+    from flows.deployment import train_through_deployment
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
 
@@ -128,7 +131,7 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
         watcher = threading.Thread(target=_watch, args=(table, stop), daemon=True, name="ppoflow-progress")
         watcher.start()
         try:
-            result = ppo_training(cfg.model_dump(mode="json"))
+            result = train_through_deployment(cfg.model_dump(mode="json"))
         finally:
             stop.set()
             watcher.join()

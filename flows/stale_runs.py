@@ -1,5 +1,5 @@
-"""Prefect learns that a run's process died: at the next start of the same run, its stale flow runs are marked
-Crashed, so they can be retried (`prefect flow-run retry ID --entrypoint flows/training.py:ppo_training`).
+"""Prefect learns that a run's process died: at the next start (or retry) of the same run, what it left Running is
+marked Crashed, so it can be retried (UI Retry, `prefect flow-run retry ID`: flows/deployment.py).
 
 A process killed with SIGKILL (the OOM killer, a lost machine) cannot tell Prefect anything: its flow run,
 iteration subflow and task runs stay Running for good, and Prefect refuses to retry a Running run. So the
@@ -7,7 +7,8 @@ training flow leaves a small record at `<root>/<run>/_active.json` (its flow run
 starts. The next start of the same run reads it: when that flow run is still Running or Pending in Prefect
 and its process is gone (same host, pid not alive), the flow run and its Running subflow and task runs are
 set to Crashed with a message that says what happened. A record from another host is left alone (this
-process cannot see that host's processes); Prefect's own heartbeat automation covers that case when set up.
+process cannot see that host's processes); Prefect's heartbeat automation covers that case
+(flows/deployment.py), but it sets only the flow run Crashed: its retry finds the children here.
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ def is_dead_here(record: dict[str, Any]) -> bool:
     return record.get("host") == socket.gethostname() and not pid_alive(int(record.get("pid", -1)))
 
 
-def mark_crashed(flow_run_id: str, message: str) -> list[str]:
-    """Set the flow run and its Running/Pending subflow runs and task runs to Crashed; returns their names."""
+def mark_crashed(flow_run_id: str, message: str, children_only: bool = False) -> list[str]:
+    """Set the flow run and its Running/Pending subflow runs and task runs to Crashed; returns their names.
+
+    children_only: leave the flow run itself as it is (it is running again: a retry of it found what its dead
+    process left Running; Prefect would reattach a subflow to a Running parent task run, not start it anew).
+    A flow run no longer Running or Pending is left as it is too.
+    """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -59,8 +65,8 @@ def mark_crashed(flow_run_id: str, message: str) -> list[str]:
     marked: list[str] = []
     with get_client(sync_client=True) as client:
         root = client.read_flow_run(flow_run_id)
-        if root.state is None or root.state.type.value not in LIVE_STATES:
-            return marked
+        # A root already Crashed (Prefect's heartbeat automation) may still have children left Running.
+        children_only = children_only or root.state is None or root.state.type.value not in LIVE_STATES
         live = FlowRunFilterState(type=FlowRunFilterStateType(any_=list(LIVE_STATES)))
         subflows = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[root.id]), state=live)
@@ -73,7 +79,7 @@ def mark_crashed(flow_run_id: str, message: str) -> list[str]:
             if task_run.state is not None and task_run.state.type.value in LIVE_STATES:
                 client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
                 marked.append(task_run.name)
-        for flow_run in reversed(flow_runs):
+        for flow_run in reversed(subflows if children_only else flow_runs):
             client.set_flow_run_state(flow_run.id, Crashed(message=message), force=True)
             marked.append(flow_run.name)
     return marked

@@ -76,29 +76,34 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _crash_stale_run(cfg, layout, logger) -> None:
-    """Mark the flow run of this run's previous start Crashed in Prefect when its process died (flows/stale_runs.py)."""
+    """Mark what this run's previous start left Running in Prefect Crashed when its process died
+    (flows/stale_runs.py): that flow run, or, when this is a retry of it, the subflow and task runs it left."""
     from prefect.runtime import flow_run
 
     current = str(flow_run.id) if flow_run.id else None
     previous = claim_run(layout, current)
-    if not previous or not previous.get("flow_run_id") or previous["flow_run_id"] == current:
+    if not previous or not previous.get("flow_run_id") or not is_dead_here(previous):
         return
-    if not is_dead_here(previous):
-        return
+    retry = previous["flow_run_id"] == current
     message = (
         f"the process that ran it (pid {previous['pid']} on {previous['host']}) died; found by the next "
         f"start of run {cfg.run.name!r} (flow run {current}), which resumed from the last commit"
     )
     try:
-        marked = mark_crashed(previous["flow_run_id"], message)
+        marked = mark_crashed(previous["flow_run_id"], message, children_only=retry)
     except Exception as e:  # an unknown flow run (another Prefect server, a wiped database): nothing to mark
         logger.warning("could not mark the previous flow run %s Crashed: %s", previous["flow_run_id"], e)
         return
-    if marked:
+    if marked and retry:
         logger.warning(
-            "marked %d runs of the dead process Crashed (%s); retry them with `prefect flow-run retry "
-            "%s --entrypoint flows/training.py:ppo_training`",
+            "marked %d runs left Running by the dead process Crashed (%s)", len(marked), ", ".join(marked[:4])
+        )
+    elif marked:
+        logger.warning(
+            "marked %d runs of the dead process Crashed (%s); this run resumes it (or retry flow run %s: UI "
+            "Retry or `prefect flow-run retry %s`, with `ppoflow serve` running)",
             len(marked),
             ", ".join(marked[:4]),
+            previous["flow_run_id"],
             previous["flow_run_id"],
         )

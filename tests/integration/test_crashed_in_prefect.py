@@ -1,9 +1,15 @@
-"""A `ppoflow train` killed with SIGKILL is marked Crashed in Prefect by the next start of the same run, and
-`prefect flow-run retry ID --entrypoint flows/training.py:ppo_training` (the README's command) resumes it.
+"""A `ppoflow train` killed with SIGKILL becomes Crashed in Prefect, and the UI's Retry and `prefect flow-run retry`
+resume it (with `ppoflow serve` running, as the README says).
 
-Sequence: start 1 is killed in iteration 1's update; start 2 marks start 1's flow run Crashed and is killed
-itself before iteration 1; the retry of start 1 (a new process, Prefect's own CLI) marks start 2 Crashed,
-trains both iterations and ends Completed.
+Sequence (one run, 2 iterations):
+1. start 1 is killed in iteration 1's update: its flow run stays Running (nobody told Prefect);
+2. start 2 (the same command) marks start 1 Crashed (flows/stale_runs.py) and is killed before iteration 1;
+3. nothing starts the run again: Prefect's own zombie detection (the automation `ppoflow train` creates, fed by
+   the flow run's heartbeats) sets start 2 Crashed within MISSED_BEATS heartbeats;
+4. with `ppoflow serve` running, the exact call the UI's Retry button makes (POST set_state AwaitingRetry,
+   force false) on start 1: served, it trains both iterations and ends Completed;
+5. `prefect flow-run retry` (Prefect's CLI, no --entrypoint) on start 2: served, Completed, nothing trained again.
+Both runs have a deployment (the UI shows Retry only for those).
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.integration.pipeline_helpers import small_config
@@ -44,58 +52,93 @@ def _training_runs(client, name: str) -> list:
     return sorted(runs, key=lambda fr: fr.created)
 
 
-def test_a_killed_run_is_marked_crashed_and_the_prefect_retry_resumes_it(
+def _wait_for_state(client, flow_run_id, state: str, timeout_s: float):
+    deadline = time.time() + timeout_s
+    while True:
+        run = client.read_flow_run(flow_run_id)
+        if run.state.type.value == state or time.time() > deadline:
+            return run
+        time.sleep(2)
+
+
+def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from prefect.client.orchestration import get_client
 
+    from flows.deployment import HEARTBEAT_S, MISSED_BEATS
+    from flows.records import read_metrics
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
 
     cfg = small_config(str(tmp_path / "runs"), "crashy", tiny_model_dir, digits_dataset_dir, iterations=2)
     config_path = tmp_path / "crashy.yaml"
     config_path.write_text(cfg.to_yaml())
+    layout = layout_for(cfg)
 
     first = _killed_train(config_path, "engines.stages.update:train_on@1")
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     with get_client(sync_client=True) as client:
         (run_1,) = _training_runs(client, "crashy")
         assert run_1.state.type.value == "RUNNING"  # nobody told Prefect
+        assert run_1.deployment_id is not None  # what the UI's Retry button needs
 
-    second = _killed_train(config_path, "flows.training:ppo_iteration@1")
+    second = _killed_train(config_path, "flows.iteration:ppo_iteration@1")
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
-    with get_client(sync_client=True) as client:
-        run_1, run_2 = _training_runs(client, "crashy")
-        assert run_1.state.type.value == "CRASHED" and "died" in run_1.state.message, run_1.state
-        subflows = [
-            fr
-            for fr in client.read_flow_runs(limit=200)
-            if fr.parent_task_run_id is not None
-            and fr.name.startswith("ppo-iter-")
-            and fr.state.type.value == "RUNNING"
-        ]
-        assert subflows == [], [(fr.name, fr.state) for fr in subflows]  # start 1's iteration subflow too
-
-    retry = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "flow-run",
-            "retry",
-            str(run_1.id),
-            "--entrypoint",
-            "flows/training.py:ppo_training",
-        ],
+    killed_at = time.time()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "serve"],
         cwd=REPO,
         env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        stdout=open(tmp_path / "serve.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
-    assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
-    with get_client(sync_client=True) as client:
-        run_1, run_2 = _training_runs(client, "crashy")
-        assert run_1.state.type.value == "COMPLETED", run_1.state
-        assert run_2.state.type.value == "CRASHED", run_2.state
-    assert latest_iteration(layout_for(cfg)) == 2
+    try:
+        with get_client(sync_client=True) as client:
+            run_1, run_2 = _training_runs(client, "crashy")
+            assert run_1.state.type.value == "CRASHED" and "died" in run_1.state.message, run_1.state
+            subflows = [
+                fr
+                for fr in client.read_flow_runs(limit=200)
+                if fr.parent_task_run_id is not None
+                and fr.name.startswith("ppo-iter-")
+                and fr.state.type.value == "RUNNING"
+            ]
+            assert subflows == [], [(fr.name, fr.state) for fr in subflows]  # start 1's iteration subflow too
+
+            # Step 3: the heartbeat automation. Start 2 beat last at most HEARTBEAT_S before it died; its window
+            # is MISSED_BEATS beats; the server evaluates proactive triggers every 5 s: 60 s of slack on a busy CI.
+            run_2 = _wait_for_state(client, run_2.id, "CRASHED", HEARTBEAT_S * MISSED_BEATS + 60)
+            assert run_2.state.type.value == "CRASHED", (run_2.state, time.time() - killed_at)
+            assert "no heartbeat" in run_2.state.message, run_2.state
+
+            # Step 4: the UI's Retry (prefect-ui-library FlowRunsApi.retryFlowRun), verbatim.
+            answer = httpx.post(
+                f"{os.environ['PREFECT_API_URL']}/flow_runs/{run_1.id}/set_state",
+                json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}},
+                timeout=30,
+            )
+            assert answer.status_code in (200, 201) and answer.json()["status"] == "ACCEPT", answer.text
+            run_1 = _wait_for_state(client, run_1.id, "COMPLETED", 600)
+            assert run_1.state.type.value == "COMPLETED", (run_1.state, (tmp_path / "serve.log").read_text()[-3000:])
+            assert latest_iteration(layout) == 2
+            assert [row["iteration"] for row in read_metrics(layout)] == [1, 2]
+
+        # Step 5: Prefect's CLI retry of a deployment run: no --entrypoint.
+        retry = subprocess.run(
+            [sys.executable, "-m", "prefect", "flow-run", "retry", str(run_2.id)],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
+        with get_client(sync_client=True) as client:
+            run_2 = _wait_for_state(client, run_2.id, "COMPLETED", 600)
+            assert run_2.state.type.value == "COMPLETED", (run_2.state, (tmp_path / "serve.log").read_text()[-3000:])
+        assert [row["iteration"] for row in read_metrics(layout)] == [1, 2]  # nothing trained twice
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        serve.wait(timeout=60)

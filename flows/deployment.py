@@ -1,0 +1,146 @@
+"""`ppoflow train` runs the training flow as a run of the deployment `ppo-training/ppoflow-train`.
+
+A flow run with no deployment has no Retry button in Prefect's UI (the button needs `deploymentId`) and
+`prefect flow-run retry ID` asks for its entry point. So `ppoflow train` does what a deployment run does,
+in its own process:
+
+    train_through_deployment(config_json)    register the deployment (idempotent), create a flow run of it with
+                                             the config as its parameter, in state Pending (so no runner takes
+                                             it: this process runs it), and run that flow run here
+    serve_deployment()                       `ppoflow serve`: Prefect's Runner for the same deployment; executes
+                                             the runs that a Retry (UI or `prefect flow-run retry ID`) or the
+                                             UI's "Run" puts in Scheduled, each in a subprocess
+    ensure_crash_automation(heartbeat_s)     Prefect's own zombie detection: an automation that sets a run of
+                                             the deployment Crashed when its heartbeats stop (SIGKILL, lost host)
+
+Why a served deployment (no work pool): the training flow already runs where `ppoflow train` starts it; a
+work pool would need a worker to run it and an image or a path to pull the code from. A served deployment
+needs neither, and its runs carry everything a retry needs: the parameters (the whole config) and the
+entry point `flows.training.ppo_training` (a module path: the runner can run it from any folder).
+
+Heartbeats: Prefect's flow engine emits `prefect.flow-run.heartbeat` every `flows.heartbeat_frequency`
+seconds (Prefect's default 180). `ppoflow train` uses HEARTBEAT_S unless PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+is set, and the automation expects the next heartbeat (or the run's end) within MISSED_BEATS beats, so a
+killed run turns Crashed about 2 minutes after its last heartbeat and can then be retried.
+
+Failure modes: no Prefect API (the server is down) fails at `apply()` with Prefect's connection error,
+before any work; the automation's creation failing (an old server without automations) is logged and the
+run goes on (the next start of the run still marks the dead run Crashed: flows/stale_runs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+DEPLOYMENT_NAME = "ppoflow-train"
+HEARTBEAT_S = 30  # Prefect's minimum
+MISSED_BEATS = 3
+AUTOMATION_NAME = "ppoflow: crash ppoflow-train runs whose heartbeat stopped"
+
+logger = logging.getLogger(__name__)
+
+
+def register_deployment() -> UUID:
+    """Create or update the served deployment `ppo-training/ppoflow-train`; returns its id."""
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.training import ppo_training
+
+    deployment = ppo_training.to_deployment(
+        name=DEPLOYMENT_NAME,
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        description="Runs started by `ppoflow train`; `ppoflow serve` executes their retries.",
+    )
+    return deployment.apply()
+
+
+def heartbeat_seconds() -> int:
+    """The heartbeat period of the training flow run: PREFECT_FLOWS_HEARTBEAT_FREQUENCY when set, else HEARTBEAT_S."""
+    from prefect.settings import get_current_settings
+
+    if os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY"):
+        return int(get_current_settings().flows.heartbeat_frequency or HEARTBEAT_S)
+    return HEARTBEAT_S
+
+
+def ensure_crash_automation(deployment_id: UUID, heartbeat_s: int) -> None:
+    """Create, once per server, the automation that sets a heartbeat-less run of the deployment Crashed."""
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    within = timedelta(seconds=heartbeat_s * MISSED_BEATS)
+    try:
+        existing = Automation.read(name=AUTOMATION_NAME)
+    except ValueError:  # Prefect: "Automation not found"
+        existing = None
+    if existing is not None and existing.trigger.within == within:
+        return
+    if existing is not None:
+        existing.delete()  # another heartbeat period: the window follows it
+    ended = [f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")]
+    Automation(
+        name=AUTOMATION_NAME,
+        description=f"No heartbeat for {heartbeat_s * MISSED_BEATS} s: the process that ran it died.",
+        trigger=EventTrigger(
+            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
+            # Only the runs of this deployment: other flows on the server keep their own heartbeat periods.
+            match_related=ResourceSpecification({"prefect.resource.id": f"prefect.deployment.{deployment_id}"}),
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *ended},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=within,
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {heartbeat_s * MISSED_BEATS} s: the process that ran it died; "
+                "retry it (UI Retry or `prefect flow-run retry ID`, with `ppoflow serve` running) or run the "
+                "same `ppoflow train` command again",
+            )
+        ],
+    ).create()
+
+
+def train_through_deployment(config_json: dict[str, Any]) -> dict[str, Any]:
+    """Run the training flow for `config_json` here, as a flow run of the `ppoflow-train` deployment."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import SettingsContext, get_settings_context
+    from prefect.flow_engine import run_flow
+    from prefect.states import Pending
+
+    from flows.training import ppo_training
+
+    deployment_id = register_deployment()
+    heartbeat_s = heartbeat_seconds()
+    try:
+        ensure_crash_automation(deployment_id, heartbeat_s)
+    except Exception as e:  # noqa: BLE001 - detection is a convenience; the run itself does not need it
+        logger.warning("could not create the automation that marks dead runs Crashed: %s", e)
+    parameters = {"config": config_json}
+    with get_client(sync_client=True) as client:
+        # Pending, not Scheduled: a `ppoflow serve` running meanwhile must not take this run; this process runs it.
+        flow_run = client.create_flow_run_from_deployment(deployment_id, parameters=parameters, state=Pending())
+    outer = get_settings_context()
+    settings = outer.settings.copy_with_update(updates={"flows.heartbeat_frequency": heartbeat_s})
+    with SettingsContext(profile=outer.profile, settings=settings):
+        return run_flow(ppo_training, flow_run=flow_run, parameters=parameters)
+
+
+def serve_deployment() -> None:
+    """`ppoflow serve`: execute the Scheduled runs of `ppoflow-train` (retries, UI runs) until interrupted."""
+    from prefect import serve
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.training import ppo_training
+
+    deployment = ppo_training.to_deployment(name=DEPLOYMENT_NAME, entrypoint_type=EntrypointType.MODULE_PATH)
+    serve(deployment)
