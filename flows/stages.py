@@ -16,6 +16,7 @@ the same; only the process (and machine) differs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import flow
@@ -93,7 +94,10 @@ def run_stage_on_worker(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs
     # The future's own wait follows task-run events and can return before the final state is readable (seen:
     # "has no state"); the API's view of the run is what decides.
     while not (state := future.state).is_final():
-        future.wait(timeout=5)
+        try:
+            future.wait(timeout=5)
+        except RuntimeError:  # Prefect: the task run "has no state": no worker has taken the submission yet
+            time.sleep(0.5)  # (several iterations in flight queue stages for one worker)
         if why := lease_holder_dead(read_lease(layout, iteration, stage)):
             message = (
                 f"stage {stage} of iteration {iteration} was running on a warm worker that died: {why}. "
