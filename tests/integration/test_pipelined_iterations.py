@@ -70,6 +70,7 @@ def test_k1_follows_the_fixed_schedule_overlaps_stages_and_corrects_stale_rows(
         digits_dataset_dir,
         iterations=ITERATIONS,
         pipeline={"max_staleness": k},
+        run={"keep_checkpoints": 1},
     )
     _run(cfg)
     layout = layout_for(cfg)
@@ -83,6 +84,12 @@ def test_k1_follows_the_fixed_schedule_overlaps_stages_and_corrects_stale_rows(
         # The decoupled-PPO weights are applied (and only they: no TIS metric under its other name).
         assert 0 < row["async/is_weight_mean"] <= 2.0 and 0 <= row["async/is_weight_clipfrac"] <= 1
         assert "tis/weight_mean" not in row
+
+    # Retention keeps the newest k+1 checkpoints whatever run.keep_checkpoints says: iteration i+1 samples with
+    # the checkpoint of i-k, which must outlive the commit of iteration i.
+    assert sorted(p.name for p in (tmp_path / "runs" / "k1" / "checkpoints").glob("iter-*")) == [
+        f"iter-{i:06d}" for i in range(ITERATIONS - k, ITERATIONS + 1)
+    ]
 
     # The pipeline overlapped: iteration i+1's rollout started before iteration i's update ended.
     runs = _task_runs(f"ppo-training-{cfg.run.name}")
