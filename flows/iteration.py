@@ -24,6 +24,7 @@ from flows.in_flight import wait_for_previous
 from flows.records import read_metrics, read_stage_record, record_metrics
 from flows.stages import run_stage
 from ppoflow.config import as_config
+from storage.checkpoints import read_commit_marker
 from storage.layout import RunLayout, layout_for
 
 
@@ -71,6 +72,27 @@ def recover_missing_rows(layout: RunLayout, committed_through: int) -> list[int]
         record_metrics(layout, {**iteration_metrics(iteration, manifests, None), "record/rebuilt": True})
         rebuilt.append(iteration)
     return rebuilt
+
+
+def rerun_missing_evals(cfg, layout: RunLayout, committed_through: int) -> list[int]:
+    """Run the evals that committed iterations 1..committed_through lost; returns their iterations.
+
+    An iteration's eval runs after its commit and before its metrics row, so a process that dies in between
+    leaves the iteration committed with neither (the resume starts after it). Such an eval (due, no eval
+    record, no row) runs again here with the policy that iteration committed, before recover_missing_rows
+    rebuilds the row with it. When retention has removed that checkpoint, the eval cannot be redone: the row is
+    rebuilt without eval/* (absent, never invented).
+    """
+    have = {row["iteration"] for row in read_metrics(layout)}
+    ran = []
+    for iteration in range(1, committed_through + 1):
+        if iteration in have or not eval_due(cfg, iteration) or read_stage_record(layout, iteration, "eval"):
+            continue
+        if read_commit_marker(layout, iteration) is None:
+            continue  # removed by retention
+        run_stage(cfg, "eval", iteration, policy=policy_ref(cfg, iteration + 1))
+        ran.append(iteration)
+    return ran
 
 
 def _trained_policy(cfg, iteration: int) -> PolicyRef:

@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import start_progress, update_progress
-from flows.iteration import ppo_iteration, recover_missing_rows
+from flows.iteration import ppo_iteration, recover_missing_rows, rerun_missing_evals
 from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
@@ -37,6 +37,10 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     start = (latest_iteration(layout) or 0) + 1
     logger = get_run_logger()
     _crash_stale_run(cfg, layout, logger)
+    for iteration in rerun_missing_evals(cfg, layout, start - 1):
+        logger.warning(
+            "iteration %d was committed but its eval was lost (the process died in between): ran it again", iteration
+        )
     for iteration in recover_missing_rows(layout, start - 1):
         logger.warning(
             "iteration %d was committed but its metrics row was not written (the process died in "

@@ -105,3 +105,50 @@ def test_eval_rows_metrics_and_dynamic_sampling(prefect_api, tmp_path, tiny_mode
     assert {k: v for k, v in retried.items() if k.startswith("eval/")} == {
         k: v for k, v in rows[2].items() if k.startswith("eval/")
     }
+
+
+def test_an_eval_lost_between_commit_and_row_runs_again_on_resume(
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
+):
+    """Iteration 2 commits, then its eval fails (as a process dying there would leave it: committed, no eval
+    record, no row). The next start of the run runs that eval again: its rows and metrics equal those of a run
+    that never failed (same seed, same committed policy)."""
+    import pytest as _pytest
+
+    from flows.records import read_metrics, read_stage_record
+    from flows.training import ppo_training
+    from storage.checkpoints import latest_iteration
+    from storage.layout import layout_for
+    from storage.shards import read_shards
+    from tests.fixtures.faults import fail_when
+
+    def config(name):
+        return small_config(
+            str(tmp_path / "runs"),
+            name,
+            tiny_model_dir,
+            digits_dataset_dir,
+            iterations=2,
+            eval={"data_path": _eval_set(tmp_path / "held_out.jsonl"), "every": 1, "n_samples": EVAL_N},
+        )
+
+    whole, broken = config("whole"), config("broken")
+    assert ppo_training(config=whole.model_dump(mode="json"), return_state=True).is_completed()
+    with _pytest.MonkeyPatch.context() as mp:
+        fail_when(mp, "engines.stages.evaluate", "run_eval", lambda cfg, iteration, *a, **k: iteration == 2)
+        assert not ppo_training(config=broken.model_dump(mode="json"), return_state=True).is_completed()
+    layout = layout_for(broken)
+    assert latest_iteration(layout) == 2 and read_stage_record(layout, 2, "eval") is None
+    assert [row["iteration"] for row in read_metrics(layout)] == [1]
+
+    assert ppo_training(config=broken.model_dump(mode="json"), return_state=True).is_completed()
+    rows = {row["iteration"]: row for row in read_metrics(layout)}
+    want = {row["iteration"]: row for row in read_metrics(layout_for(whole))}
+    assert sorted(rows) == [1, 2] and rows[2].get("record/rebuilt") is True
+    assert {k: v for k, v in rows[2].items() if k.startswith("eval/")} == {
+        k: v for k, v in want[2].items() if k.startswith("eval/")
+    }
+    assert rows[2]["eval/reward_mean"] is not None
+    # The eval samples themselves (the shards' data; their metadata names the run, so the bytes differ).
+    redone, reference = (read_shards(lay.fs, lay.stage_dir(2, "eval")) for lay in (layout, layout_for(whole)))
+    assert redone.replace_schema_metadata(None).equals(reference.replace_schema_metadata(None))
