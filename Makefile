@@ -16,7 +16,7 @@ demo: setup
 
 # README "From preference pairs to a trained policy". PPO's reward is the learned model only; the digits rule is
 # measured afterwards on the rollout shards (rule_report). Start over with: rm -rf runs/rm-demo runs/demo-rm
-RM_ITERATIONS ?= 40
+RM_ITERATIONS ?= 150
 demo-rm: setup
 	$(PY) -m engines.toy.model ./runs/_models/tiny-llama
 	$(PY) -m engines.toy.preferences ./runs/_data/digits-preferences.jsonl --pairs 8000
