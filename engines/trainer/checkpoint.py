@@ -23,6 +23,13 @@ partitions travel in the optimizer state either way. The stage-3 optimizer's sta
 state of the flat fp32 partitions, `fp32_flat_groups`, bookkeeping) is this rank's partition; loading it
 restores the fp32 partitions and copies them into the (partitioned) parameters, so a resumed trainer continues
 from the master weights. A world of one rank holds the whole partition.
+
+Resuming on another number of ranks: the optimizer files are ppoflow's (above), not DeepSpeed's checkpoint
+folders, so DeepSpeed's universal checkpoint (ds_to_universal) does not read them. ZeRO stage 0 in float32
+resumes on any count (`replicated_optimizer_state`: DeepSpeed keeps torch's AdamW as it is there, every rank
+holds the whole state and the ranks' files are equal; each rank loads rank 0's, and takes the RNG state of
+saved rank r mod the saved count). Everything else (ZeRO 1-3, whose files are partitions, and bf16/fp16,
+whose optimizer wraps master weights) is refused naming both counts.
 """
 
 from __future__ import annotations
@@ -119,6 +126,19 @@ def load_optimizer(engine, folder: Path, stem: str) -> None:
             f"resuming a {type(optimizer).__name__} optimizer is not supported "
             f"(train.zero_stage 0-3 use torch AdamW inside DeepSpeed)"
         )
+
+
+def replicated_optimizer_state(state_dir: str | Path, cfg) -> bool:
+    """True when the trainer state in `state_dir` (its config.json) and the run config `cfg` both keep the whole
+    optimizer state on every rank, equal across ranks: ZeRO stage 0 with float32 weights (see the module doc)."""
+    saved_path = Path(state_dir) / "config.json"
+    if not saved_path.is_file():
+        return False
+    saved = json.loads(saved_path.read_text())
+    return all(
+        int(c["train"]["zero_stage"]) == 0 and c["model"]["dtype"] == "float32"
+        for c in (saved, cfg.model_dump(mode="json"))
+    )
 
 
 def engine_counters(engine) -> dict[str, Any]:
@@ -226,20 +246,23 @@ def load_trainer_state(trainer, state_dir: str) -> None:
         )
     rank, world = trainer.actor.global_rank, trainer.actor.world_size
     saved_world = int(meta.get("world_size", 1))
+    source = rank  # the saved rank whose optimizer file this rank loads
     if saved_world != world:
-        raise ValueError(
-            f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
-            f"trainer runs on {world}: resuming on another number of ranks is not supported "
-            f"(start it on {saved_world} ranks)"
-        )
-    load_optimizer(trainer.actor, folder, _rank_stem("actor_optimizer", rank, world))
+        if not replicated_optimizer_state(folder, trainer.cfg):
+            raise ValueError(
+                f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
+                f"trainer runs on {world}: resuming on another number of ranks is supported at "
+                f"train.zero_stage=0 with model.dtype=float32 only (start it on {saved_world} ranks)"
+            )
+        source = 0  # every rank's file holds the same whole state
+    load_optimizer(trainer.actor, folder, _rank_stem("actor_optimizer", source, saved_world))
     set_engine_counters(trainer.actor, meta["engines"]["actor"])
     if trainer.critic is not None:
-        load_optimizer(trainer.critic, folder, _rank_stem("critic_optimizer", rank, world))
+        load_optimizer(trainer.critic, folder, _rank_stem("critic_optimizer", source, saved_world))
         set_engine_counters(trainer.critic, meta["engines"]["critic"])
     trainer.kl_controller.load_state_dict(meta["kl_controller"])
     if trainer.reward_normalizer is not None and "reward_normalizer" in meta:
         trainer.reward_normalizer.load_state_dict(meta["reward_normalizer"])
     trainer.update_count = int(meta["update_count"])
     trainer.extra_state = dict(meta.get("extra_state") or {})
-    set_rng_state(load_nested(folder, _rank_stem("rng", rank, world)))
+    set_rng_state(load_nested(folder, _rank_stem("rng", rank % saved_world, saved_world)))
