@@ -42,9 +42,9 @@ from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.stages.update import build_trainer, staleness
 from engines.trainer import rank_group
-from engines.trainer.checkpoint import replicated_optimizer_state
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
+from engines.trainer.reshard import other_count_mode
 from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
 from storage.layout import layout_for
 from storage.schema import schema_for
@@ -55,21 +55,18 @@ ENTRY = "engines.stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
 
 def check_saved_ranks(ckpt: Optional[str], ranks: int, cfg=None) -> None:
     """ValueError naming both counts when the checkpoint at `ckpt` was saved by another number of ranks and
-    cannot resume on `ranks` (the run config `cfg`, when given, may allow it: checkpoint.replicated_optimizer_state).
-
-    Checked before any rank starts. At ZeRO 1-3 every rank's optimizer state is the partition of its rank, in
-    ppoflow's own files, which DeepSpeed's universal checkpoint does not read; only ZeRO 0 in float32, whose
-    optimizer state is whole and equal on every rank, resumes on another count (engines/trainer/checkpoint.py).
+    cannot resume on `ranks` under the run config `cfg` (engines/trainer/reshard.py: ZeRO 1-2, and 0 in float32,
+    can; without `cfg`, no other count is allowed). Checked before any rank starts.
     """
     meta = Path(ckpt, "trainer", "trainer.json") if ckpt is not None else None
     if meta is None or not meta.is_file():
         return
     saved = int(json.loads(meta.read_text()).get("world_size", 1))
-    if saved != ranks and not (cfg is not None and replicated_optimizer_state(meta.parent, cfg)):
+    if saved != ranks and (cfg is None or other_count_mode(meta.parent, cfg) is None):
         raise ValueError(
             f"checkpoint {ckpt} was saved by {saved} rank(s) but train.num_ranks={ranks}: resuming on another "
-            f"number of ranks is supported at train.zero_stage=0 with model.dtype=float32 only (at ZeRO 1-3 "
-            f"each rank's optimizer partition is saved as it is); set train.num_ranks={saved}"
+            f"number of ranks is supported at train.zero_stage 1-2, and 0 with model.dtype=float32, when the "
+            f"stage is unchanged (ZeRO-3 partitions are not re-cut); set train.num_ranks={saved}"
         )
 
 

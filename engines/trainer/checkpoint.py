@@ -24,12 +24,9 @@ state of the flat fp32 partitions, `fp32_flat_groups`, bookkeeping) is this rank
 restores the fp32 partitions and copies them into the (partitioned) parameters, so a resumed trainer continues
 from the master weights. A world of one rank holds the whole partition.
 
-Resuming on another number of ranks: the optimizer files are ppoflow's (above), not DeepSpeed's checkpoint
-folders, so DeepSpeed's universal checkpoint (ds_to_universal) does not read them. ZeRO stage 0 in float32
-resumes on any count (`replicated_optimizer_state`: DeepSpeed keeps torch's AdamW as it is there, every rank
-holds the whole state and the ranks' files are equal; each rank loads rank 0's, and takes the RNG state of
-saved rank r mod the saved count). Everything else (ZeRO 1-3, whose files are partitions, and bf16/fp16,
-whose optimizer wraps master weights) is refused naming both counts.
+Resuming on another number of ranks (engines/trainer/reshard.py): ZeRO 0 in float32 and ZeRO 1-2 carry their
+optimizer state over (rank 0's whole state, or the saved partitions cut again for the new count); ZeRO-3 and
+ZeRO 0 in bf16/fp16 are refused naming both counts.
 """
 
 from __future__ import annotations
@@ -41,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from engines.hf_save import save_pretrained_hashed
+from engines.trainer import reshard
 from engines.trainer.lora import save_lora_policy
 from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
 
@@ -104,9 +102,10 @@ def _zero_partition_padding(optimizer) -> None:
                 flat.view(-1)[offset - pad : offset].zero_()
 
 
-def load_optimizer(engine, folder: Path, stem: str) -> None:
-    """Load saved optimizer state into a freshly built engine of the same model and config."""
-    saved = load_nested(folder, stem)
+def load_optimizer(engine, folder: Path, stem: str, saved: Optional[dict] = None) -> None:
+    """Load saved optimizer state (folder/stem, or `saved` as load_nested returns it) into a freshly built engine
+    of the same model and config."""
+    saved = load_nested(folder, stem) if saved is None else saved
     optimizer = engine.optimizer
     template = optimizer.state_dict()
     loss_scale = saved.pop("loss_scale", None)
@@ -126,19 +125,6 @@ def load_optimizer(engine, folder: Path, stem: str) -> None:
             f"resuming a {type(optimizer).__name__} optimizer is not supported "
             f"(train.zero_stage 0-3 use torch AdamW inside DeepSpeed)"
         )
-
-
-def replicated_optimizer_state(state_dir: str | Path, cfg) -> bool:
-    """True when the trainer state in `state_dir` (its config.json) and the run config `cfg` both keep the whole
-    optimizer state on every rank, equal across ranks: ZeRO stage 0 with float32 weights (see the module doc)."""
-    saved_path = Path(state_dir) / "config.json"
-    if not saved_path.is_file():
-        return False
-    saved = json.loads(saved_path.read_text())
-    return all(
-        int(c["train"]["zero_stage"]) == 0 and c["model"]["dtype"] == "float32"
-        for c in (saved, cfg.model_dump(mode="json"))
-    )
 
 
 def engine_counters(engine) -> dict[str, Any]:
@@ -217,6 +203,19 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
     return hashed
 
 
+def _load_role_optimizer(engine, folder: Path, stem: str, saved_world: int, mode: Optional[str]) -> None:
+    """Load `engine`'s optimizer state saved by `saved_world` ranks (mode None: by as many as now run)."""
+    rank, world = engine.global_rank, engine.world_size
+    if mode is None:
+        load_optimizer(engine, folder, _rank_stem(stem, rank, world))
+    elif mode == reshard.REPLICATED:  # every saved rank's file holds the same whole state
+        load_optimizer(engine, folder, _rank_stem(stem, 0, saved_world))
+    else:
+        saved = [load_nested(folder, _rank_stem(stem, r, saved_world)) for r in range(saved_world)]
+        state = reshard.repartition(saved, engine.optimizer.state_dict(), rank, world)
+        load_optimizer(engine, folder, stem, saved=state)
+
+
 def _rank_stem(stem: str, rank: int, world: int) -> str:
     """One rank: `stem` (the files of a 1-rank run keep their names); several: `stem.rank<r>` per rank."""
     return stem if world == 1 else f"{stem}.rank{rank}"
@@ -246,19 +245,17 @@ def load_trainer_state(trainer, state_dir: str) -> None:
         )
     rank, world = trainer.actor.global_rank, trainer.actor.world_size
     saved_world = int(meta.get("world_size", 1))
-    source = rank  # the saved rank whose optimizer file this rank loads
-    if saved_world != world:
-        if not replicated_optimizer_state(folder, trainer.cfg):
-            raise ValueError(
-                f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
-                f"trainer runs on {world}: resuming on another number of ranks is supported at "
-                f"train.zero_stage=0 with model.dtype=float32 only (start it on {saved_world} ranks)"
-            )
-        source = 0  # every rank's file holds the same whole state
-    load_optimizer(trainer.actor, folder, _rank_stem("actor_optimizer", source, saved_world))
+    mode = None if saved_world == world else reshard.other_count_mode(folder, trainer.cfg)
+    if saved_world != world and mode is None:
+        raise ValueError(
+            f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
+            f"trainer runs on {world}: resuming on another number of ranks is supported at train.zero_stage "
+            f"1-2, and 0 with model.dtype=float32, when the stage is unchanged (start it on {saved_world} ranks)"
+        )
+    _load_role_optimizer(trainer.actor, folder, "actor_optimizer", saved_world, mode)
     set_engine_counters(trainer.actor, meta["engines"]["actor"])
     if trainer.critic is not None:
-        load_optimizer(trainer.critic, folder, _rank_stem("critic_optimizer", source, saved_world))
+        _load_role_optimizer(trainer.critic, folder, "critic_optimizer", saved_world, mode)
         set_engine_counters(trainer.critic, meta["engines"]["critic"])
     trainer.kl_controller.load_state_dict(meta["kl_controller"])
     if trainer.reward_normalizer is not None and "reward_normalizer" in meta:

@@ -55,8 +55,11 @@ def step_share(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank `rank`'s part of one optimizer step: the r-th contiguous 1/world of the step's rows, (S,) -> (S/world,).
 
     With the first epoch's unshuffled single step (rows = arange(B)) that is exactly the rank's own rows,
-    whose forward it has taken already (PPOTrainer._first_forward).
+    whose forward it has taken already (PPOTrainer._first_forward). Raises ValueError when `world` does not
+    divide the step (the config refuses such a train.num_ranks before any work).
     """
+    if len(rows) % world:
+        raise ValueError(f"an optimizer step of {len(rows)} rows cannot be shared by train.num_ranks={world} ranks")
     share = len(rows) // world
     return rows[rank * share : (rank + 1) * share]
 

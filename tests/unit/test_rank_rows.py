@@ -37,6 +37,10 @@ class TestStepShare:
             assert torch.equal(torch.cat(shares), step)  # every row of the step trained exactly once
             assert {len(s) for s in shares} == {12 // world}
 
+    def test_a_step_the_ranks_cannot_share_evenly_is_refused(self):
+        with pytest.raises(ValueError, match=r"step of 6 rows cannot be shared by train.num_ranks=4"):
+            step_share(torch.arange(6), 0, 4)
+
     def test_the_unshuffled_single_step_gives_each_rank_its_own_rows(self):
         # what lets a rank reuse its first forward (PPOTrainer._first_forward) in epoch 0
         whole = torch.arange(16)
