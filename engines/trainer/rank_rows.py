@@ -9,7 +9,8 @@ Slicing (train.num_ranks = N, an update batch of B rows in the scored shards' or
 Each rank runs the no-grad forward (old log-probs, values) on its rows only, padded to the widths of the
 whole batch (the longest prompt and response on any rank: `agree_shape`, `pad_to`) and cut into the
 micro-batches one rank cuts from the same rows when train.micro_batch_size divides B/N: the same inputs
-in the same kernels, so the same numbers. `gather_rows` then hands every rank all B rows with their
+in the same kernels, so the same numbers (up to rounding where a kernel picks another path, e.g. a forward
+taken with grad for `_first_forward`). `gather_rows` then hands every rank all B rows with their
 forward outputs (an all-gather per field; rank order is row order), and the trainer computes reward
 shaping, KL, group baselines and advantage whitening over the whole batch on every rank from the very
 numbers one rank has. None of those statistics is a sum of per-rank partial statistics, so none depends on

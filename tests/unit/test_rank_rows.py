@@ -105,11 +105,11 @@ class TestPadTo:
 
 @pytest.fixture()
 def scored_dir(tmp_path):
-    """10 scored rows in parts of 3, 3, 3 and 1 rows."""
+    """10 scored rows in parts of 3, 3, 2 and 2 rows (write_shards balances the parts)."""
     fs = fsspec.filesystem("file")
     table = synthetic_table("scored", 10, seed=1, prompt_len=4, response_len=4, vocab=64, group_size=2)
     manifest = write_shards(fs, str(tmp_path / "scored"), table, "scored", max_rows=3)
-    assert [p.rows for p in manifest.parts] == [3, 3, 3, 1]
+    assert [p.rows for p in manifest.parts] == [3, 3, 2, 2]
     return fs, str(tmp_path / "scored"), table, manifest
 
 
@@ -122,8 +122,8 @@ class TestReadRankRows:
         assert pa.concat_tables(blocks).equals(read_shards(fs, stage_dir)) and pa.concat_tables(blocks).equals(table)
 
     def test_only_the_parts_holding_the_ranks_rows_are_read(self, scored_dir):
-        # rows 0-4 (rank 0 of 2) lie in parts 0 and 1, rows 5-9 (rank 1) in parts 1, 2 and 3: a corrupt part 2 fails
-        # rank 1 (naming it) and is never opened by rank 0
+        # rows 0-4 (rank 0 of 2) lie in parts 0 and 1, rows 5-9 (rank 1) in parts 1, 2 (rows 6-7) and 3: a corrupt
+        # part 2 fails rank 1 (naming it) and is never opened by rank 0
         fs, stage_dir, table, manifest = scored_dir
         with fs.open(f"{stage_dir}/{manifest.parts[2].name}", "r+b") as f:
             f.seek(100)
