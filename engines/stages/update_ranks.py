@@ -6,14 +6,18 @@ iteration rank 0 sends them small JSON commands, each followed by the same call 
 
     build   {config, policy, checkpoint_dir,   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
              zero3_counters}                   trainers do not hold the policy: a new group, another run, a retry)
-    update  {iteration, rows}                  read the iteration's scored shards from storage, train_on them
+    update  {iteration, rows}                  read this rank's rows of the scored shards, train on them
     save    {dir, extra_state}                 trainer.save(dir): rank 0 writes policy/, critic/, trainer.json;
                                                every rank its optimizer partition and RNG state
 
-Each rank reads the scored shards itself (nothing but the command travels from rank 0). It reads all the
-rows: the trainer computes old log-probs, group baselines and advantage whitening over the whole batch on
-every rank, then each rank trains on its share rows[rank::N] of every optimizer step with the whole step's
-denominators (engines/trainer/ppo_trainer.py), so N ranks take the 1-rank step.
+Each rank reads its rows of the scored shards itself (nothing but the command travels from rank 0): of the
+iteration's B rows in manifest order, rank r takes rows [r*B/N, (r+1)*B/N) (`read_rank_rows`: only the
+parts holding some of them are fetched, each verified whole). It runs the old log-prob / value forward on
+them only; the trainer then all-gathers every rank's rows with those outputs, computes group baselines and
+advantage whitening over the whole batch on every rank, and each rank trains on its share of every
+optimizer step with the whole step's denominators (engines/trainer/rank_rows.py, ppo_trainer.py), so N ranks
+take the 1-rank update. Rank 0 also reads every row: it writes the iteration's experience shards, which
+carry all the scored columns.
 
 Failure: any exception during the commands tears the group down (rank_group.failed); a rank that died is
 named with its exit code or signal. The retry starts a new group whose trainers are built from the
@@ -29,36 +33,67 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import pyarrow as pa
+
 from engines import warm
 from engines.stages.held import trainer_key
 from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest, provenance
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
-from engines.stages.tables import experience_table, write_stage_table
-from engines.stages.update import build_trainer, staleness, train_on
+from engines.stages.tables import experience_batch, experience_table, write_stage_table
+from engines.stages.update import build_trainer, staleness
 from engines.trainer import rank_group
+from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
+from engines.trainer.rank_rows import rank_rows
+from engines.trainer.reshard import other_count_mode
 from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
 from storage.layout import layout_for
-from storage.shards import read_shards
+from storage.schema import schema_for
+from storage.shards import read_part, read_shards, require_manifest
 
 ENTRY = "engines.stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
 
 
-def check_saved_ranks(ckpt: Optional[str], ranks: int) -> None:
-    """ValueError naming both counts when the checkpoint at `ckpt` was saved by another number of ranks.
-
-    Checked before any rank starts. Every rank's optimizer state is the partition of its rank (ZeRO 1-3) and
-    the RNG states are per rank; DeepSpeed's universal checkpoint would re-partition them, ppoflow does not.
+def check_saved_ranks(ckpt: Optional[str], ranks: int, cfg=None) -> None:
+    """ValueError naming both counts when the checkpoint at `ckpt` was saved by another number of ranks and
+    cannot resume on `ranks` under the run config `cfg` (engines/trainer/reshard.py: ZeRO 1-2, and 0 in float32,
+    can; without `cfg`, no other count is allowed). Checked before any rank starts.
     """
     meta = Path(ckpt, "trainer", "trainer.json") if ckpt is not None else None
     if meta is None or not meta.is_file():
         return
     saved = int(json.loads(meta.read_text()).get("world_size", 1))
-    if saved != ranks:
+    if saved != ranks and (cfg is None or other_count_mode(meta.parent, cfg) is None):
         raise ValueError(
             f"checkpoint {ckpt} was saved by {saved} rank(s) but train.num_ranks={ranks}: resuming on another "
-            f"number of ranks is not supported (each rank's optimizer partition and RNG state are saved as "
-            f"they are); set train.num_ranks={saved}"
+            f"number of ranks is supported at train.zero_stage 1-2, and 0 with model.dtype=float32, when the "
+            f"stage is unchanged (ZeRO-3 partitions are not re-cut); set train.num_ranks={saved}"
         )
+
+
+def read_rank_rows(fs, stage_dir: str, rank: int, world: int, expected_rows: int) -> pa.Table:
+    """Rank `rank`'s rows [r*B/N, (r+1)*B/N) of the committed shards in `stage_dir` (B rows in manifest order).
+
+    Only the parts that hold some of those rows are read, each verified whole (size, sha256, schema) as
+    read_shards verifies it. Raises ValueError when the manifest lists another number of rows than
+    `expected_rows` (what rank 0 read), plus read_part's errors naming a part.
+    """
+    manifest = require_manifest(fs, stage_dir)
+    if manifest.rows != expected_rows:
+        raise ValueError(f"scored shards {manifest.uri} hold {manifest.rows} rows, rank 0 expects {expected_rows}")
+    start, stop = rank_rows(manifest.rows, rank, world)
+    pieces, first = [], 0  # first: the row number of the part's first row
+    for part in manifest.parts:
+        lo, hi = max(start, first), min(stop, first + part.rows)
+        if lo < hi:
+            pieces.append(read_part(fs, stage_dir, part, manifest.kind).slice(lo - first, hi - lo))
+        first += part.rows
+    return pa.concat_tables(pieces) if pieces else schema_for(manifest.kind).empty_table()
+
+
+def train_on_rows(trainer: PPOTrainer, rows: pa.Table) -> UpdateResult:
+    """One PPO update where `rows` are this rank's rows of the scored shards (the trainer gathers the others');
+    the result holds all rows' per-token lists."""
+    return trainer.update_rows(experience_batch(rows, trainer.tokenizer.pad_token_id or 0))
 
 
 def zero3_counters(values: Optional[dict[str, int]] = None) -> dict[str, int]:
@@ -85,7 +120,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     started = time.perf_counter()
     layout = layout_for(cfg)
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
-    check_saved_ranks(ckpt, cfg.train.num_ranks)
+    check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
     group = rank_group.group_for(cfg.train.num_ranks, ENTRY, cfg.train.rank_timeout_s)
     try:
         trainer = warm.take(trainer_key(policy.weights_id))
@@ -98,8 +133,9 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
             warm.count_build(warm.Role.TRAINER.value)
         group.holds = None  # from here on the ranks' weights move past `policy`
         group.send({"op": "update", "iteration": iteration, "rows": scored.rows})
-        table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
-        result = train_on(trainer, table)
+        table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))  # all rows: the experience shards
+        start, stop = rank_rows(table.num_rows, 0, group.world)
+        result = train_on_rows(trainer, table.slice(start, stop - start))
         exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
         extra_state = {"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}}
         with checkpoint_scratch(layout) as tmp:
@@ -151,11 +187,9 @@ class _Rank:
             self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])
         elif op == "update":
             layout = layout_for(self.cfg)
-            where = layout.url(layout.stage_dir(command["iteration"], "scored"))
-            table = read_shards(layout.fs, layout.stage_dir(command["iteration"], "scored"))
-            if table.num_rows != command["rows"]:
-                raise ValueError(f"scored shards {where} hold {table.num_rows} rows, rank 0 expects {command['rows']}")
-            train_on(self.trainer, table)
+            stage_dir = layout.stage_dir(command["iteration"], "scored")
+            rank, world = self.trainer.actor.global_rank, self.trainer.actor.world_size
+            train_on_rows(self.trainer, read_rank_rows(layout.fs, stage_dir, rank, world, command["rows"]))
         elif op == "save":
             self.trainer.save(command["dir"], extra_state=command["extra_state"])
         else:

@@ -23,6 +23,10 @@ partitions travel in the optimizer state either way. The stage-3 optimizer's sta
 state of the flat fp32 partitions, `fp32_flat_groups`, bookkeeping) is this rank's partition; loading it
 restores the fp32 partitions and copies them into the (partitioned) parameters, so a resumed trainer continues
 from the master weights. A world of one rank holds the whole partition.
+
+Resuming on another number of ranks (engines/trainer/reshard.py): ZeRO 0 in float32 and ZeRO 1-2 carry their
+optimizer state over (rank 0's whole state, or the saved partitions cut again for the new count); ZeRO-3 and
+ZeRO 0 in bf16/fp16 are refused naming both counts.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from engines.hf_save import save_pretrained_hashed
+from engines.trainer import reshard
 from engines.trainer.lora import save_lora_policy
 from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
 
@@ -97,9 +102,10 @@ def _zero_partition_padding(optimizer) -> None:
                 flat.view(-1)[offset - pad : offset].zero_()
 
 
-def load_optimizer(engine, folder: Path, stem: str) -> None:
-    """Load saved optimizer state into a freshly built engine of the same model and config."""
-    saved = load_nested(folder, stem)
+def load_optimizer(engine, folder: Path, stem: str, saved: Optional[dict] = None) -> None:
+    """Load saved optimizer state (folder/stem, or `saved` as load_nested returns it) into a freshly built engine
+    of the same model and config."""
+    saved = load_nested(folder, stem) if saved is None else saved
     optimizer = engine.optimizer
     template = optimizer.state_dict()
     loss_scale = saved.pop("loss_scale", None)
@@ -197,6 +203,19 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
     return hashed
 
 
+def _load_role_optimizer(engine, folder: Path, stem: str, saved_world: int, mode: Optional[str]) -> None:
+    """Load `engine`'s optimizer state saved by `saved_world` ranks (mode None: by as many as now run)."""
+    rank, world = engine.global_rank, engine.world_size
+    if mode is None:
+        load_optimizer(engine, folder, _rank_stem(stem, rank, world))
+    elif mode == reshard.REPLICATED:  # every saved rank's file holds the same whole state
+        load_optimizer(engine, folder, _rank_stem(stem, 0, saved_world))
+    else:
+        saved = [load_nested(folder, _rank_stem(stem, r, saved_world)) for r in range(saved_world)]
+        state = reshard.repartition(saved, engine.optimizer.state_dict(), rank, world)
+        load_optimizer(engine, folder, stem, saved=state)
+
+
 def _rank_stem(stem: str, rank: int, world: int) -> str:
     """One rank: `stem` (the files of a 1-rank run keep their names); several: `stem.rank<r>` per rank."""
     return stem if world == 1 else f"{stem}.rank{rank}"
@@ -226,20 +245,21 @@ def load_trainer_state(trainer, state_dir: str) -> None:
         )
     rank, world = trainer.actor.global_rank, trainer.actor.world_size
     saved_world = int(meta.get("world_size", 1))
-    if saved_world != world:
+    mode = None if saved_world == world else reshard.other_count_mode(folder, trainer.cfg)
+    if saved_world != world and mode is None:
         raise ValueError(
             f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
-            f"trainer runs on {world}: resuming on another number of ranks is not supported "
-            f"(start it on {saved_world} ranks)"
+            f"trainer runs on {world}: resuming on another number of ranks is supported at train.zero_stage "
+            f"1-2, and 0 with model.dtype=float32, when the stage is unchanged (start it on {saved_world} ranks)"
         )
-    load_optimizer(trainer.actor, folder, _rank_stem("actor_optimizer", rank, world))
+    _load_role_optimizer(trainer.actor, folder, "actor_optimizer", saved_world, mode)
     set_engine_counters(trainer.actor, meta["engines"]["actor"])
     if trainer.critic is not None:
-        load_optimizer(trainer.critic, folder, _rank_stem("critic_optimizer", rank, world))
+        _load_role_optimizer(trainer.critic, folder, "critic_optimizer", saved_world, mode)
         set_engine_counters(trainer.critic, meta["engines"]["critic"])
     trainer.kl_controller.load_state_dict(meta["kl_controller"])
     if trainer.reward_normalizer is not None and "reward_normalizer" in meta:
         trainer.reward_normalizer.load_state_dict(meta["reward_normalizer"])
     trainer.update_count = int(meta["update_count"])
     trainer.extra_state = dict(meta.get("extra_state") or {})
-    set_rng_state(load_nested(folder, _rank_stem("rng", rank, world)))
+    set_rng_state(load_nested(folder, _rank_stem("rng", rank % saved_world, saved_world)))

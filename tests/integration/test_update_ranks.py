@@ -156,6 +156,22 @@ def test_two_ranks_through_the_update_stage(tiny_model_dir, digits_dataset_dir, 
     assert [it["world"] for it in out["live"]] == [2.0, 2.0, 2.0]
     assert out["live"][0]["pids"] == out["live"][2]["pids"]
 
+    # Iteration 1 starts from the initial weights in both runs. Each rank read and ran the old-log-prob and value
+    # forward on its own 8 rows, padded to the whole batch's widths, as the micro-batches one rank cuts (rows 0-7,
+    # 8-15): the same numbers up to kernel rounding (log-probs ~4 nats, fp32: a few 1e-7). The advantages are
+    # whitened over all 16 rows on every rank, so they agree as tightly. Whitening each rank's 8 rows apart would
+    # give each half a token mean of 0: off by that half's token mean in the 1-rank advantages (some token of the
+    # half then differs by at least as much), which is far above the 1e-5 allowed here.
+    experience = {
+        run: read_shards(fsspec.filesystem("file"), str(path / "iter-000001" / "experience")).to_pydict()
+        for run, path in (("two", root / "live"), ("one", tmp_path / "one" / "one"))
+    }
+    for column in ("old_logprobs", "values", "advantages", "returns"):
+        for row, (two_row, one_row) in enumerate(zip(experience["two"][column], experience["one"][column])):
+            assert two_row == pytest.approx(one_row, abs=1e-5), (column, row)
+    halves = [[a for row in experience["one"]["advantages"][h : h + 8] for a in row] for h in (0, 8)]
+    assert max(abs(sum(half) / len(half)) for half in halves) > 1e-3  # the check above can tell the two apart
+
     # 2 ranks == 1 rank: the same token-mean loss over the step's tokens, so the same gradient up to fp32
     # summation order (a mean of per-rank means would differ by far more: the ranks' token counts differ).
     # Adam turns an fp32-rounding difference in a near-zero gradient into at most 2 lr per step where the sign
