@@ -9,6 +9,10 @@
    When the rollout runs on a pool, its worker tokenises the data; tokenising a large dataset here too
    would pay that cost twice, so the lengths are then checked by the worker (first rollout, same error).
 
+4. the latest committed checkpoint can resume on `train.num_ranks` ranks (a run saved by another number of
+   ranks resumes where engines/trainer/reshard.py can re-cut it; otherwise one error naming both counts,
+   before any rollout, instead of an error in the update stage).
+
 Problems of steps 1 and 2 are gathered and raised as one PreflightError (a ConfigError, which the CLI prints
 as a message, not a traceback). Nothing here writes to the run's storage.
 """
@@ -57,10 +61,28 @@ def check_prompt_lengths(cfg: PPOFlowConfig) -> None:
         raise PreflightError(format_problems(cfg, [f"data.path: {e.args[0] if e.args else e}"])) from None
 
 
+def rank_count_problems(cfg: PPOFlowConfig) -> list[str]:
+    """A problem when the run's latest checkpoint was saved by a number of ranks it cannot resume on."""
+    from engines.stages.update_ranks import check_saved_ranks
+    from storage.checkpoints import latest_iteration, load_checkpoint
+    from storage.layout import layout_for
+
+    layout = layout_for(cfg)
+    if not layout.fs.exists(layout.run_dir) or not (latest := latest_iteration(layout)):
+        return []
+    try:  # only trainer/ is fetched (trainer.json names the rank count that saved it)
+        check_saved_ranks(load_checkpoint(layout, latest, parts=("trainer",)), cfg.train.num_ranks, cfg)
+    except ValueError as e:
+        return [f"train.num_ranks: {e}"]
+    return []
+
+
 def preflight(cfg: PPOFlowConfig) -> None:
     """Raise PreflightError naming every problem found before the first iteration; see the module docstring."""
     problems = static_problems(cfg) + deployment_problems(cfg)
     if problems:
+        raise PreflightError(format_problems(cfg, problems))
+    if problems := rank_count_problems(cfg):
         raise PreflightError(format_problems(cfg, problems))
     if "rollout" not in (cfg.pipeline.stage_pools or {}):
         check_prompt_lengths(cfg)
