@@ -64,7 +64,7 @@ def _engine_settings(kind: str, rollout_cfg, model_cfg) -> dict:
     """The engine constructor's keywords besides the policy folder and the seed. They are also the engine's
     identity (with the model): an engine is reused exactly when it was built with these settings."""
     if kind == "vllm":
-        from engines.rollout.vllm_engine import logprobs_mode_for
+        from engines.rollout.vllm_logprobs import logprobs_mode_for
 
         settings = {name: getattr(rollout_cfg, name) for name in _VLLM_ROLLOUT_FIELDS}
         settings["enable_sleep_mode"] = rollout_cfg.sleep_between_iterations
