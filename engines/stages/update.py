@@ -26,8 +26,9 @@ from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.trainer import rank_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
-from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
+from storage.checkpoints import save_checkpoint_files
 from storage.layout import RunLayout, layout_for
+from storage.scratch import checkpoint_scratch
 from storage.shards import read_shards
 
 
