@@ -5,7 +5,7 @@
 One loopback Prefect server (`prefect server start`, SQLite) serves every variant. The same config runs
 with pipeline.max_staleness k = 0 (the baseline: one iteration after another), 1 and 2, in two modes:
 - warm: three `ppoflow worker` processes (rollout; score; update+checkpoint), started with the driver, run
-  the stages (bench/pools.py's groups): separate pools, here one core each;
+  the stages (bench/processes.py's WARM_GROUPS): separate pools, here one core each;
 - inprocess: every stage in the driver process, pipelined iterations in threads of Prefect's task runner.
 Each variant starts fresh processes (driver, and workers for warm); the order of the variants alternates
 between repeats (k = 0, 1, 2, then 2, 1, 0, ...). Every process runs with OMP_NUM_THREADS=1 (--threads):
@@ -33,18 +33,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, emit
 from bench.overhead import bench_config
-from bench.pools import child_env, start_workers
+from bench.processes import (
+    REPO,
+    STAGES,
+    add_driver_arguments,
+    child_env,
+    run_driver,
+    train_in_driver,
+    variant_sections,
+    workdir_with_server,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-STAGES = ("rollout", "score", "update", "checkpoint")
 KS = (0, 1, 2)
 GOAL = 1.5
 # HF generate of 48 tokens for 64 x 4 samples and their scoring take about as long as one ZeRO-0 GRPO epoch
@@ -57,53 +60,24 @@ WORKLOAD = {
 
 
 def async_config(workdir: str, run: str, iterations: int, mode: str, k: int):
-    from ppoflow.config import as_config
-
-    data = bench_config(workdir, run, iterations, "tiny").model_dump(mode="json")
-    for section, values in WORKLOAD.items():
-        data[section].update(values)
-    data["pipeline"]["max_staleness"] = k
-    if mode == "warm":
-        data["pipeline"]["stage_workers"] = list(STAGES)
-    return as_config(data)
+    pipeline = {"max_staleness": k, **variant_sections(mode).get("pipeline", {})}
+    return bench_config(workdir, run, iterations, "tiny", extra={**WORKLOAD, "pipeline": pipeline})
 
 
 def driver(mode: str, k: int, workdir: str, run: str, iterations: int) -> None:
     """Run the training flow in this process; print its metrics rows and stage body seconds as one JSON line."""
-    from flows.records import read_metrics, read_stage_record
-    from flows.training import ppo_training
-    from storage.layout import layout_for
+    from flows.records import read_stage_record
 
-    cfg = async_config(workdir, run, iterations, mode, k)
-    ppo_training(cfg.model_dump(mode="json"))
-    layout = layout_for(cfg)
     keep = ("iteration", "reward/mean", "time/finished_unix", "async/staleness")
-    rows = [{key: row[key] for key in keep} for row in read_metrics(layout)]
+    layout, rows = train_in_driver(async_config(workdir, run, iterations, mode, k), keep)
     bodies = {s: [read_stage_record(layout, i, s)["seconds"] for i in range(1, iterations + 1)] for s in STAGES}
     print(json.dumps({"driver": mode, "k": k, "rows": rows, "bodies": bodies}), flush=True)
 
 
 def run_variant(mode: str, k: int, workdir: str, api_url: str, iterations: int, threads: int, tag: str) -> dict:
-    from tests.integration.test_pipeline_pools import _stop_workers
-
     env = {**child_env(workdir, api_url), "OMP_NUM_THREADS": str(threads)}
-    t0 = time.time()
-    workers = start_workers("warm" if mode == "warm" else "inprocess", workdir, env, tag)
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "bench.async", "--driver", mode, "--k", str(k), "--workdir", workdir]
-            + ["--run", tag, "--iterations", str(iterations)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-    finally:
-        _stop_workers(list(workers.values()))
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"driver"')]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"{tag} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
-    return {**json.loads(lines[-1]), "t0": t0}
+    args = ["--driver", mode, "--k", str(k), "--workdir", workdir, "--run", tag, "--iterations", str(iterations)]
+    return run_driver("bench.async", args, "warm" if mode == "warm" else "inprocess", workdir, env, tag)
 
 
 def figures_of(run: dict) -> dict:
@@ -179,10 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="warm,inprocess")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
-    p.add_argument("--driver", choices=["warm", "inprocess"], help=argparse.SUPPRESS)
+    add_driver_arguments(p, ["warm", "inprocess"])
     p.add_argument("--k", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)
-    p.add_argument("--run", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.driver:
         driver(a.driver, a.k, a.workdir, a.run, a.iterations)
@@ -190,20 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m for m in a.modes.split(",") if m]
     if a.iterations < 4 or a.repeats < 1 or not set(modes) <= {"warm", "inprocess"}:
         raise SystemExit("--iterations >= 4, --repeats >= 1, --modes from warm,inprocess")
-    from tests.fixtures.prefect_server import loopback_prefect_server
-
     results = {}
-    with tempfile.TemporaryDirectory(prefix="ppoflow-async-") as workdir:
-        home = Path(workdir, "server")
-        home.mkdir()
-        with loopback_prefect_server(home) as api_url:
-            for mode in modes:
-                runs: dict[int, list[dict]] = {k: [] for k in KS}
-                for r in range(a.repeats):
-                    for k in KS if r % 2 == 0 else reversed(KS):
-                        tag = f"{mode}-k{k}-{r}"
-                        runs[k].append(run_variant(mode, k, workdir, api_url, a.iterations, a.threads, tag))
-                results[mode] = summarize(mode, runs)
+    with workdir_with_server("ppoflow-async-") as (workdir, api_url):
+        for mode in modes:
+            runs: dict[int, list[dict]] = {k: [] for k in KS}
+            for r in range(a.repeats):
+                for k in KS if r % 2 == 0 else reversed(KS):
+                    tag = f"{mode}-k{k}-{r}"
+                    runs[k].append(run_variant(mode, k, workdir, api_url, a.iterations, a.threads, tag))
+            results[mode] = summarize(mode, runs)
     png = plot(results)
     figures = {
         "baseline": "max_staleness k = 0 (synchronous iterations), same mode, same config, same server",

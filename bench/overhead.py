@@ -43,37 +43,45 @@ WORKLOADS = {  # rollout settings per workload; everything else is shared
 }
 
 
-def bench_config(workdir: str, run: str, iterations: int, workload: str = "tiny"):
+def bench_config(workdir: str, run: str, iterations: int, workload: str = "tiny", extra: dict | None = None):
+    """The benches' toy config of `workload`; `extra`: config sections merged over it key by key (a bench's
+    own workload or pipeline settings)."""
     from engines.toy.model import ensure_tiny_llama
     from engines.toy.run_config import toy_config
     from engines.toy.task import ensure_digits_dataset
 
     model = ensure_tiny_llama(os.path.join(workdir, "model"))
     data = ensure_digits_dataset(os.path.join(workdir, "data"))
-    return toy_config(
-        os.path.join(workdir, "runs"),
-        run,
-        model,
-        data,
-        iterations=iterations,
-        seed=0,
-        sections={
-            "data": {"data_source_key": None},
-            "rollout": {"engine": "hf", "max_new_tokens": 8, **WORKLOADS[workload]},
-            "algo": {"name": "ppo", "kl_coef": 0.01},
-            "train": {
-                "micro_batch_size": 32,
-                "train_batch_size": None,
-                "ppo_epochs": 2,
-                "actor_lr": 2e-3,
-                "critic_lr": 2e-3,
-                "warmup_steps": 0,
-                "lr_schedule": "constant",
-            },
-            "score": {"cache": False},  # the bare loop has no cache; keep the work identical
-            "pipeline": {"retries": 0, "retry_delay_s": 5.0},
+    sections = {
+        "data": {"data_source_key": None},
+        "rollout": {"engine": "hf", "max_new_tokens": 8, **WORKLOADS[workload]},
+        "algo": {"name": "ppo", "kl_coef": 0.01},
+        "train": {
+            "micro_batch_size": 32,
+            "train_batch_size": None,
+            "ppo_epochs": 2,
+            "actor_lr": 2e-3,
+            "critic_lr": 2e-3,
+            "warmup_steps": 0,
+            "lr_schedule": "constant",
         },
-    )
+        "score": {"cache": False},  # the bare loop has no cache; keep the work identical
+        "pipeline": {"retries": 0, "retry_delay_s": 5.0},
+    }
+    for section, values in (extra or {}).items():
+        sections[section] = {**sections.get(section, {}), **values}
+    return toy_config(os.path.join(workdir, "runs"), run, model, data, iterations=iterations, seed=0, sections=sections)
+
+
+def workload_figures(results: dict[str, dict]) -> dict:
+    """The figures per workload (with its rollout settings) of `results` {workload: figures}, then the headline
+    ratios: `ratio` of the batch workload, `tiny_ratio` of the tiny one (when measured)."""
+    figures: dict = {"workloads": {w: {"rollout": WORKLOADS[w], **r} for w, r in results.items()}}
+    if "batch" in results:
+        figures["ratio"] = results["batch"]["ratio"]
+    if "tiny" in results:
+        figures["tiny_ratio"] = results["tiny"]["ratio"]
+    return figures
 
 
 def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
@@ -176,12 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         "iterations": a.iterations,
         "rounds": a.rounds,
         "goal": "<= 1.05",
-        "workloads": {w: {"rollout": WORKLOADS[w], **r} for w, r in results.items()},
+        **workload_figures(results),
     }
-    if "batch" in results:
-        figures["ratio"] = results["batch"]["ratio"]
-    if "tiny" in results:
-        figures["tiny_ratio"] = results["tiny"]["ratio"]
     emit("overhead", figures)
 
 

@@ -32,122 +32,47 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 from bench.common import emit
-from bench.overhead import WORKLOADS, bench_config
+from bench.overhead import bench_config, workload_figures
+from bench.processes import (
+    POOLS,
+    STAGES,
+    WARM_GROUPS,
+    add_driver_arguments,
+    child_env,
+    prefect_cli,
+    run_driver,
+    train_in_driver,
+    variant_sections,
+    workdir_with_server,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-STAGES = ("rollout", "score", "update", "checkpoint")
-WARM_GROUPS = {"rollout": ["rollout"], "score": ["score"], "train": ["update", "checkpoint"]}
-POOL_GROUPS = {"rollout-pool": ["rollout"], "score-pool": ["score"], "train-pool": ["update", "checkpoint"]}
 GOAL = 1.15
 
 
 def variant_config(workdir: str, run: str, iterations: int, workload: str, variant: str):
     """bench.overhead's config of `workload` with the pipeline section of `variant` (inprocess|warm|pools)."""
-    from ppoflow.config import as_config
-    from tests.integration.test_pipeline_pools import STAGE_POOLS
-
-    data = bench_config(workdir, run, iterations, workload).model_dump(mode="json")
-    if variant == "warm":
-        data["pipeline"]["stage_workers"] = list(STAGES)
-    elif variant == "pools":
-        data["pipeline"]["stage_pools"] = dict(STAGE_POOLS)
-    return as_config(data)
+    return bench_config(workdir, run, iterations, workload, extra=variant_sections(variant))
 
 
 def driver(variant: str, workdir: str, run: str, iterations: int, workload: str) -> None:
     """Run the training flow once in this process; print its metrics rows and stage records as one JSON line."""
-    from flows.records import read_metrics, read_stage_record
-    from flows.training import ppo_training
-    from storage.layout import layout_for
+    from flows.records import read_stage_record
 
-    cfg = variant_config(workdir, run, iterations, workload, variant)
-    ppo_training(cfg.model_dump(mode="json"))
-    layout = layout_for(cfg)
-    records = {stage: [read_stage_record(layout, i, stage) for i in range(1, iterations + 1)] for stage in STAGES}
     keep = ("iteration", "reward/mean", "time/finished_unix", *[f"timing/{s}" for s in STAGES])
-    rows = [{k: row[k] for k in keep} for row in read_metrics(layout)]
+    layout, rows = train_in_driver(variant_config(workdir, run, iterations, workload, variant), keep)
+    records = {stage: [read_stage_record(layout, i, stage) for i in range(1, iterations + 1)] for stage in STAGES}
     print(json.dumps({"driver": variant, "rows": rows, "records": records}), flush=True)
-
-
-def child_env(workdir: str, api_url: str) -> dict:
-    """Environment of every process of a variant: one server, one result store, no inherited rendezvous."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    }
-    env.update(
-        {
-            "PREFECT_API_URL": api_url,
-            "PREFECT_HOME": os.path.join(workdir, "prefect-home"),
-            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": os.path.join(workdir, "prefect-results"),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-            "DS_ACCELERATOR": "cpu",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return env
-
-
-def start_workers(variant: str, workdir: str, env: dict, tag: str) -> dict[str, subprocess.Popen]:
-    """The long-lived processes of `variant`: stage workers (warm), process pool workers (pools), none."""
-    if variant == "warm":
-        cmds = {
-            g: ["-m", "flows.cli", "worker", *[a for s in st for a in ("--stage", s)]] for g, st in WARM_GROUPS.items()
-        }
-    elif variant == "pools":
-        cmds = {
-            p: ["-m", "prefect", "worker", "start", "--pool", p, "--type", "process", "--limit", "1"]
-            for p in POOL_GROUPS
-        }
-    else:
-        return {}
-    return {
-        group: subprocess.Popen(
-            [sys.executable, *cmd],
-            cwd=REPO,
-            env=env,
-            stdout=open(os.path.join(workdir, f"{tag}-{group}.log"), "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for group, cmd in cmds.items()
-    }
 
 
 def run_variant(variant: str, workdir: str, api_url: str, iterations: int, workload: str, tag: str) -> dict:
     """Start the variant's workers and driver; returns the driver's rows and records, t0, and worker pids."""
-    from tests.integration.test_pipeline_pools import _stop_workers
-
-    env = child_env(workdir, api_url)
-    t0 = time.time()
-    workers = start_workers(variant, workdir, env, tag)
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "bench.pools", "--driver", variant, "--workdir", workdir, "--run", tag]
-            + ["--iterations", str(iterations), "--workload", workload],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-    finally:
-        _stop_workers(list(workers.values()))
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"driver"')]
-    if out.returncode != 0 or not lines:
-        logs = "".join(Path(workdir, f"{tag}-{g}.log").read_text()[-1500:] for g in workers)
-        raise RuntimeError(f"{tag} failed (rc {out.returncode}):\n{out.stderr[-4000:]}\n--- workers ---\n{logs}")
-    return {**json.loads(lines[-1]), "t0": t0, "pids": {g: w.pid for g, w in workers.items()}}
+    args = ["--driver", variant, "--workdir", workdir, "--run", tag]
+    args += ["--iterations", str(iterations), "--workload", workload]
+    return run_driver("bench.pools", args, variant, workdir, child_env(workdir, api_url), tag)
 
 
 def timings(data: dict) -> dict:
@@ -189,14 +114,12 @@ def worker_checks(variant: str, data: dict) -> dict:
 
 def deploy_pools(api_url: str, workdir: str) -> None:
     """Create the process work pools and deploy prefect.yaml (as tests/integration/test_pipeline_pools.py does)."""
-    from tests.integration.test_pipeline_pools import POOLS, _prefect
-
     env = child_env(workdir, api_url)
     for pool in POOLS:
-        out = _prefect("work-pool", "create", pool, "--type", "process", env=env)
+        out = prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
         if out.returncode != 0 and "already exists" not in out.stdout + out.stderr:
             raise RuntimeError(f"work-pool create {pool}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
-    out = _prefect("--no-prompt", "deploy", "--all", env=env)
+    out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     if out.returncode != 0:
         raise RuntimeError(f"prefect deploy --all: {out.stdout[-3000:]}{out.stderr[-3000:]}")
 
@@ -242,37 +165,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2, help="inprocess/warm pairs per workload")
     p.add_argument("--pool-iterations", type=int, default=3, help="iterations of the pools run (0: skip it)")
-    p.add_argument("--driver", choices=["inprocess", "warm", "pools"], help=argparse.SUPPRESS)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)
-    p.add_argument("--run", help=argparse.SUPPRESS)
+    add_driver_arguments(p, ["inprocess", "warm", "pools"])
     a = p.parse_args(argv)
     if a.driver:
         driver(a.driver, a.workdir, a.run, a.iterations, a.workload)
         return
     if a.iterations < 2 or a.pool_iterations == 1 or a.repeats < 1:
         raise SystemExit("--iterations and --pool-iterations must be >= 2 (or 0 to skip pools), --repeats >= 1")
-    from tests.fixtures.prefect_server import loopback_prefect_server
-
     workloads = ["batch", "tiny"] if a.workload == "both" else [a.workload]
-    with tempfile.TemporaryDirectory(prefix="ppoflow-pools-") as workdir:
-        home = Path(workdir, "server")
-        home.mkdir()
-        with loopback_prefect_server(home) as api_url:
-            if a.pool_iterations:
-                deploy_pools(api_url, workdir)
-            results = {w: measure(w, a, workdir, api_url) for w in workloads}
+    with workdir_with_server("ppoflow-pools-") as (workdir, api_url):
+        if a.pool_iterations:
+            deploy_pools(api_url, workdir)
+        results = {w: measure(w, a, workdir, api_url) for w in workloads}
     figures = {
         "baseline": "in-process stages (the default), same config, same loopback Prefect server",
         "iterations": a.iterations,
         "pool_iterations": a.pool_iterations,
         "repeats": a.repeats,
         "goal": f"warm/inprocess <= {GOAL} on batch",
-        "workloads": {w: {"rollout": WORKLOADS[w], **r} for w, r in results.items()},
+        **workload_figures(results),
     }
-    if "batch" in results:
-        figures["ratio"] = results["batch"]["ratio"]
-    if "tiny" in results:
-        figures["tiny_ratio"] = results["tiny"]["ratio"]
     emit("pools", figures)
 
 

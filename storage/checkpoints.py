@@ -20,20 +20,19 @@ after a machine crash: files before the marker, the marker before retention dele
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import hashlib
 import json
 import logging
 import os
-import re
-import shutil
-import socket
-import tempfile
-import time
 from typing import Any, Optional, Sequence
 
 from storage import fs as fsutil
+from storage.checkpoint_cache import checkpoint_cache_dir, evict_cached_copies
 from storage.layout import RunLayout, parse_iteration_name
+
+# Re-exported for the callers that import them from here (tasks/leases.py, tasks/rm_train.py,
+# flows/stale_runs.py, engines/stages/update_ranks.py); they live in storage/scratch.py.
+from storage.scratch import checkpoint_scratch, pid_alive  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -81,74 +80,6 @@ def read_commit_marker(layout: RunLayout, iteration: int) -> Optional[dict[str, 
 
 def is_committed(layout: RunLayout, iteration: int) -> bool:
     return read_commit_marker(layout, iteration) is not None
-
-
-_SCRATCH_PREFIX = ".ppoflow-ckpt."
-
-
-@functools.lru_cache(maxsize=1)
-def _host_tag() -> str:
-    """This machine's name as it appears in scratch folder names (letters, digits and dashes only)."""
-    return "".join(c if c.isalnum() else "-" for c in socket.gethostname()) or "host"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host still runs; a zombie (dead, not yet reaped by its parent) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]  # the field after "(comm)", which may hold spaces
-    except (OSError, IndexError):  # no /proc (macOS): os.kill said it exists
-        return True
-    return state not in (b"Z", b"X")
-
-
-def remove_stale_scratch(parent: str) -> list[str]:
-    """Remove the scratch folders in `parent` whose writer died (a crash mid-save); returns their paths.
-
-    A scratch folder is `.ppoflow-ckpt.<host>.<pid>.<random>`. It is stale when <host> is this machine and
-    no process <pid> runs here. Folders of other machines (a shared disk) and of live processes are left
-    alone; a reused pid keeps a stale folder (the safe way to be wrong). Without this, every crash during a
-    save would leave a checkpoint's worth of disk (hundreds of GB for a 7B actor, critic and Adam state).
-    """
-    removed = []
-    host = _host_tag()
-    try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        parts = name[len(_SCRATCH_PREFIX) :].split(".") if name.startswith(_SCRATCH_PREFIX) else []
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-            continue
-        if int(parts[1]) == os.getpid() or pid_alive(int(parts[1])):
-            continue
-        path = os.path.join(parent, name)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def checkpoint_scratch(layout: RunLayout) -> tempfile.TemporaryDirectory:
-    """A scratch folder to write a checkpoint into before `save_checkpoint_files(..., move=True)`.
-
-    On local storage it sits in the run's checkpoints folder (same filesystem, so the files are renamed
-    into place, not copied; its dot name keeps it out of the iteration listing); elsewhere it is in the
-    system temp folder. Removed when the `with` block ends; one left by a process that died is removed by
-    the next call on the same machine (`remove_stale_scratch`).
-    """
-    parent = tempfile.gettempdir()
-    if fsutil.is_local(layout.fs):
-        parent = layout.checkpoints_dir  # resolved local paths carry no protocol
-        os.makedirs(parent, exist_ok=True)
-    for path in remove_stale_scratch(parent):
-        log.warning("removed the scratch folder %s left by a process that died while saving a checkpoint", path)
-    return tempfile.TemporaryDirectory(prefix=f"{_SCRATCH_PREFIX}{_host_tag()}.{os.getpid()}.", dir=parent)
 
 
 def save_checkpoint_files(
@@ -343,51 +274,8 @@ def load_checkpoint(
                 fsutil.remove_tree(fsutil.resolve(local)[0], local)  # never reuse a bad cached copy
             raise
     if cache_root is not None:
-        _evict_cached_copies(cache_root, layout.storage_cfg.checkpoint_cache_keep)
+        evict_cached_copies(cache_root, layout.storage_cfg.checkpoint_cache_keep)
     return local
-
-
-def checkpoint_cache_dir(layout: RunLayout) -> str:
-    """The local folder holding this run's copies of remote checkpoints, one subfolder per commit marker:
-    storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow; then checkpoints/<run name>."""
-    base = (
-        layout.storage_cfg.local_cache_dir
-        or os.environ.get("PPOFLOW_CACHE")
-        or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow")
-    )
-    return os.path.join(base, "checkpoints", layout.run_name)
-
-
-_COPY_NAME = re.compile(r"[0-9a-f]{16}")  # a cached copy's folder: the marker digest of load_checkpoint
-
-
-def _evict_cached_copies(current: str, keep: int) -> list[str]:
-    """Mark the cached copy `current` as just used, then delete all but the `keep` most recently used
-    copies beside it. Returns the folders removed.
-
-    Without this the cache grew by one checkpoint per iteration for as long as the run lasted: a worker
-    that is not the trainer (a rollout pool, a resumed run on a new machine) fetches every new policy.
-    Recency is the folder's mtime, set here with an explicit nanosecond time (the kernel's own file
-    times move in timer ticks). A process on this machine still reading a copy loses it only once `keep`
-    newer copies have been loaded since it began, so keep >= 2 covers a worker that reads the checkpoint
-    the trainer just wrote while the trainer goes on to the next.
-    """
-    now = time.time_ns()
-    os.utime(current, ns=(now, now))
-    parent = os.path.dirname(current)
-    copies = []
-    with os.scandir(parent) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False) and _COPY_NAME.fullmatch(entry.name):
-                copies.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
-    removed = []
-    for _, path in sorted(copies, reverse=True)[keep:]:
-        if path != current:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    if removed:
-        log.info("checkpoint cache %s: removed %d older copies (keeping %d)", parent, len(removed), keep)
-    return removed
 
 
 def _verify_files(local_dir: str, files: dict[str, dict[str, Any]], source_url: str) -> None:

@@ -165,6 +165,21 @@ def aggregate(
     return masked_sum(loss, mask) / (max(seqs, 1) * max(length, 1))  # seq_mean_token_sum_norm
 
 
+class Aggregation(NamedTuple):
+    """How each loss term below reduces to a scalar: the keywords they all take after their own, passed on to
+    `aggregate` (which documents them). A trainer builds them once per step, e.g. from its StepNorm:
+    `Aggregation(mode, *norm)._asdict()`."""
+
+    agg_mode: AggMode = "token_mean"
+    num_tokens: Optional[float] = None
+    num_seqs: Optional[float] = None
+    max_len: Optional[float] = None
+
+    def __call__(self, loss: Tensor, mask: Tensor) -> Tensor:
+        """aggregate(loss, mask, ...) with these settings. Shapes: loss, mask (B, T)."""
+        return aggregate(loss, mask, *self)
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -173,11 +188,8 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: Optional[float] = None,
-    agg_mode: AggMode = "token_mean",
-    num_tokens: Optional[float] = None,
-    num_seqs: Optional[float] = None,
-    max_len: Optional[int] = None,
     token_weights: Optional[Tensor] = None,
+    **agg,
 ) -> PolicyLossOutput:
     """PPO's clipped surrogate, per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
 
@@ -189,9 +201,9 @@ def policy_loss(
             clip_high >= 0 (clip_high > clip_low is DAPO's clip-higher).
         dual_clip: c > 1 (Ye et al. 2020): where A < 0 the per-token loss is capped at -c * A, so a huge
             ratio on a bad token cannot dominate the batch. None = off.
-        agg_mode, num_tokens, num_seqs, max_len: see aggregate.
         token_weights: Shape (B, T), detached per-token weights multiplying the clipped loss before
             aggregation (truncated_is_weights); None = all 1.
+        agg: Aggregation's fields (agg_mode, num_tokens, num_seqs, max_len), see aggregate.
 
     Returns:
         PolicyLossOutput. Metrics are plain masked means over THIS batch's response tokens:
@@ -201,8 +213,10 @@ def policy_loss(
         ratio_mean = mean ratio.
 
     Raises:
-        ValueError for shape mismatch, clip_low outside [0, 1), clip_high < 0, dual_clip <= 1.
+        ValueError for shape mismatch, clip_low outside [0, 1), clip_high < 0, dual_clip <= 1;
+        TypeError for a keyword that is not an Aggregation field.
     """
+    reduce = Aggregation(**agg)
     check_rank("logprobs", logprobs, 2, "(B, T)")
     check_same_shape(
         "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
@@ -224,7 +238,7 @@ def policy_loss(
     if token_weights is not None:
         check_same_shape("logprobs", logprobs, token_weights=token_weights)
         per_token = per_token * token_weights.detach()
-    loss = aggregate(per_token, response_mask, agg_mode, num_tokens, num_seqs, max_len)
+    loss = reduce(per_token, response_mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
         approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask)
@@ -238,10 +252,7 @@ def value_loss(
     returns: Tensor,
     response_mask: Tensor,
     value_clip: Optional[float] = 0.5,
-    agg_mode: AggMode = "token_mean",
-    num_tokens: Optional[float] = None,
-    num_seqs: Optional[float] = None,
-    max_len: Optional[int] = None,
+    **agg,
 ) -> ValueLossOutput:
     """Clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, +-c).
 
@@ -250,15 +261,16 @@ def value_loss(
         old_values: Shape (B, T), the critic's values at rollout time. returns: Shape (B, T), targets.
         response_mask: Shape (B, T), 1 = response token.
         value_clip: c > 0, or None for the plain 0.5 * (V - R)^2.
-        agg_mode, num_tokens, num_seqs, max_len: see aggregate.
+        agg: Aggregation's fields (agg_mode, num_tokens, num_seqs, max_len), see aggregate.
 
     Returns:
         ValueLossOutput(loss, clipfrac = share of response tokens where the clipped error is larger,
         i.e. where the clip cuts the gradient; 0 without value_clip).
 
     Raises:
-        ValueError for shape mismatch or value_clip <= 0.
+        ValueError for shape mismatch or value_clip <= 0; TypeError for a keyword that is not an Aggregation field.
     """
+    reduce = Aggregation(**agg)
     check_rank("values", values, 2, "(B, T)")
     check_same_shape("values", values, old_values=old_values, returns=returns, response_mask=response_mask)
     unclipped_error = (values - returns).square()
@@ -272,24 +284,17 @@ def value_loss(
         per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
         with torch.no_grad():
             clipfrac = masked_mean((clipped_error > unclipped_error).float(), response_mask)
-    loss = aggregate(per_token, response_mask, agg_mode, num_tokens, num_seqs, max_len)
-    return ValueLossOutput(loss, clipfrac)
+    return ValueLossOutput(reduce(per_token, response_mask), clipfrac)
 
 
-def entropy_loss(
-    entropy: Tensor,
-    response_mask: Tensor,
-    agg_mode: AggMode = "token_mean",
-    num_tokens: Optional[float] = None,
-    num_seqs: Optional[float] = None,
-    max_len: Optional[int] = None,
-) -> Tensor:
+def entropy_loss(entropy: Tensor, response_mask: Tensor, **agg) -> Tensor:
     """-aggregate(entropy): adding entropy_coef * this to the loss rewards exploration (coef > 0).
 
     Shapes: entropy (B, T) from logprobs.entropy_from_logits, response_mask (B, T) 1 = response token.
-    Returns a 0-dim tensor with grad through entropy. Log aggregate(entropy, ...) itself as the metric.
+    agg: Aggregation's fields. Returns a 0-dim tensor with grad through entropy. Log aggregate(entropy, ...)
+    itself as the metric.
     """
-    return -aggregate(entropy, response_mask, agg_mode, num_tokens, num_seqs, max_len)
+    return -Aggregation(**agg)(entropy, response_mask)
 
 
 def kl_loss(
@@ -298,17 +303,14 @@ def kl_loss(
     response_mask: Tensor,
     estimator: KLEstimator = "k3",
     clamp: Optional[float] = 10.0,
-    agg_mode: AggMode = "token_mean",
-    num_tokens: Optional[float] = None,
-    num_seqs: Optional[float] = None,
-    max_len: Optional[int] = None,
+    **agg,
 ) -> Tensor:
     """The KL to the reference as a loss term (GRPO style, when the KL is not in the reward).
 
     Shapes: logprobs (B, T) with grad, ref_logprobs (B, T), response_mask (B, T) 1 = response token.
-    Returns aggregate(kl_penalty(logprobs, ref_logprobs, estimator, clamp)); multiply by kl_coef.
+    Returns aggregate(kl_penalty(logprobs, ref_logprobs, estimator, clamp)) (agg: Aggregation's fields); multiply
+    by kl_coef.
     k3 is the usual choice here (unbiased and >= 0, so its gradient never pushes KL negative).
     """
-    return aggregate(
-        kl_penalty(logprobs, ref_logprobs, estimator, clamp), response_mask, agg_mode, num_tokens, num_seqs, max_len
-    )
+    reduce = Aggregation(**agg)
+    return reduce(kl_penalty(logprobs, ref_logprobs, estimator, clamp), response_mask)

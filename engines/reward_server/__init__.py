@@ -1,7 +1,7 @@
 """The reward server shipped with ppoflow (`ppoflow serve-reward`): FastAPI around a reward source.
 
-build_app(source, token, ...)  -> FastAPI          (engines/reward_server/app.py)
-serve(source, host, port, token, max_batch_size, max_wait_ms, max_request_items)   (blocks)
+build_app(source, token, **limits)  -> FastAPI     (engines/reward_server/app.py; limits: ServerLimits' fields)
+serve(source, host, port, token, **limits)         (blocks)
 serve_in_thread(app)           -> context manager yielding the base URL (tests, benchmarks)
 """
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hmac
 import json
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -32,6 +33,26 @@ from engines.reward_server.batcher import RequestBatcher, ServedBatch
 from engines.rewards.base import RewardSource
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one server accepts and how it batches: the keywords of `build_app` and `serve` after the token.
+
+    max_batch_size: items per call of the source (requests are merged up to it); max_wait_ms: how long a
+    batch waits for more requests; max_request_items: queries in one request (413 above);
+    max_body_bytes: a request body's size (413 above). ValueError for a limit below 1 or a negative wait.
+    """
+
+    max_batch_size: int = 64
+    max_wait_ms: float = 10.0
+    max_request_items: int = 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self):
+        if self.max_request_items < 1 or self.max_body_bytes < 1:
+            got = f"{self.max_request_items}, {self.max_body_bytes}"
+            raise ValueError(f"max_request_items and max_body_bytes must be >= 1, got {got}")
 
 
 class ScoreRequest(BaseModel):
@@ -111,23 +132,13 @@ def _parse_request(body: bytes, max_request_items: int) -> ScoreRequest:
     return req
 
 
-def build_app(
-    source: RewardSource,
-    token: str,
-    *,
-    max_batch_size: int = 64,
-    max_wait_ms: float = 10.0,
-    max_request_items: int = 1024,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-) -> FastAPI:
-    """The FastAPI app serving `source`. Raises ValueError for an empty token or non-positive limits."""
+def build_app(source: RewardSource, token: str, **limits) -> FastAPI:
+    """The FastAPI app serving `source`; `limits`: ServerLimits' fields. Raises ValueError for an empty token
+    or non-positive limits, TypeError for a keyword that is not a limit."""
     if not token:
         raise ValueError("the reward server needs a non-empty bearer token")
-    if max_request_items < 1 or max_body_bytes < 1:
-        raise ValueError(
-            f"max_request_items and max_body_bytes must be >= 1, got {max_request_items}, {max_body_bytes}"
-        )
-    batcher = RequestBatcher(source, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+    limit = ServerLimits(**limits)
+    batcher = RequestBatcher(source, max_batch_size=limit.max_batch_size, max_wait_ms=limit.max_wait_ms)
     counters = {"next_request_id": 0, "rejected": 0}
 
     @asynccontextmanager
@@ -142,7 +153,7 @@ def build_app(
 
     async def score(request: Request) -> dict:
         try:
-            req = _parse_request(await _read_body(request, max_body_bytes), max_request_items)
+            req = _parse_request(await _read_body(request, limit.max_body_bytes), limit.max_request_items)
             counters["next_request_id"] += 1
             batch = to_served_batch(req, counters["next_request_id"])
         except HTTPException:

@@ -29,21 +29,12 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def serve(
-    source: RewardSource,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    token: str = "",
-    max_batch_size: int = 64,
-    max_wait_ms: float = 10.0,
-    max_request_items: int = 1024,
-) -> None:
-    """Serve `source` with uvicorn until interrupted. Raises ValueError for an empty token."""
+def serve(source: RewardSource, host: str = "127.0.0.1", port: int = 8000, token: str = "", **limits) -> None:
+    """Serve `source` with uvicorn until interrupted; `limits`: ServerLimits' fields (engines/reward_server/app.py).
+    Raises ValueError for an empty token or a bad limit."""
     import uvicorn
 
-    app = build_app(
-        source, token, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_request_items=max_request_items
-    )
+    app = build_app(source, token, **limits)
     if not _is_loopback(host):
         log.warning(
             "reward server listening on %s, not loopback: anyone who can reach it and holds the token can score", host

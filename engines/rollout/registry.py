@@ -50,54 +50,44 @@ def resolve_engine_kind(requested: str) -> str:
     return requested
 
 
-def _identity(kind: str, rollout_cfg, model_cfg) -> str:
-    settings = {"kind": kind, "model": model_cfg.policy_path, "dtype": model_cfg.dtype}
+# VLLMRolloutEngine keywords read from the RolloutConfig field of the same name.
+_VLLM_ROLLOUT_FIELDS = (
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "enforce_eager",
+    "kv_cache_space_gib",
+)
+
+
+def _engine_settings(kind: str, rollout_cfg, model_cfg) -> dict:
+    """The engine constructor's keywords besides the policy folder and the seed. They are also the engine's
+    identity (with the model): an engine is reused exactly when it was built with these settings."""
     if kind == "vllm":
-        settings.update(
-            tp=rollout_cfg.tensor_parallel_size,
-            mem=rollout_cfg.gpu_memory_utilization,
-            max_model_len=rollout_cfg.max_model_len,
-            eager=rollout_cfg.enforce_eager,
-            sleep=rollout_cfg.sleep_between_iterations,
-            kv=rollout_cfg.kv_cache_space_gib,
-            logprobs=_vllm_logprobs_mode(rollout_cfg),
-        )
+        from engines.rollout.vllm_logprobs import logprobs_mode_for
+
+        settings = {name: getattr(rollout_cfg, name) for name in _VLLM_ROLLOUT_FIELDS}
+        settings["enable_sleep_mode"] = rollout_cfg.sleep_between_iterations
+        settings["logprobs_mode"] = logprobs_mode_for(SamplingSettings.from_config(rollout_cfg))
     else:
-        settings.update(attn=model_cfg.attn_implementation, autocast=model_cfg.autocast_dtype)
-    return json.dumps(settings, sort_keys=True)
+        settings = {"attn_implementation": model_cfg.attn_implementation, "autocast_dtype": model_cfg.autocast_dtype}
+    return {"dtype": model_cfg.dtype, **settings}
 
 
-def _vllm_logprobs_mode(rollout_cfg) -> str:
-    from engines.rollout.vllm_engine import logprobs_mode_for
-
-    return logprobs_mode_for(SamplingSettings.from_config(rollout_cfg))
+def _identity(kind: str, rollout_cfg, model_cfg) -> str:
+    settings = _engine_settings(kind, rollout_cfg, model_cfg)
+    return json.dumps({"kind": kind, "model": model_cfg.policy_path, **settings}, sort_keys=True)
 
 
 def _build(kind: str, rollout_cfg, model_cfg, policy_dir: str, seed: int) -> RolloutEngine:
+    settings = _engine_settings(kind, rollout_cfg, model_cfg)
     if kind == "vllm":
         from engines.rollout.vllm_engine import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(
-            policy_dir,
-            dtype=model_cfg.dtype,
-            seed=seed,
-            tensor_parallel_size=rollout_cfg.tensor_parallel_size,
-            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-            max_model_len=rollout_cfg.max_model_len,
-            enforce_eager=rollout_cfg.enforce_eager,
-            enable_sleep_mode=rollout_cfg.sleep_between_iterations,
-            kv_cache_space_gib=rollout_cfg.kv_cache_space_gib,
-            logprobs_mode=_vllm_logprobs_mode(rollout_cfg),
-        )
+        return VLLMRolloutEngine(policy_dir, seed=seed, **settings)
     from engines.rollout.hf import HFRolloutEngine
 
-    engine = HFRolloutEngine(
-        policy_dir,
-        dtype=model_cfg.dtype,
-        attn_implementation=model_cfg.attn_implementation,
-        autocast_dtype=model_cfg.autocast_dtype,
-        seed=seed,
-    )
+    engine = HFRolloutEngine(policy_dir, seed=seed, **settings)
     log.info(
         "rollout engine: hf generate (model %s, dtype %s, autocast %s)",
         policy_dir,

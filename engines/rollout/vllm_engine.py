@@ -6,15 +6,8 @@ into the running engine (`collective_rpc("reload_weights", weights_path=...)`, ~
 instead of paying the ~30 s start-up again. The new folder may differ from the one the engine started
 with; it must hold the same architecture (config.json is compared and a mismatch is an error).
 
-Log-probs. vLLM 0.32 offers `logprobs_mode`:
-  raw_logprobs        log_softmax(logits)          -- before temperature, top-k, top-p
-  processed_logprobs  log_softmax(truncate(logits / T)) -- after temperature AND top-k/top-p
-The trainer recomputes log_softmax(logits / T) over the whole vocabulary, so
-  processed_logprobs is exact when top-p = 1 and top-k is off (any T), and
-  raw_logprobs is exact when T = 1 (any truncation).
-`logprobs_mode_for(sampling)` picks the exact one; with truncation AND T != 1 neither is exact (vLLM does
-not expose pre-truncation log-probs at T), the engine keeps processed_logprobs (the log-probs of the
-distribution actually sampled) and warns once.
+Log-probs: `logprobs_mode` picks which ones vLLM returns; engines/rollout/vllm_logprobs.py says which is
+exact for which sampling settings (the registry asks it), and the engine warns once when neither is.
 
 Memory on CPU: `kv_cache_space_gib` (vLLM's kv_cache_memory_bytes, the same knob as the
 VLLM_CPU_KVCACHE_SPACE variable) bounds the KV cache explicitly and skips vLLM's warm-up profile run;
@@ -31,22 +24,19 @@ enable_sleep_mode raises ValueError (vLLM's sleep mode needs CUDA's memory pool)
 
 from __future__ import annotations
 
-import atexit
-import copy
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from engines.rollout.base import RolloutSample, SamplingSettings
+from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
+from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
 
 log = logging.getLogger("ppoflow.rollout")
 
-LogprobsMode = str  # "processed_logprobs" | "raw_logprobs"
 # config.json keys that must agree between the served model and a checkpoint loaded into it.
 _ARCH_KEYS = (
     "architectures",
@@ -61,81 +51,33 @@ _ARCH_KEYS = (
 )
 
 
-def _private_ipc_dir() -> None:
-    """Point vLLM's ZeroMQ IPC sockets at a folder of this process's own, removed at exit.
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How the engine is built: the keywords of VLLMRolloutEngine besides the policy folder and the seed.
 
-    vLLM names a socket file `<VLLM_RPC_BASE_PATH>/<uuid4>` (default: the system temp folder) for each
-    engine and never unlinks it, so every engine start left files in /tmp for good. A value the user set
-    is kept. Set before the first `LLM` is built: the spawned engine-core process inherits it.
-    """
-    if os.environ.get("VLLM_RPC_BASE_PATH"):
-        return
-    os.environ["VLLM_RPC_BASE_PATH"] = _private_folder()
-
-
-_PRIVATE_FOLDER: list[str] = []
-
-
-def _private_folder() -> str:
-    """A temp folder of this process's own (IPC sockets, the logging config), removed at exit."""
-    if not _PRIVATE_FOLDER:
-        folder = tempfile.mkdtemp(prefix="ppoflow-vllm-ipc-")
-        atexit.register(shutil.rmtree, folder, True)
-        _PRIVATE_FOLDER.append(folder)
-    return _PRIVATE_FOLDER[0]
-
-
-class RotaryReloadWarningFilter(logging.Filter):
-    """Drops exactly vLLM's "RotaryEmbedding: Failed to load weights", which every weight reload logs.
-
-    Why it is harmless (vLLM 0.32, model_executor/model_loader/reload/layerwise.py): the in-place reload
-    counts every parameter AND buffer of a layer as loadable (`get_layer_size`). RotaryEmbedding holds
-    only `cos_sin_cache`, a non-persistent buffer computed from the rope settings of config.json, never
-    stored in a checkpoint, so no checkpoint tensor ever reaches it: `load_numel` stays 0 while
-    `load_numel_total` > 0, and `finalize_layerwise_processing` logs the warning and puts the layer's
-    start-up tensors back (`_place_kernel_tensors`), i.e. the cos/sin cache computed for this very
-    architecture (`load_weights` refuses a checkpoint whose config.json differs). Nothing is lost:
-    tests/integration/test_vllm_rollout.py::test_logprobs_match_transformers_recompute reloads the weights
-    and then matches a transformers forward to 2e-5 nats, which a wrong rotary cache (positions) would not.
-    The message is vLLM's accounting, not a failed load; other layers' "Failed to load weights" still show.
+    kv_cache_space_gib None leaves the KV cache to gpu_memory_utilization (see the module docstring);
+    enable_sleep_mode needs a GPU. ValueError for a logprobs_mode vLLM does not have.
     """
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.1
+    max_model_len: Optional[int] = None
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = False
+    kv_cache_space_gib: Optional[float] = None
+    logprobs_mode: LogprobsMode = "processed_logprobs"
 
+    def __post_init__(self):
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: allowed are {', '.join(LOGPROBS_MODES)}")
 
-def _install_vllm_log_filter(folder: str) -> None:
-    """Make vLLM's processes (this one and the spawned engine core and workers) use vLLM's default logging
-    config plus RotaryReloadWarningFilter, through VLLM_LOGGING_CONFIG_PATH (read when the engine's config
-    is built and handed to its children). A logging config the user set (or VLLM_CONFIGURE_LOGGING=0) wins.
-    """
-    if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
-        return
-    from vllm.logger import DEFAULT_LOGGING_CONFIG
-
-    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
-    config["filters"] = {"ppoflow_rotary_reload": {"()": f"{__name__}.RotaryReloadWarningFilter"}}
-    for handler in config["handlers"].values():
-        handler["filters"] = ["ppoflow_rotary_reload"]
-    path = os.path.join(folder, "vllm-logging.json")
-    with open(path, "w") as f:
-        json.dump(config, f)
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
-
-
-def logprobs_mode_for(sampling: SamplingSettings) -> LogprobsMode:
-    """The vLLM logprobs_mode whose values equal log_softmax(logits / T) for these settings (see module doc)."""
-    truncates = sampling.top_p < 1.0 or sampling.top_k > 0
-    if truncates and sampling.temperature == 1.0:
-        return "raw_logprobs"
-    return "processed_logprobs"
-
-
-def logprobs_are_exact(mode: LogprobsMode, sampling: SamplingSettings) -> bool:
-    """True when vLLM's returned log-probs under `mode` equal the trainer's log_softmax(logits / T)."""
-    if mode == "raw_logprobs":
-        return sampling.temperature == 1.0
-    return sampling.top_p >= 1.0 and sampling.top_k <= 0
+    def llm_kwargs(self) -> dict:
+        """The keywords of `vllm.LLM` these settings stand for (kv_cache_space_gib becomes its bytes)."""
+        kwargs = asdict(self)
+        gib = kwargs.pop("kv_cache_space_gib")
+        kwargs["kv_cache_memory_bytes"] = None if gib is None else int(gib * 2**30)
+        return kwargs
 
 
 def _architecture(policy_dir: Path) -> dict:
@@ -164,66 +106,42 @@ class VLLMRolloutEngine:
 
     name = "vllm"
 
-    def __init__(
-        self,
-        policy_dir: str,
-        *,
-        dtype: str = "float32",
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.1,
-        max_model_len: Optional[int] = None,
-        enforce_eager: bool = True,
-        enable_sleep_mode: bool = False,
-        kv_cache_space_gib: Optional[float] = None,
-        logprobs_mode: LogprobsMode = "processed_logprobs",
-    ):
+    def __init__(self, policy_dir: str, *, seed: int = 0, **settings):
+        """Start vLLM on `policy_dir`; `settings`: VLLMSettings' fields (TypeError for another keyword)."""
         import torch
         from vllm import LLM
 
         path = _check_policy_dir(policy_dir)
+        self.settings = VLLMSettings(**settings)
         on_gpu = torch.cuda.is_available()
-        if enable_sleep_mode and not on_gpu:
+        if self.settings.enable_sleep_mode and not on_gpu:
             raise ValueError(
                 "enable_sleep_mode=True needs a GPU: vLLM's sleep/wake frees CUDA memory, "
                 "there is nothing to free on CPU (set rollout.sleep_between_iterations=false)"
             )
-        if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-            raise ValueError(f"logprobs_mode={logprobs_mode!r}: allowed are processed_logprobs, raw_logprobs")
         self._architecture = _architecture(path)
-        self.logprobs_mode = logprobs_mode
-        self.enable_sleep_mode = enable_sleep_mode
+        self.logprobs_mode = self.settings.logprobs_mode
+        self.enable_sleep_mode = self.settings.enable_sleep_mode
         self.policy_dir = str(path)
         self.policy_version = 0
         self._warned: set[tuple] = set()
-        kv_bytes = None if kv_cache_space_gib is None else int(kv_cache_space_gib * 2**30)
-        _private_ipc_dir()
-        _install_vllm_log_filter(_private_folder())
+        private_ipc_dir()
+        install_vllm_log_filter(private_folder())
         started = time.perf_counter()
-        self._llm = LLM(
-            model=str(path),
-            dtype=dtype,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            enable_sleep_mode=enable_sleep_mode,
-            kv_cache_memory_bytes=kv_bytes,
-            logprobs_mode=logprobs_mode,
-        )
+        self._llm = LLM(model=str(path), seed=seed, **self.settings.llm_kwargs())
         model_config = self._llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
+        s = self.settings
         log.info(
             "rollout engine: vllm %s on %s (model %s, dtype %s, tp %d, kv cache %s, logprobs %s) started in %.1f s",
             _vllm_version(),
             "cuda" if on_gpu else "cpu",
             path,
-            dtype,
-            tensor_parallel_size,
-            f"{kv_cache_space_gib} GiB" if kv_bytes else f"{gpu_memory_utilization:.0%} of memory",
-            logprobs_mode,
+            s.dtype,
+            s.tensor_parallel_size,
+            f"{s.kv_cache_space_gib} GiB" if s.kv_cache_space_gib else f"{s.gpu_memory_utilization:.0%} of memory",
+            s.logprobs_mode,
             time.perf_counter() - started,
         )
 
@@ -268,7 +186,7 @@ class VLLMRolloutEngine:
             log.warning(
                 "vllm logprobs_mode=%s with temperature=%s top_p=%s top_k=%s: rollout_logprobs are not "
                 "log_softmax(logits / T) of the full vocabulary (the trainer's recompute); see "
-                "engines/rollout/vllm_engine.py",
+                "engines/rollout/vllm_logprobs.py",
                 self.logprobs_mode,
                 *key,
             )
@@ -309,7 +227,7 @@ class VLLMRolloutEngine:
                     f"finish_reason={completion.finish_reason!r} (expected stop or length)"
                 )
             token_ids = list(completion.token_ids)
-            logprobs = _sampled_logprobs(token_ids, completion.logprobs)
+            logprobs = sampled_logprobs(token_ids, completion.logprobs)
             samples.append(
                 RolloutSample(
                     prompt_index=prompt_index,
@@ -359,50 +277,13 @@ class VLLMRolloutEngine:
         if llm is None:
             return
         self._llm = None
-        children = _child_processes()
+        children = child_processes()
         llm.llm_engine.engine_core.shutdown()
-        _reap(children)
+        reap(children)
         log.info("vllm: engine shut down")
-
-
-def _sampled_logprobs(token_ids: list[int], positions) -> list[float]:
-    """The sampled token's log-prob at each position. Shape: (response_len,).
-
-    `positions` is vLLM's FlatLogprobs (flat lists, start index per position) or a list of
-    {token_id: Logprob} dicts; with logprobs=0 each position holds the sampled token.
-    """
-    starts = getattr(positions, "start_indices", None)
-    if starts is None:
-        return [float(step[tok].logprob) for tok, step in zip(token_ids, positions)]
-    if len(starts) != len(token_ids):
-        raise RuntimeError(f"vLLM returned log-probs for {len(starts)} positions, {len(token_ids)} tokens")
-    out = []
-    for tok, start, end in zip(token_ids, starts, positions.end_indices):
-        hits = [i for i in range(start, end) if positions.token_ids[i] == tok]
-        if not hits:
-            raise RuntimeError(f"vLLM returned no log-prob for sampled token {tok}")
-        out.append(float(positions.logprobs[hits[0]]))
-    return out
 
 
 def _vllm_version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "unknown")
-
-
-def _child_processes():
-    import psutil
-
-    return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
-
-
-def _reap(processes, timeout_s: float = 15.0) -> None:
-    """Wait for the engine's processes (reaping zombies); kill whatever is still alive after `timeout_s`."""
-    import psutil
-
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    for proc in alive:
-        log.warning("vllm: killing engine process %d that did not exit", proc.pid)
-        proc.kill()
-    psutil.wait_procs(alive, timeout=5)

@@ -27,6 +27,14 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     return folder_fingerprint(model_dir, "*.safetensors")[:16]
 
 
+def _reference_fingerprint(path: str, dtype: str, autocast_dtype: Optional[str]) -> str:
+    """Part of the score cache's key: the weights, and the precision when it is not the default (log-probs
+    computed at another precision are other numbers; float32 keeps the bare weights fingerprint, so older
+    caches stay valid)."""
+    precision = "" if (dtype, autocast_dtype) == ("float32", None) else f"-{dtype}-autocast-{autocast_dtype}"
+    return weights_fingerprint(path) + precision
+
+
 @contextlib.contextmanager
 def _base_only(peft_model):
     """peft_model scores as its frozen base: adapters disabled, eval mode; both restored afterwards."""
@@ -64,10 +72,7 @@ class ReferenceModel:
         self.chunk_size = chunk_size
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.autocast_dtype = autocast_dtype
-        # Part of the score cache's key: log-probs computed at another precision are other numbers
-        # (the default float32 keeps the bare weights fingerprint, so older caches stay valid).
-        precision = "" if (dtype, autocast_dtype) == ("float32", None) else f"-{dtype}-autocast-{autocast_dtype}"
-        self.fingerprint = weights_fingerprint(path) + precision
+        self.fingerprint = _reference_fingerprint(path, dtype, autocast_dtype)
         self._adapter_off = contextlib.nullcontext  # a shared LoRA base: peft's disable_adapter (shared_base)
 
     @classmethod
@@ -94,8 +99,7 @@ class ReferenceModel:
         ref.temperature, ref.micro_batch_size, ref.chunk_size = temperature, micro_batch_size, chunk_size
         ref.pad_token_id = peft_model.config.pad_token_id or 0
         ref.autocast_dtype = autocast_dtype
-        precision = "" if (dtype, autocast_dtype) == ("float32", None) else f"-{dtype}-autocast-{autocast_dtype}"
-        ref.fingerprint = weights_fingerprint(path) + precision
+        ref.fingerprint = _reference_fingerprint(path, dtype, autocast_dtype)
         ref._adapter_off = lambda: _base_only(peft_model)
         return ref
 

@@ -26,8 +26,9 @@ from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.trainer import rank_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
-from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
-from storage.layout import layout_for
+from storage.checkpoints import save_checkpoint_files
+from storage.layout import RunLayout, layout_for
+from storage.scratch import checkpoint_scratch
 from storage.shards import read_shards
 
 
@@ -95,12 +96,21 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
         staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
     weights_id = checkpoint_weights_id(staged["files"])
     warm.put(trainer_key(weights_id), trainer)
+    metrics = {**result.metrics, "async/staleness": staleness(policy, table)}
+    return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)
+
+
+def update_manifest(
+    layout: RunLayout, iteration: int, weights_id: str, experience_hash: str, metrics: dict, started: float
+) -> UpdateManifest:
+    """The update stage's hand-off (one rank or a group): where iteration `iteration`'s staged checkpoint and
+    experience shards are, the staged weights' id, the metrics; `started`: perf_counter at the stage's start."""
     return UpdateManifest(
         iteration=iteration,
         checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
         experience_uri=layout.url(layout.stage_dir(iteration, "experience")),
         weights_id=weights_id,
-        experience_hash=exp_manifest.content_hash,
-        metrics={**result.metrics, "async/staleness": staleness(policy, table)},
+        experience_hash=experience_hash,
+        metrics=metrics,
         **provenance(started),
     )

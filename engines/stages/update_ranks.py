@@ -37,10 +37,10 @@ import pyarrow as pa
 
 from engines import warm
 from engines.stages.held import trainer_key
-from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest, provenance
+from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
-from engines.stages.update import build_trainer, staleness
+from engines.stages.update import build_trainer, staleness, update_manifest
 from engines.trainer import rank_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
@@ -156,15 +156,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     metrics["ranks/world_size"] = float(group.world)
     metrics["ranks/group_starts"] = float(rank_group.group_starts())
     metrics["async/staleness"] = staleness(policy, table)
-    return UpdateManifest(
-        iteration=iteration,
-        checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
-        experience_uri=layout.url(layout.stage_dir(iteration, "experience")),
-        weights_id=weights_id,
-        experience_hash=exp_manifest.content_hash,
-        metrics=metrics,
-        **provenance(started),
-    )
+    return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)
 
 
 class _Rank:

@@ -10,8 +10,10 @@ head_dim is 64 because vLLM's CPU attention rejects smaller heads (shared/ENVIRO
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from engines.toy.cli import toy_main
 
 DIGITS = [str(d) for d in range(10)]
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -57,69 +59,53 @@ def build_tokenizer(vocab_size: int = 64):
     return fast
 
 
-def toy_llama_config(
-    tokenizer,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    **extra,
-):
-    """The LlamaConfig of the toy models (policy and reward model): the toy tokenizer's vocabulary and special
-    ids, one key/value head per head, float32; `extra` adds the head-specific settings."""
-    from transformers import LlamaConfig
+@dataclass(frozen=True)
+class ToyShape:
+    """The sizes of a toy Llama (policy or reward model); keyword arguments of the builders below."""
 
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-        **extra,
-    )
+    vocab_size: int = 64
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 256
+
+    def llama_sizes(self) -> dict[str, int]:
+        """The sizes under LlamaConfig's names, with one key/value head per head (no grouped-query attention)."""
+        renamed = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}
+        sizes = {renamed.get(field, field): value for field, value in asdict(self).items()}
+        return {**sizes, "num_key_value_heads": self.num_heads}
 
 
-def build_tiny_llama(
-    out_dir: str | Path,
-    vocab_size: int = 64,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 256,
-    seed: int = 0,
-) -> Path:
-    """Random-init LlamaForCausalLM + tokenizer saved to `out_dir`; returns the folder.
+def build_toy_model(model_class, out_dir: str | Path, shape: ToyShape, seed: int, **head) -> Path:
+    """`model_class` (a transformers Llama class) randomly initialised under `seed` with the toy tokenizer's
+    vocabulary and special ids, float32, saved with that tokenizer to `out_dir`; returns the folder.
 
-    Raises ValueError when hidden_size / num_heads is not 64 (vLLM CPU needs head_dim 64).
+    `head` adds the settings of the model's head to its LlamaConfig (tie_word_embeddings, num_labels).
     """
     import torch
+    from transformers import LlamaConfig
+
+    tokenizer = build_tokenizer(shape.vocab_size)
+    special_ids = {key: getattr(tokenizer, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = LlamaConfig(**shape.llama_sizes(), **special_ids, torch_dtype="float32", **head)
+    torch.manual_seed(seed)
+    return save_model_folder(model_class(config), tokenizer, out_dir)
+
+
+def build_tiny_llama(out_dir: str | Path, seed: int = 0, **shape) -> Path:
+    """Random-init LlamaForCausalLM + tokenizer saved to `out_dir`; returns the folder. `shape`: ToyShape's
+    fields (hidden_size=256, num_heads=4, ...).
+
+    Raises ValueError when hidden_size / num_heads is not 64 (vLLM CPU needs head_dim 64), TypeError for a
+    keyword that is not a ToyShape field.
+    """
     from transformers import LlamaForCausalLM
 
-    if hidden_size % num_heads or hidden_size // num_heads != 64:
-        raise ValueError(f"head_dim = hidden_size/num_heads must be 64, got {hidden_size}/{num_heads}")
-    tokenizer = build_tokenizer(vocab_size)
-    config = toy_llama_config(
-        tokenizer,
-        vocab_size,
-        hidden_size,
-        num_layers,
-        num_heads,
-        intermediate_size,
-        max_position_embeddings,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    out = save_model_folder(LlamaForCausalLM(config), tokenizer, out_dir)
-    return out
+    sizes = ToyShape(**shape)
+    if sizes.hidden_size % sizes.num_heads or sizes.hidden_size // sizes.num_heads != 64:
+        raise ValueError(f"head_dim = hidden_size/num_heads must be 64, got {sizes.hidden_size}/{sizes.num_heads}")
+    return build_toy_model(LlamaForCausalLM, out_dir, sizes, seed, tie_word_embeddings=False)
 
 
 def save_model_folder(model, tokenizer, out_dir: str | Path) -> Path:
@@ -141,16 +127,15 @@ def ensure_tiny_llama(out_dir: str | Path, **kwargs) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir")
-    p.add_argument("--vocab-size", type=int, default=64)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=256)
-    a = p.parse_args(argv)
-    path = build_tiny_llama(a.out_dir, a.vocab_size, a.hidden_size, a.layers, a.heads, a.intermediate_size)
-    print(path)
+    options = {  # flag -> ToyShape field (or the seed)
+        "--vocab-size": "vocab_size",
+        "--hidden-size": "hidden_size",
+        "--layers": "num_layers",
+        "--heads": "num_heads",
+        "--intermediate-size": "intermediate_size",
+        "--seed": "seed",
+    }
+    toy_main(__doc__, build_tiny_llama, options, argv)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ stage sends it when PPO runs with model.apply_chat_template=true. (Without the t
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
 
+from engines.toy.cli import toy_main
 from engines.toy.model import DIGITS, build_vocab
 from engines.toy.task import TARGET_LENGTH, TEMPLATES, digit_reward
 
@@ -129,12 +129,7 @@ def ensure_preferences(out_path: str | Path, **kwargs) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_path")
-    p.add_argument("--pairs", type=int, default=4000)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    print(build_preferences(a.out_path, a.pairs, a.seed))
+    toy_main(__doc__, build_preferences, {"--pairs": "num_pairs", "--seed": "seed"}, argv)
 
 
 if __name__ == "__main__":

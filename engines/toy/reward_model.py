@@ -9,52 +9,26 @@ model. The weights are random: its scores are arbitrary but deterministic for a 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from engines.toy.model import build_tokenizer, save_model_folder, toy_llama_config
+from engines.toy.cli import toy_main
+from engines.toy.model import ToyShape, build_toy_model
 
 
-def build_tiny_reward_model(
-    out_dir: str | Path,
-    seed: int = 0,
-    vocab_size: int = 64,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 256,
-    num_labels: int = 1,
-) -> Path:
+def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, num_labels: int = 1, **shape) -> Path:
     """Random-init LlamaForSequenceClassification + the toy tokenizer saved to `out_dir`; returns it.
+    `shape`: ToyShape's fields (engines/toy/model.py); TypeError for a keyword that is not one.
 
     `num_labels` other than 1 exists only so tests can build a model that is not a reward model.
     pad_token_id is set in the config: the classifier pools at the last non-pad token and needs it.
     """
-    import torch
     from transformers import LlamaForSequenceClassification
 
-    tokenizer = build_tokenizer(vocab_size)
-    config = toy_llama_config(
-        tokenizer,
-        vocab_size,
-        hidden_size,
-        num_layers,
-        num_heads,
-        intermediate_size,
-        max_position_embeddings,
-        num_labels=num_labels,
-    )
-    torch.manual_seed(seed)
-    return save_model_folder(LlamaForSequenceClassification(config), tokenizer, out_dir)
+    return build_toy_model(LlamaForSequenceClassification, out_dir, ToyShape(**shape), seed, num_labels=num_labels)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    print(build_tiny_reward_model(a.out_dir, seed=a.seed))
+    toy_main(__doc__, build_tiny_reward_model, {"--seed": "seed"}, argv)
 
 
 if __name__ == "__main__":

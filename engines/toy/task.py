@@ -13,10 +13,11 @@ The reward is exposed in both contracts people already use:
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 from typing import Any, Sequence
+
+from engines.toy.cli import toy_main
 
 TARGET_LENGTH = 8
 TEMPLATES = ["repeat {d} :", "say {d} :", "write the digit {d} :", "copy number {d} :"]
@@ -74,12 +75,7 @@ def ensure_digits_dataset(out_dir: str | Path, **kwargs) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir")
-    p.add_argument("--rows", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    print(build_digits_dataset(a.out_dir, a.rows, a.seed))
+    toy_main(__doc__, build_digits_dataset, {"--rows": "num_rows", "--seed": "seed"}, argv)
 
 
 if __name__ == "__main__":

@@ -4,25 +4,15 @@ the training deployment with stage pools configured, and find each stage's flow 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
+from bench.processes import POOLS, REPO, STAGE_POOLS, prefect_cli, stop_workers
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-POOLS = ["ppoflow-pool", "rollout-pool", "score-pool", "train-pool"]
-STAGE_POOLS = {
-    "rollout": "ppo-rollout/ppo-rollout",
-    "score": "ppo-score/ppo-score",
-    "update": "ppo-update/ppo-update",
-    "checkpoint": "ppo-checkpoint/ppo-checkpoint",
-}
 EXPECTED_POOL = {
     "ppo-rollout": "rollout-pool",
     "ppo-score": "score-pool",
@@ -30,12 +20,6 @@ EXPECTED_POOL = {
     "ppo-checkpoint": "train-pool",
     "ppo-training": "ppoflow-pool",
 }
-
-
-def _prefect(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir):
@@ -51,9 +35,9 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
     }
     env["PREFECT_API_URL"] = prefect_api
     for pool in POOLS:
-        out = _prefect("work-pool", "create", pool, "--type", "process", env=env)
+        out = prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
         assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
-    out = _prefect("--no-prompt", "deploy", "--all", env=env)
+    out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     workers = [
@@ -97,19 +81,4 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
             assert all(fr.state.is_completed() for fr in found), [(fr.name, fr.state) for fr in found]
         assert (tmp_path / "runs" / "pools" / "checkpoints" / "iter-000001" / "_COMMITTED").exists()
     finally:
-        _stop_workers(workers)
-
-
-def _stop_workers(workers: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM every worker, then SIGKILL the process group of any still running after one shared grace
-    period. (A Prefect process worker answers SIGTERM by forwarding SIGINT to itself and can take tens of
-    seconds to exit; its flow runs have all finished by now, so nothing is lost.)"""
-    for w in workers:
-        w.terminate()
-    deadline = time.monotonic() + grace_s
-    for w in workers:
-        try:
-            w.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(w.pid, signal.SIGKILL)  # start_new_session=True: the group is the worker's own
-            w.wait()
+        stop_workers(workers)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.processes import stop_workers
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import COMPARED, _digests
-from tests.integration.test_pipeline_pools import _stop_workers
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
 
         # SIGKILL the update worker at its 3rd update of the next run (iteration 3; iteration 4's rollout and
         # score are in flight on the other workers meanwhile).
-        _stop_workers([workers.pop("train")])
+        stop_workers([workers.pop("train")])
         killer = _start_worker(tmp_path, "train", WORKERS["train"], kill="engines.stages.update:train_on@3")
         killed = _worker_config(tmp_path, "warm-k1-killed", tiny_model_dir, digits_dataset_dir, 1)
         state = ppo_training(config=killed.model_dump(mode="json"), return_state=True)
@@ -139,7 +139,7 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
         )
         assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
     finally:
-        _stop_workers(list(workers.values()))
+        stop_workers(list(workers.values()))
 
     resumed = layout_for(killed)
     assert _digests(Path(resumed.checkpoint_dir(ITERATIONS))) == _digests(Path(second.checkpoint_dir(ITERATIONS)))

@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 import storage.checkpoints as ckpt
+from storage.checkpoint_cache import checkpoint_cache_dir
 from storage.fs import is_local, list_files, write_bytes_atomic, write_json
 from storage.layout import RunLayout
 
@@ -275,10 +276,10 @@ def test_checkpoint_cache_folder_is_the_configured_one_else_ppoflow_cache(s3_buc
     bucket, cfg = s3_bucket
     monkeypatch.setenv("PPOFLOW_CACHE", str(tmp_path / "env-cache"))
     by_env = RunLayout(f"s3://{bucket}/runs", "run-e", cfg)
-    assert ckpt.checkpoint_cache_dir(by_env) == str(tmp_path / "env-cache" / "checkpoints" / "run-e")
+    assert checkpoint_cache_dir(by_env) == str(tmp_path / "env-cache" / "checkpoints" / "run-e")
     save_and_commit(by_env, tmp_path, 1)
     assert ckpt.load_checkpoint(by_env, 1).startswith(str(tmp_path / "env-cache" / "checkpoints" / "run-e") + os.sep)
     configured = RunLayout(
         f"s3://{bucket}/runs", "run-e", cfg.model_copy(update={"local_cache_dir": str(tmp_path / "mine")})
     )
-    assert ckpt.checkpoint_cache_dir(configured) == str(tmp_path / "mine" / "checkpoints" / "run-e")
+    assert checkpoint_cache_dir(configured) == str(tmp_path / "mine" / "checkpoints" / "run-e")

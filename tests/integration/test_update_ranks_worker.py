@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.processes import stop_workers
 from tests.integration.pipeline_helpers import small_config
-from tests.integration.test_pipeline_pools import _stop_workers
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_the_rank_group_lives_with_the_warm_update_worker(prefect_api, tmp_path,
         env=env,
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
-        start_new_session=True,  # _stop_workers kills the process group: the worker and its ranks
+        start_new_session=True,  # stop_workers kills the process group: the worker and its ranks
     )
     try:
         cfg = small_config(
@@ -49,7 +49,7 @@ def test_the_rank_group_lives_with_the_warm_update_worker(prefect_api, tmp_path,
         state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
         assert state.is_completed(), f"{state}\n{log.read_text()[-4000:]}"
     finally:
-        _stop_workers([worker])
+        stop_workers([worker])
     layout = layout_for(cfg)
     updates = [UpdateManifest.model_validate(read_stage_record(layout, i, "update")) for i in (1, 2)]
     assert {u.worker for u in updates} == {f"{socket.gethostname()}:{worker.pid}"}

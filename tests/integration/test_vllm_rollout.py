@@ -187,7 +187,7 @@ def test_ipc_sockets_live_in_a_private_folder(engine):
 
 def test_private_ipc_folder_is_removed_at_exit_and_a_user_value_is_kept(tmp_path):
     code = (
-        "import os; from engines.rollout.vllm_engine import _private_ipc_dir; _private_ipc_dir(); "
+        "import os; from engines.rollout.vllm_process import private_ipc_dir; private_ipc_dir(); "
         "d = os.environ['VLLM_RPC_BASE_PATH']; open(os.path.join(d, 'sock'), 'w').close(); print(d)"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}

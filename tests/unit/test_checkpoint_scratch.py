@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import storage.checkpoints as ckpt
+import storage.scratch as scratch
 from ppoflow.config import StorageConfig
 from storage.layout import RunLayout
 
@@ -23,7 +23,7 @@ KILLED_MID_SAVE = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, sys.argv[1])
     from ppoflow.config import StorageConfig
-    from storage.checkpoints import checkpoint_scratch
+    from storage.scratch import checkpoint_scratch
     from storage.layout import RunLayout
     with checkpoint_scratch(RunLayout(sys.argv[2], "run-s", StorageConfig())) as tmp:
         with open(os.path.join(tmp, "actor_optimizer.safetensors"), "wb") as f:
@@ -49,7 +49,7 @@ def test_a_scratch_folder_left_by_a_killed_save_is_removed_by_the_next_one(tmp_p
     assert first.parent == Path(layout.checkpoints_dir)
     second = _killed_mid_save(tmp_path / "runs")  # a retry that dies too: it removed the first one
     assert not first.exists() and (second / "actor_optimizer.safetensors").is_file()
-    with ckpt.checkpoint_scratch(layout) as tmp:
+    with scratch.checkpoint_scratch(layout) as tmp:
         assert not second.exists()
         assert os.path.isdir(tmp) and Path(tmp).parent == Path(layout.checkpoints_dir)
     assert sorted(os.listdir(layout.checkpoints_dir)) == []
@@ -76,7 +76,7 @@ def test_scratch_of_live_processes_other_machines_and_unknown_names_is_kept(tmp_
         )
         stale = parent / f".ppoflow-ckpt.{host}.{int(dead.stdout)}.jkl012"
         stale.mkdir()
-        assert ckpt.remove_stale_scratch(str(parent)) == [str(stale)]
+        assert scratch.remove_stale_scratch(str(parent)) == [str(stale)]
         assert all(folder.is_dir() for folder in kept) and not stale.exists()
     finally:
         sleeper.kill()

@@ -6,8 +6,8 @@ import socket
 import subprocess
 import time
 
-from storage.checkpoints import pid_alive
 from storage.layout import RunLayout
+from storage.scratch import pid_alive
 from tasks import leases
 
 

@@ -1,11 +1,11 @@
 """The filter drops vLLM's per-reload "RotaryEmbedding: Failed to load weights" and nothing else (why it is
-harmless: engines/rollout/vllm_engine.RotaryReloadWarningFilter). Built like vLLM's own call in
+harmless: engines/rollout/vllm_process.RotaryReloadWarningFilter). Built like vLLM's own call in
 vllm/model_executor/model_loader/reload/layerwise.py: logger.warning("%s: Failed to load weights", name)."""
 
 import json
 import logging
 
-from engines.rollout.vllm_engine import RotaryReloadWarningFilter, _install_vllm_log_filter
+from engines.rollout.vllm_process import RotaryReloadWarningFilter, install_vllm_log_filter
 
 
 def _record(msg: str, *args) -> logging.LogRecord:
@@ -24,14 +24,14 @@ def test_only_the_rotary_reload_warning_is_dropped():
 def test_the_logging_config_handed_to_vllm_keeps_its_handlers_and_adds_the_filter(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
-    _install_vllm_log_filter(str(tmp_path))
+    install_vllm_log_filter(str(tmp_path))
     import os
 
     config = json.loads(open(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read())
     assert config["loggers"]["vllm"]["handlers"] == ["vllm"]
     assert config["handlers"]["vllm"]["filters"] == ["ppoflow_rotary_reload"]
-    assert config["filters"]["ppoflow_rotary_reload"]["()"].endswith("vllm_engine.RotaryReloadWarningFilter")
+    assert config["filters"]["ppoflow_rotary_reload"]["()"].endswith("vllm_process.RotaryReloadWarningFilter")
     mine = tmp_path / "mine.json"
     monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(mine))  # a config the user set is kept
-    _install_vllm_log_filter(str(tmp_path / "other"))
+    install_vllm_log_filter(str(tmp_path / "other"))
     assert os.environ["VLLM_LOGGING_CONFIG_PATH"] == str(mine)
