@@ -8,42 +8,42 @@ from engines.stages.rollout_parts import merge_rollout_parts, split_prompts
 from ppoflow.config import ConfigError, load_config
 from tasks.cache_keys import stage_cache_key
 
-# The default rollout: rollout.prompts_per_iteration 32.
+# The default rollout: rollout.prompts_per_iteration 32. Each refusal: the overrides, then what its message names.
+REFUSED = [
+    (["pipeline.rollout_parts=0"], ["pipeline.rollout_parts", "greater than or equal to 1"]),
+    (["pipeline.rollout_parts=33"], ["pipeline.rollout_parts=33", "rollout.prompts_per_iteration=32"]),
+    (
+        ["pipeline.rollout_parts=2", "rollout.dynamic_sampling.enabled=true"],
+        ["pipeline.rollout_parts=2", "rollout.dynamic_sampling.enabled=true", "allowed: pipeline.rollout_parts=1"],
+    ),
+    (
+        ["pipeline.rollout_parts=2", "pipeline.stage_pools={rollout: ppo-rollout/ppo-rollout}"],
+        ["pipeline.rollout_parts=2", "pipeline.stage_pools.rollout", "pipeline.stage_workers: [rollout]"],
+    ),
+]
 
 
-@pytest.mark.parametrize(
-    "overrides, named",
-    [
-        (["pipeline.rollout_parts=0"], ("pipeline.rollout_parts", "greater than or equal to 1")),
-        (["pipeline.rollout_parts=33"], ("pipeline.rollout_parts=33", "rollout.prompts_per_iteration=32")),
-        (
-            ["pipeline.rollout_parts=2", "rollout.dynamic_sampling.enabled=true"],
-            ("pipeline.rollout_parts=2", "rollout.dynamic_sampling.enabled=true", "allowed: pipeline.rollout_parts=1"),
-        ),
-        (
-            ["pipeline.rollout_parts=2", "pipeline.stage_pools={rollout: ppo-rollout/ppo-rollout}"],
-            ("pipeline.rollout_parts=2", "pipeline.stage_pools.rollout", "pipeline.stage_workers: [rollout]"),
-        ),
-    ],
-)
-def test_refused_settings_name_the_fields_and_what_is_allowed(overrides, named):
-    with pytest.raises(ConfigError) as err:
+def _refusal(overrides: list[str]) -> str:
+    try:
         load_config(None, overrides)
-    for name in named:
-        assert name in str(err.value)
+    except ConfigError as err:
+        return str(err)
+    raise AssertionError(f"accepted: {overrides}")
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        [],  # one part, the default
-        ["pipeline.rollout_parts=32"],  # one prompt a part
-        ["pipeline.rollout_parts=4", "pipeline.stage_workers=[rollout]"],
-        ["pipeline.rollout_parts=1", "rollout.dynamic_sampling.enabled=true"],
-    ],
-)
-def test_accepted_settings(overrides):
-    load_config(None, overrides)
+def test_refused_settings_name_the_fields_and_what_is_allowed():
+    for overrides, named in REFUSED:
+        message = _refusal(overrides)
+        assert all(name in message for name in named), (overrides, message)
+
+
+def test_one_part_a_prompt_and_parts_on_workers_are_accepted():
+    assert load_config(None, []).pipeline.rollout_parts == 1  # the default: one rollout task run
+    assert load_config(None, ["pipeline.rollout_parts=32"]).pipeline.rollout_parts == 32  # one prompt a part
+    on_workers = load_config(None, ["pipeline.rollout_parts=4", "pipeline.stage_workers=[rollout]"])
+    assert on_workers.pipeline.stage_workers == ["rollout"]
+    dynamic = load_config(None, ["pipeline.rollout_parts=1", "rollout.dynamic_sampling.enabled=true"])
+    assert dynamic.rollout.dynamic_sampling.enabled
 
 
 def test_split_prompts_makes_contiguous_parts_that_differ_by_at_most_one():
