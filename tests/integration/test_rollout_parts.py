@@ -8,7 +8,7 @@ What must hold, from the design rather than from the code's output:
 - with two warm rollout workers, an iteration's two parts run one on each worker (each manifest names its
   process, host:pid), and the run equals an in-process one;
 - a rollout worker killed in the middle of its part fails the flow run with a message naming that worker and
-  the part, instead of waiting for it forever.
+  the part, instead of waiting for it forever; run again, only that part is sampled again (the other is cached).
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def test_two_rollout_workers_sample_one_part_each_and_a_dead_one_is_named(
     from engines.stages.manifests import RolloutManifest
     from flows.records import read_stage_record
     from storage.layout import layout_for
+    from tasks.leases import read_lease
+    from tasks.stages import part_stage_name
 
     host = socket.gethostname()
     # The second worker SIGKILLs itself when it starts its second part (iteration 2's, below).
@@ -152,7 +154,18 @@ def test_two_rollout_workers_sample_one_part_each_and_a_dead_one_is_named(
         assert workers[1].wait(timeout=60) == -signal.SIGKILL
         assert state.is_failed(), state
         dead = re.escape(f"worker {host}:{workers[1].pid} is gone")
-        with pytest.raises(Exception, match=rf"rollout \(rollout-part-0000[01]-of-00002\) of iteration 2 .*{dead}"):
+        named = rf"rollout \(rollout-part-0000([01])-of-00002\) of iteration 2 .*{dead}"
+        with pytest.raises(Exception, match=named) as err:
             state.result()
+        lost = int(re.search(r"rollout-part-0000([01])", str(err.value)).group(1))
+
+        # Worker b again, and the run again: only the lost part is sampled again; the other comes back from
+        # Prefect's cache (its body does not run: it takes no lease, and the submission cleared the old one).
+        workers[1] = _start_worker(tmp_path, "rollout-b", ["rollout"])
+        _wait_for_task_workers([w.pid for w in workers])
+        assert _run(longer).is_completed()
+        assert read_lease(layout, 2, part_stage_name(1 - lost, 2)) is None
+        assert read_lease(layout, 2, part_stage_name(lost, 2))["pid"] in {w.pid for w in workers}
+        assert _part_manifests(layout, 2, 2)[1 - lost].worker == f"{host}:{workers[0].pid}"
     finally:
         _stop_workers(workers)
