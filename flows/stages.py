@@ -19,6 +19,7 @@ the same; only the process (and machine) differs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import Flow, flow
@@ -109,7 +110,10 @@ def wait_for_worker(cfg: PPOFlowConfig, future: PrefectFuture, stage: str, itera
     # The future's own wait follows task-run events and can return before the final state is readable (seen:
     # "has no state"); the API's view of the run is what decides.
     while not (state := future.state).is_final():
-        future.wait(timeout=5)
+        try:
+            future.wait(timeout=5)
+        except RuntimeError:  # Prefect: the task run "has no state": no worker has taken the submission yet
+            time.sleep(0.5)  # (several iterations in flight, or more parts than free workers, queue for a worker)
         if why := lease_holder_dead(read_lease(layout, iteration, name)):
             worker_stage = WORKER_STAGE.get(stage, stage)
             what = worker_stage if name == worker_stage else f"{worker_stage} ({name})"
