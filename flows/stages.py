@@ -8,6 +8,9 @@ On a warm worker (`pipeline.stage_workers: [rollout, score, update, checkpoint]`
 with `.delay()` and runs in a long-lived `ppoflow worker` process that keeps its engine between iterations
 (flows/workers.py); the task run still belongs to the iteration's flow run, with the same cache key.
 
+With `pipeline.rollout_parts: N` > 1 the rollout runs as N part task runs (in-process one after another, or side by
+side on the warm rollout workers) and one merge task here that records the iteration's rollout manifest.
+
 On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}`): `run_deployment` starts the
 stage's flow (below) on that deployment's work pool, waits for it, checks its final state, and reads the
 manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
@@ -19,7 +22,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow
+from prefect import Flow, flow
+from prefect.futures import PrefectFuture
 
 from engines.stages.manifests import (
     STAGE_MANIFESTS,
@@ -37,20 +41,21 @@ from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
 from tasks.leases import clear_lease, lease_holder_dead, read_lease
 from tasks.results import result_storage_for
-from tasks.stages import STAGE_TASKS
+from tasks.stages import STAGE_TASKS, part_stage_name
 
 
 class StageFailed(RuntimeError):
     """A stage flow run on a work pool did not complete; names the stage, iteration and flow run."""
 
 
-def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
+def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, record: str = "", **inputs) -> StageManifest:
+    """Run the stage task here; its manifest is recorded as `_stages/<record or stage>.json`."""
     delays = [cfg.pipeline.retry_delay_s * 2**k for k in range(cfg.pipeline.retries)] or 0
     configured = STAGE_TASKS[stage].with_options(
         retries=cfg.pipeline.retries, retry_delay_seconds=delays, result_storage=result_storage_for(cfg)
     )
     manifest = configured(cfg, iteration, **inputs)
-    write_stage_record(layout_for(cfg), iteration, stage, manifest.model_dump(mode="json"))
+    write_stage_record(layout_for(cfg), iteration, record or stage, manifest.model_dump(mode="json"))
     return manifest
 
 
@@ -87,28 +92,59 @@ def run_stage_on_worker(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs
     JSON cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON. A worker
     that dies mid-stage is found through the stage's lease (tasks/leases.py): its task run is set Crashed and
     StageFailed names the worker."""
-    layout = layout_for(cfg)
-    clear_lease(layout, iteration, stage)
+    return wait_for_worker(cfg, submit_to_worker(cfg, stage, iteration, stage, **inputs), stage, iteration, stage)
+
+
+def submit_to_worker(cfg: PPOFlowConfig, stage: str, iteration: int, name: str, **inputs) -> PrefectFuture:
+    """Submit STAGE_TASKS[stage] to the warm workers serving it, after clearing the lease `name` (the stage, or a
+    rollout part's name) that a previous attempt's worker left; returns its future (see run_stage_on_worker)."""
+    clear_lease(layout_for(cfg), iteration, name)
     submit = STAGE_TASKS[stage].with_options(result_serializer="pickle")
-    future = submit.delay(cfg.model_dump(mode="json"), iteration, **inputs)
+    return submit.delay(cfg.model_dump(mode="json"), iteration, **inputs)
+
+
+def wait_for_worker(cfg: PPOFlowConfig, future: PrefectFuture, stage: str, iteration: int, name: str) -> StageManifest:
+    """The manifest of a task run submitted by submit_to_worker, recorded as `_stages/<name>.json`; raises its error,
+    or StageFailed naming the worker when the one holding lease `name` died (its task run is set Crashed)."""
+    layout = layout_for(cfg)
     # The future's own wait follows task-run events and can return before the final state is readable (seen:
     # "has no state"); the API's view of the run is what decides.
     while not (state := future.state).is_final():
         try:
             future.wait(timeout=5)
         except RuntimeError:  # Prefect: the task run "has no state": no worker has taken the submission yet
-            time.sleep(0.5)  # (several iterations in flight queue stages for one worker)
-        if why := lease_holder_dead(read_lease(layout, iteration, stage)):
+            time.sleep(0.5)  # (several iterations in flight, or more parts than free workers, queue for a worker)
+        if why := lease_holder_dead(read_lease(layout, iteration, name)):
+            worker_stage = WORKER_STAGE.get(stage, stage)
+            what = worker_stage if name == worker_stage else f"{worker_stage} ({name})"
             message = (
-                f"stage {stage} of iteration {iteration} was running on a warm worker that died: {why}. "
-                f"Start `ppoflow worker --stage {stage}` again and retry the flow run: the stage reruns from the "
-                f"last committed checkpoint"
+                f"stage {what} of iteration {iteration} was running on a warm worker that died: {why}. "
+                f"Start `ppoflow worker --stage {worker_stage}` again and retry the flow run: the stage reruns from "
+                f"the last committed checkpoint"
             )
             _crash_task_run(future.task_run_id, message)
             raise StageFailed(message)
     manifest = state.result(raise_on_failure=True)
-    write_stage_record(layout, iteration, stage, manifest.model_dump(mode="json"))
+    write_stage_record(layout, iteration, name, manifest.model_dump(mode="json"))
     return manifest
+
+
+def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) -> RolloutManifest:
+    """pipeline.rollout_parts = N > 1: N rollout-part task runs, then the rollout-merge task (in this process: no
+    engine) that records the iteration's one RolloutManifest (engines/stages/rollout_parts.py).
+
+    On warm workers every part is submitted before any is awaited, so the workers serving rollout sample the parts
+    side by side (each takes one task run at a time). In-process the parts run one after another: they share this
+    process's one rollout engine, so threads would only queue on its stage lock."""
+    stage, parts = "rollout", cfg.pipeline.rollout_parts  # `stage`: what a failure names (flows/failure.py)
+    names = [part_stage_name(part, parts) for part in range(parts)]
+    inputs = [{"policy": policy, "part": part, "parts": parts} for part in range(parts)]
+    if stage in cfg.pipeline.stage_workers:
+        futures = [submit_to_worker(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
+        manifests = [wait_for_worker(cfg, f, "rollout-part", iteration, n) for f, n in zip(futures, names)]
+    else:
+        manifests = [run_stage_in_process(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
+    return run_stage_in_process(cfg, "rollout-merge", iteration, stage, parts=manifests)
 
 
 def _crash_task_run(task_run_id, message: str) -> None:
@@ -124,17 +160,32 @@ def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff)
     deployment = (cfg.pipeline.stage_pools or {}).get(stage)
     if deployment:
         return run_stage_on_pool(cfg, stage, deployment, iteration, **inputs)
-    # eval samples with the rollout engine, so the warm workers serving rollout serve it too (flows/workers.py)
-    if ("rollout" if stage == "eval" else stage) in cfg.pipeline.stage_workers:
+    if stage == "rollout" and cfg.pipeline.rollout_parts > 1:
+        return run_rollout_in_parts(cfg, iteration, **inputs)
+    if WORKER_STAGE.get(stage, stage) in cfg.pipeline.stage_workers:
         return run_stage_on_worker(cfg, stage, iteration, **inputs)
     return run_stage_in_process(cfg, stage, iteration, **inputs)
 
 
+# The stage tasks that run where another stage's workers run: eval samples with the rollout engine, so the warm
+# workers serving rollout serve it too (flows/workers.py), and so they do a split rollout's parts.
+WORKER_STAGE = {"eval": "rollout", "rollout-part": "rollout"}
+
+
 # One flow per stage, for deployments on their own pools (prefect.yaml). Explicit, typed signatures: Prefect
 # validates the JSON parameters back into manifests, and its parameter schema (the UI form) names each input.
-@flow(name="ppo-rollout", flow_run_name="rollout-iter-{iteration}")
-def rollout_stage(config: dict[str, Any], iteration: int, policy: PolicyRef) -> RolloutManifest:
-    return run_stage_in_process(as_config(config), "rollout", iteration, policy=policy)
+def _sampling_stage_flow(stage: str, returns: type) -> Flow:
+    """The flow of a stage whose one input is the policy it samples with: rollout, and eval (the rollout engine)."""
+
+    def stage_flow(config: dict[str, Any], iteration: int, policy: PolicyRef):
+        return run_stage_in_process(as_config(config), stage, iteration, policy=policy)
+
+    stage_flow.__name__ = stage_flow.__qualname__ = f"{stage}_stage"
+    stage_flow.__annotations__["return"] = returns
+    return flow(stage_flow, name=f"ppo-{stage}", flow_run_name=f"{stage}-iter-{{iteration}}")
+
+
+rollout_stage = _sampling_stage_flow("rollout", RolloutManifest)
 
 
 @flow(name="ppo-score", flow_run_name="score-iter-{iteration}")
@@ -152,6 +203,4 @@ def checkpoint_stage(config: dict[str, Any], iteration: int, update: UpdateManif
     return run_stage_in_process(as_config(config), "checkpoint", iteration, update=update)
 
 
-@flow(name="ppo-eval", flow_run_name="eval-iter-{iteration}")
-def eval_stage(config: dict[str, Any], iteration: int, policy: PolicyRef) -> EvalManifest:
-    return run_stage_in_process(as_config(config), "eval", iteration, policy=policy)
+eval_stage = _sampling_stage_flow("eval", EvalManifest)

@@ -10,7 +10,15 @@ the engines registries (engines/warm.py, engines/rollout/registry.py) stay warm 
 and a worker whose engine holds other weights loads the committed policy named in the stage's input in
 place. Why not a served flow (`flow.serve`) or a process work pool: both start a new process per flow run,
 which is the cold start this removes. Several workers may serve one stage (the server gives each task run
-to one of them).
+to one of them): with `pipeline.rollout_parts: N`, the N parts of an iteration's rollout are N task runs, so N
+rollout workers sample them side by side (data parallelism).
+
+One change to Prefect's task worker (`SlotTaskWorker`): it holds a subscription to the server only while it has
+a free slot, and takes one task run per subscription. Prefect's own worker stays subscribed while busy, and the
+server hands it the next run at once (it waits in the worker until the slot frees), so of two idle-looking
+workers a busy one could take the second part of a split rollout while the other sat idle. Closing the
+subscription with the run received makes the server put a run it was handing over back into its queue, for
+a worker with a free slot. It overrides Prefect's private subscription loop (prefect 3.7.7, pinned).
 
 What the worker decides, not the submitting flow: a task's retries (`--retries`) and where its results
 persist (Prefect's default result storage; on several machines point PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK
@@ -19,23 +27,71 @@ and PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK at a shared block, e.g. S3).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Sequence
 
+from prefect._internal.concurrency.api import create_call, from_sync
+from prefect.client.schemas.objects import TaskRun
+from prefect.client.subscriptions import Subscription
+from prefect.settings import get_current_settings
+from prefect.task_worker import StopTaskWorker, TaskWorker
+
 STAGES = ("rollout", "score", "update", "checkpoint")
+_SLOT_POLL_S = 0.05  # how soon a worker whose slot freed subscribes again
+
+
+class SlotTaskWorker(TaskWorker):
+    """Prefect's TaskWorker that takes a task run only while it has a free slot (see the module docstring)."""
+
+    async def _subscribe_to_task_scheduling(self) -> None:
+        base_url = get_current_settings().api.url
+        if base_url is None:
+            raise ValueError("PREFECT_API_URL must be set for a task worker (the ephemeral API has none)")
+        while True:
+            while self.available_tasks == 0:
+                await asyncio.sleep(_SLOT_POLL_S)
+            subscription = Subscription(
+                model=TaskRun,
+                path="/task_runs/subscriptions/scheduled",
+                keys=self.task_keys,
+                client_id=self.client_id,
+                base_url=base_url,
+            )
+            try:
+                task_run = await subscription.__anext__()  # connects, receives one run, acknowledges it
+            finally:
+                try:
+                    await subscription.websocket.close()  # before the server hands this worker another run
+                except RuntimeError:
+                    pass  # never connected (shut down while connecting)
+            if await self._acquire_token(task_run.id):
+                self._runs_task_group.start_soon(self._safe_submit_scheduled_task_run, task_run)
 
 
 def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> None:
     """Serve the stage tasks of `stages` in this process until interrupted. limit: task runs at once (1:
     one trainer or sampler must not run two stages at the same time)."""
-    from prefect.task_worker import serve
-
     from tasks.leases import serve_as_worker
     from tasks.stages import STAGE_TASKS
 
     unknown = sorted(set(stages) - set(STAGES))
     if unknown or not stages:
         raise ValueError(f"ppoflow worker --stage {unknown or '(none)'}: allowed are {', '.join(STAGES)}")
-    served = list(dict.fromkeys(stages)) + (["eval"] if "rollout" in stages else [])  # eval uses rollout's engine
+    # eval and the parts of a split rollout (pipeline.rollout_parts) sample with the rollout engine
+    served = list(dict.fromkeys(stages)) + (["rollout-part", "eval"] if "rollout" in stages else [])
     tasks = [STAGE_TASKS[s].with_options(retries=retries) for s in served]
     serve_as_worker()  # stage bodies hold leases: the submitting flow finds out if this process dies
-    serve(*tasks, limit=limit)
+    # As prefect.task_worker.serve runs its worker: in Prefect's event loop thread (so SIGTERM ends the process as
+    # it does a `prefect task serve`: TaskWorker installs its own handler only from the main thread).
+    try:
+        from_sync.call_soon_in_loop_thread(create_call(_serve, tasks, limit)).result()
+    except KeyboardInterrupt:
+        pass
+
+
+async def _serve(tasks: list, limit: int) -> None:
+    worker = SlotTaskWorker(*tasks, limit=limit)  # made inside the loop: TaskWorker needs a running one
+    try:
+        await worker.astart()
+    except StopTaskWorker:
+        pass

@@ -518,6 +518,14 @@ class PipelineConfig(_Section):
         "reproducible and resumable) and its update corrects for the stale samples (decoupled PPO, importance "
         "weights capped at algo.tis_cap, 2.0 when unset). 0 = one iteration after another.",
     )
+    rollout_parts: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel rollout: split each iteration's prompts into this many parts, each its own "
+        "stage task run (cached and retried alone), one after another in-process or spread over the warm rollout "
+        "workers (several `ppoflow worker --stage rollout`), then merged into one rollout manifest. The samples do "
+        "not depend on it (per-prompt seeds). 1 = one rollout task run.",
+    )
 
     @field_validator("stage_pools")
     @classmethod
@@ -600,6 +608,31 @@ class PPOFlowConfig(_Section):
                 f"train.micro_batch_size={self.train.micro_batch_size} must divide each rank's share of the "
                 f"train batch ({step_batch} samples / train.num_ranks={ranks} = {share}), or be larger"
             )
+
+    @model_validator(mode="after")
+    def _check_rollout_parts(self) -> "PPOFlowConfig":
+        """pipeline.rollout_parts: at least one prompt a part; refused with dynamic sampling and rollout on a pool."""
+        parts = self.pipeline.rollout_parts
+        if parts == 1:
+            return self
+        if parts > self.rollout.prompts_per_iteration:
+            raise ValueError(
+                f"pipeline.rollout_parts={parts} must be <= rollout.prompts_per_iteration="
+                f"{self.rollout.prompts_per_iteration}: every part samples at least one prompt"
+            )
+        if self.rollout.dynamic_sampling.enabled:
+            raise ValueError(
+                f"pipeline.rollout_parts={parts} with rollout.dynamic_sampling.enabled=true: dynamic sampling draws "
+                f"more prompts from the rewards of all the iteration's groups, so it samples in one part; allowed: "
+                f"pipeline.rollout_parts=1, or dynamic sampling off"
+            )
+        if "rollout" in (self.pipeline.stage_pools or {}):
+            raise ValueError(
+                f"pipeline.rollout_parts={parts} with pipeline.stage_pools.rollout: a rollout on a work pool runs as "
+                f"one flow run; allowed: pipeline.rollout_parts=1 there, or the parts on warm workers "
+                f"(pipeline.stage_workers: [rollout]) or in-process"
+            )
+        return self
 
     def _check_recipes(self) -> None:
         """Dynamic sampling needs groups and whole groups per optimizer step; eval on pools needs its deployment."""

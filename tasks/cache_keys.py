@@ -3,7 +3,7 @@
 A retried flow run recomputes the same keys, finds the persisted results of the stages that completed,
 and resumes at the first stage without one. A changed input or setting changes the key, so a stale result
 is never reused. An input hand-off (engines/stages/manifests.py) counts by its `identity()` (a content
-hash), any other parameter by its JSON form.
+hash), a list of them item by item, any other parameter by its JSON form.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from ppoflow.fingerprint import json_hash
 # The config sections each stage's output depends on (besides its input hand-offs).
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "rollout": ("model", "data", "rollout"),
+    # pipeline.rollout_parts > 1: a part is keyed by its index and count too (its parameters); the merge by the
+    # parts' content hashes. pipeline.* is in no key: how a stage is spread over processes changes no row.
+    "rollout-part": ("model", "data", "rollout"),
+    "rollout-merge": ("model", "data", "rollout"),
     "score": ("model", "reward", "score", "rollout"),
     "update": ("model", "algo", "train", "reward"),
     "checkpoint": ("run",),
@@ -35,12 +39,19 @@ def stage_sections(cfg: PPOFlowConfig, stage: str) -> tuple[str, ...]:
 
 def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict[str, Any]) -> str:
     """The key under which a stage's result is persisted; see the module docstring."""
-    identities = {k: v.identity() if isinstance(v, HandOff) else v for k, v in inputs.items()}
+    identities = {k: _identity(v) for k, v in inputs.items()}
     # Not the storage root: results persist under the run's own folder, so a run moved to another root or
     # bucket finds its completed stages again (the root is where the run is, not what it computes).
     config_hash = cfg.section_hash(*stage_sections(cfg, stage))
     digest = json_hash({"inputs": identities, "config": config_hash, "seed": cfg.run.seed})
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
+
+
+def _identity(value: Any) -> Any:
+    """A hand-off's identity, a list's item by item (the merge's rollout parts), anything else as it is."""
+    if isinstance(value, HandOff):
+        return value.identity()
+    return [_identity(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def cache_key_fn(stage: str):

@@ -1,5 +1,6 @@
 """The stage tasks (rollout, score, update, checkpoint; eval after the checkpoint): thin Prefect wrappers
-around engines/stages (one function per stage).
+around engines/stages (one function per stage). With pipeline.rollout_parts > 1 the rollout runs as
+rollout-part task runs (one per part) and a rollout-merge (engines/stages/rollout_parts.py).
 
 Each task declares its cache key (tasks/cache_keys.py) and persists its result, a typed manifest, as JSON
 under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
@@ -15,6 +16,7 @@ from prefect import task
 from engines.stages import checkpoint as checkpoint_stage
 from engines.stages import evaluate as eval_stage
 from engines.stages import rollout as rollout_stage
+from engines.stages import rollout_parts
 from engines.stages import score as score_stage
 from engines.stages import update as update_stage
 from engines.stages.manifests import (
@@ -22,6 +24,7 @@ from engines.stages.manifests import (
     EvalManifest,
     PolicyRef,
     RolloutManifest,
+    RolloutPartManifest,
     ScoreManifest,
     UpdateManifest,
 )
@@ -33,11 +36,11 @@ from tasks.leases import stage_lease
 Config = PPOFlowConfig | dict[str, Any]
 
 
-def _stage_task(stage: str, body):
+def _stage_task(stage: str, body, run_name: str = ""):
     return task(
         body,
         name=stage,
-        task_run_name=f"{stage}-iter-{{iteration}}",
+        task_run_name=run_name or f"{stage}-iter-{{iteration}}",
         cache_key_fn=cache_key_fn(stage),
         persist_result=True,
         result_serializer="json",
@@ -48,6 +51,21 @@ def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManife
     cfg = as_config(config)
     with stage_lease(layout_for(cfg), iteration, "rollout"):  # on a warm worker: found if it dies
         return rollout_stage.run_rollout(cfg, iteration, policy)
+
+
+def _rollout_part(config: Config, iteration: int, policy: PolicyRef, part: int, parts: int) -> RolloutPartManifest:
+    cfg = as_config(config)
+    with stage_lease(layout_for(cfg), iteration, part_stage_name(part, parts)):  # each part's worker is found
+        return rollout_parts.run_rollout_part(cfg, iteration, policy, part, parts)
+
+
+def _rollout_merge(config: Config, iteration: int, parts: list[RolloutPartManifest]) -> RolloutManifest:
+    return rollout_parts.merge_rollout_parts(as_config(config), iteration, parts)
+
+
+def part_stage_name(part: int, parts: int) -> str:
+    """The name of rollout part `part` of `parts` in stage records and leases (`_stages/<name>.json`)."""
+    return f"rollout-part-{part:05d}-of-{parts:05d}"
 
 
 def _score(config: Config, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
@@ -74,6 +92,9 @@ def _eval(config: Config, iteration: int, policy: PolicyRef) -> EvalManifest:
 
 STAGE_TASKS = {
     "rollout": _stage_task("rollout", _rollout),
+    # pipeline.rollout_parts > 1: the rollout as parts (each its own task run), then the merge (no engine)
+    "rollout-part": _stage_task("rollout-part", _rollout_part, "rollout-iter-{iteration}-part-{part}"),
+    "rollout-merge": _stage_task("rollout-merge", _rollout_merge),
     "score": _stage_task("score", _score),
     "update": _stage_task("update", _update),
     "checkpoint": _stage_task("checkpoint", _checkpoint),

@@ -6,6 +6,9 @@
     checkpoint.run_checkpoint(cfg, i, UpdateManifest)   -> CheckpointManifest
     evaluate.run_eval(cfg, i, PolicyRef)                -> EvalManifest    (after the checkpoint, when due)
 
+With pipeline.rollout_parts > 1 the rollout is rollout_parts.run_rollout_part per part (-> RolloutPartManifest),
+then rollout_parts.merge_rollout_parts (-> the iteration's RolloutManifest).
+
 The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stages.py) and the in-process
 pipeline call exactly these; the bare loop (engines/loop.py) calls their compute halves (`sample_rollout`,
 `score_rows`, `train_on`) with the tables in memory instead of shards. This is the one place in engines/

@@ -31,10 +31,10 @@ from engines import warm
 from engines.evaluation import eval_metrics
 from engines.rollout.base import SamplingSettings
 from engines.stages.held import eval_prompt_source_for, score_cache_for, scorer_for
-from engines.stages.manifests import EvalManifest, PolicyRef, provenance
-from engines.stages.rollout import rollout_engine_for
+from engines.stages.manifests import EvalManifest, PolicyRef
+from engines.stages.rollout import rollout_engine_for, sample_table, sampled_manifest
 from engines.stages.score import score_rows
-from engines.stages.tables import rollout_table, write_stage_table
+from engines.stages.tables import write_stage_table
 from storage.layout import layout_for
 
 
@@ -75,22 +75,14 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
     seeds = [eval_sampling_seed(cfg.run.seed, r.index) for r in records]
     with warm.stage_lock("rollout"):  # pipelined iterations: the rollout engine serves one stage at a time
         engine = rollout_engine_for(cfg, policy)
-        samples = engine.generate([r.prompt_ids for r in records], eval_sampling(cfg), seeds)
-    table = rollout_table(records, samples, source.tokenizer, iteration)
+        table = sample_table(engine, source, records, eval_sampling(cfg), seeds, iteration)
     layout = layout_for(cfg)
     scorer = scorer_for(cfg)
     cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
     scored, _ = score_rows(scorer, table, cache)
-    manifest = write_stage_table(cfg, layout, iteration, "eval", scored)
+    written = write_stage_table(cfg, layout, iteration, "eval", scored)
     n = cfg.eval.n_samples
     metrics = eval_metrics(scored.column("reward").to_pylist(), n, ks=sorted({1, n}))
-    return EvalManifest(
-        iteration=iteration,
-        uri=layout.url(layout.stage_dir(iteration, "eval")),
-        rows=manifest.rows,
-        content_hash=manifest.content_hash,
-        policy_version=policy.version,
-        engine=engine.name,
-        metrics=metrics,
-        **provenance(started),
+    return sampled_manifest(
+        EvalManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, metrics=metrics
     )

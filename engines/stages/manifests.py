@@ -2,6 +2,7 @@
 
     PolicyRef           the weights an iteration samples and trains from (initial folder or a checkpoint)
     RolloutManifest     rollout shards of an iteration        (rollout -> score)
+    RolloutPartManifest one part of a split rollout           (rollout part -> the merge into a RolloutManifest)
     ScoreManifest       scored shards                         (score -> update)
     UpdateManifest      experience shards + staged checkpoint (update -> checkpoint)
     CheckpointManifest  the committed checkpoint              (checkpoint -> the next iteration)
@@ -74,6 +75,25 @@ class RolloutManifest(ShardsManifest):
     metrics: dict[str, float] = Field(
         default_factory=dict, description="dynamic sampling's rollout/* accounting; {} when it is off"
     )
+    part_workers: list[str] = Field(
+        default_factory=list,
+        description="host:pid of the process that sampled each part, in part order (pipeline.rollout_parts > 1); "
+        "[] when one task run sampled the whole iteration",
+    )
+
+
+class RolloutPartManifest(ShardsManifest):
+    """One part of an iteration's rollout (pipeline.rollout_parts > 1): a contiguous slice of the iteration's
+    prompts sampled into shards of its own; the merge writes the iteration's RolloutManifest over all parts.
+
+    Identity: the part's shards' content hash, so the merge's cache key changes whenever a part's rows do."""
+
+    stage: Literal["rollout-part"] = "rollout-part"
+    part: int = Field(ge=0, description="0-based index of the part")
+    parts: int = Field(ge=1, description="how many parts the iteration's prompts were split into")
+    prompts: int = Field(ge=1, description="prompts this part sampled")
+    policy_version: int
+    engine: str
 
 
 class EvalManifest(ShardsManifest):
@@ -126,6 +146,7 @@ def provenance(started: float) -> dict:
 
 STAGE_MANIFESTS: dict[str, type[StageManifest]] = {
     "rollout": RolloutManifest,
+    "rollout-part": RolloutPartManifest,
     "score": ScoreManifest,
     "update": UpdateManifest,
     "checkpoint": CheckpointManifest,

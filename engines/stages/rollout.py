@@ -3,6 +3,8 @@
     sample_rollout(engine, source, cfg, iteration) -> rollout rows   (the compute, shared with engines/loop.py)
     run_rollout(cfg, iteration, policy) -> RolloutManifest          (the stage: engine, compute, shards)
 
+With pipeline.rollout_parts > 1 the stage runs as parts and a merge instead (engines/stages/rollout_parts.py).
+
 With rollout.dynamic_sampling.enabled the stage samples in rounds and keeps only groups with reward
 variance (engines/stages/dynamic.py); the manifest's `metrics` then holds the rounds' accounting.
 
@@ -14,6 +16,7 @@ process: a retried or resumed stage draws the same samples.
 from __future__ import annotations
 
 import time
+from typing import TypeVar
 
 import pyarrow as pa
 
@@ -23,10 +26,13 @@ from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_samplin
 from engines.rollout.registry import get_rollout_engine, serve_in_memory
 from engines.stages.dynamic import sample_dynamic, stage_rewards
 from engines.stages.held import prompt_source_for, trainer_key
-from engines.stages.manifests import PolicyRef, RolloutManifest, provenance
+from engines.stages.manifests import PolicyRef, RolloutManifest, ShardsManifest, provenance
 from engines.stages.policy import local_policy_dir
 from engines.stages.tables import rollout_table, write_stage_table
 from storage.layout import layout_for
+from storage.shards import Manifest
+
+M = TypeVar("M", bound=ShardsManifest)
 
 
 def sample_rollout(engine: RolloutEngine, source: PromptSource, cfg, iteration: int) -> pa.Table:
@@ -39,8 +45,23 @@ def sample_records(engine: RolloutEngine, source: PromptSource, cfg, iteration: 
     """These prompts (PromptRecord), n samples each, as rollout rows ordered by (prompt, sample); row r of the
     dataset is sampled with its own seed (module docstring), so which other prompts share the call is moot."""
     seeds = [prompt_sampling_seed(cfg.run.seed, iteration, r.index) for r in records]
-    samples = engine.generate([r.prompt_ids for r in records], SamplingSettings.from_config(cfg.rollout), seeds)
+    return sample_table(engine, source, records, SamplingSettings.from_config(cfg.rollout), seeds, iteration)
+
+
+def sample_table(
+    engine: RolloutEngine, source: PromptSource, records: list, sampling: SamplingSettings, seeds: list, iteration: int
+) -> pa.Table:
+    """`records` sampled with `sampling` (seeds[i] for records[i]) as rollout rows: the rollout and eval stages'
+    one way from prompts to rows. Raises the engine's error naming the prompt (too long for the model)."""
+    samples = engine.generate([r.prompt_ids for r in records], sampling, seeds)
     return rollout_table(records, samples, source.tokenizer, iteration)
+
+
+def sampled_manifest(model: type[M], written: Manifest, iteration: int, started: float, **fields) -> M:
+    """The manifest (`model`: rollout, rollout part, eval) of shards `written` by a stage body that started at
+    perf_counter() == `started` in this process; `fields` are the model's own (policy_version, engine, ...)."""
+    shards = {"uri": written.uri, "rows": written.rows, "content_hash": written.content_hash}
+    return model(iteration=iteration, **shards, **fields, **provenance(started))
 
 
 def rollout_engine_for(cfg, policy: PolicyRef) -> RolloutEngine:
@@ -75,15 +96,7 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
             table, metrics = sample_dynamic(sample, source, cfg, iteration, stage_rewards(cfg))
         else:
             table = sample_rollout(engine, prompt_source_for(cfg), cfg, iteration)
-    layout = layout_for(cfg)
-    manifest = write_stage_table(cfg, layout, iteration, "rollout", table)
-    return RolloutManifest(
-        iteration=iteration,
-        uri=layout.url(layout.stage_dir(iteration, "rollout")),
-        rows=manifest.rows,
-        content_hash=manifest.content_hash,
-        policy_version=policy.version,
-        engine=engine.name,
-        metrics=metrics,
-        **provenance(started),
+    written = write_stage_table(cfg, layout_for(cfg), iteration, "rollout", table)
+    return sampled_manifest(
+        RolloutManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, metrics=metrics
     )

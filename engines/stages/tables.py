@@ -6,6 +6,7 @@
     experience_batch(scored rows, pad_token_id)             scored rows              -> padded tensors
     experience_table(scored rows, update result)            + old log-probs, values, advantages, returns
     write_stage_table(cfg, layout, iteration, kind, rows)    the rows as the iteration's shards of that kind
+                                                            (or, with folder=, a rollout part's shards)
 
 The pipeline writes these tables to shards between stages; the bare loop (engines/loop.py) passes them
 in memory. Both go through these functions, so a row means the same thing on either path.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pyarrow as pa
 
@@ -113,12 +114,15 @@ def experience_table(scored: pa.Table, result) -> pa.Table:
     ).cast(schema_for("experience"))
 
 
-def write_stage_table(cfg, layout: RunLayout, iteration: int, kind: str, table: pa.Table) -> Manifest:
+def write_stage_table(
+    cfg, layout: RunLayout, iteration: int, kind: str, table: pa.Table, folder: Optional[str] = None
+) -> Manifest:
     """Write `table` as iteration `iteration`'s `kind` shards (rollout, scored, experience), replacing what the
-    folder held (manifest last); every part's schema metadata names the run, iteration, stage and config."""
+    folder held (manifest last); every part's schema metadata names the run, iteration, stage and config.
+    folder: another folder than the iteration's `kind` folder (a rollout part's own, engines/stages/rollout.py)."""
     return write_shards(
         layout.fs,
-        layout.stage_dir(iteration, kind),
+        folder or layout.stage_dir(iteration, kind),
         table,
         kind,
         max_rows=cfg.storage.shard_max_rows,

@@ -1,0 +1,118 @@
+"""Data-parallel rollout (pipeline.rollout_parts = N > 1): the iteration's prompts in N parts, then one merge.
+
+    split_prompts(records, part, parts) -> records              part `part`: a contiguous slice of the prompts
+    run_rollout_part(cfg, iteration, policy, part, parts)       sample one part -> RolloutPartManifest
+    merge_rollout_parts(cfg, iteration, part manifests)         all parts' rows -> the iteration's RolloutManifest
+
+Each part is a stage task run of its own (tasks/stages.py): cached and retried alone, so a worker that dies
+loses only its part, and several warm rollout workers sample an iteration's parts side by side. The merge is
+cheap (no engine: it reads the parts' shards and writes the iteration's rollout shards), so the score stage
+and everything after it see one RolloutManifest, exactly as with one part.
+
+Why the merged rows equal the unsplit ones, row for row: the parts are contiguous slices of the iteration's
+prompt list, concatenated in part order, and each prompt is sampled with its own seed (engines/stages/rollout.py),
+so which other prompts share an engine call is moot. Except in the last bits of `rollout_logprobs`: the HF
+sampler left-pads a batch to its longest prompt, and fp32 sums over a row padded otherwise round otherwise
+(seen: 4.8e-7; the tokens, and the weights trained at max_staleness 0 without TIS, are bitwise equal).
+
+Storage: part p of N writes `<run>/iter-NNNNNN/rollout-parts/part-0000p-of-0000N/` (shards + manifest, the
+same format as any stage folder); the merge writes `<run>/iter-NNNNNN/rollout/` as the unsplit stage would. The
+part folders stay: they are the parts' cached outputs, read again by a retried merge.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from engines import warm
+from engines.stages.held import prompt_source_for
+from engines.stages.manifests import PolicyRef, RolloutManifest, RolloutPartManifest
+from engines.stages.rollout import rollout_engine_for, sample_records, sampled_manifest
+from engines.stages.tables import write_stage_table
+from storage.fs import join
+from storage.layout import RunLayout, layout_for
+from storage.shards import read_shards, require_manifest
+
+
+def split_prompts(records: list, part: int, parts: int) -> list:
+    """Part `part` (0-based) of `parts` contiguous slices of `records` whose sizes differ by at most one (the first
+    len(records) % parts parts take one more). ValueError unless 0 <= part < parts <= len(records)."""
+    if not 0 <= part < parts <= len(records):
+        raise ValueError(f"rollout part {part} of {parts}: needs 0 <= part < parts <= {len(records)} prompts")
+    base, extra = divmod(len(records), parts)
+    start = part * base + min(part, extra)
+    return records[start : start + base + (1 if part < extra else 0)]
+
+
+def part_dir(layout: RunLayout, iteration: int, part: int, parts: int) -> str:
+    """The shards folder of rollout part `part` of `parts` in iteration `iteration`."""
+    return join(layout.iteration_dir(iteration), "rollout-parts", f"part-{part:05d}-of-{parts:05d}")
+
+
+def run_rollout_part(cfg, iteration: int, policy: PolicyRef, part: int, parts: int) -> RolloutPartManifest:
+    """Sample part `part` of `parts` of iteration `iteration`'s prompts with `policy` into the part's own folder
+    (replacing what it held, manifest last). Errors: ValueError for a part outside 0..parts-1 or more parts than
+    prompts; the engine's errors name the prompt."""
+    started = time.perf_counter()
+    source = prompt_source_for(cfg)
+    every = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
+    records = split_prompts(every, part, parts)
+    with warm.stage_lock("rollout"):  # pipelined iterations (or parts in threads): one engine, one call at a time
+        engine = rollout_engine_for(cfg, policy)
+        table = sample_records(engine, source, cfg, iteration, records)
+    layout = layout_for(cfg)
+    folder = part_dir(layout, iteration, part, parts)
+    written = write_stage_table(cfg, layout, iteration, "rollout", table, folder=folder)
+    fields = {"part": part, "parts": parts, "prompts": len(records)}
+    return sampled_manifest(
+        RolloutPartManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, **fields
+    )
+
+
+def _check_parts(iteration: int, parts: list[RolloutPartManifest]) -> None:
+    """ValueError naming the first part that is not part i of len(parts) of this iteration, of one policy."""
+    if not parts:
+        raise ValueError(f"rollout merge of iteration {iteration}: no parts")
+    for i, p in enumerate(parts):
+        if (p.part, p.parts, p.iteration) != (i, len(parts), iteration):
+            raise ValueError(
+                f"rollout merge of iteration {iteration}: manifest {i} is part {p.part} of {p.parts} of iteration "
+                f"{p.iteration}; expected part {i} of {len(parts)} of iteration {iteration}, in part order"
+            )
+        if p.policy_version != parts[0].policy_version:
+            raise ValueError(
+                f"rollout merge of iteration {iteration}: part {i} was sampled by policy version {p.policy_version}, "
+                f"part 0 by {parts[0].policy_version}"
+            )
+
+
+def merge_rollout_parts(cfg, iteration: int, parts: list[RolloutPartManifest]) -> RolloutManifest:
+    """Write the parts' rows, in part order, as iteration `iteration`'s rollout shards (manifest last).
+
+    Errors: ValueError when `parts` is not parts 0..N-1 of this iteration sampled by one policy, or when a part's
+    folder now holds other shards than its manifest names (rewritten since); the shard readers' errors
+    (NotCommittedError, ShardCorruptError) name the part's folder."""
+    started = time.perf_counter()
+    _check_parts(iteration, parts)
+    layout = layout_for(cfg)
+    tables = []
+    for p in parts:
+        folder = part_dir(layout, iteration, p.part, p.parts)
+        if (found := require_manifest(layout.fs, folder).content_hash) != p.content_hash:
+            raise ValueError(
+                f"rollout part {p.part} of {p.parts}, iteration {iteration}: {layout.url(folder)} holds shards "
+                f"{found[:12]}, the part's manifest names {p.content_hash[:12]} (the folder was rewritten since)"
+            )
+        tables.append(read_shards(layout.fs, folder))
+    written = write_stage_table(cfg, layout, iteration, "rollout", pa.concat_tables(tables))
+    return sampled_manifest(
+        RolloutManifest,
+        written,
+        iteration,
+        started,
+        policy_version=parts[0].policy_version,
+        engine=parts[0].engine,
+        part_workers=[p.worker for p in parts],
+    )
