@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.processes import stop_workers
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import COMPARED, _digests
-from tests.integration.test_pipeline_pools import _stop_workers
 from tests.integration.test_stage_workers import _start_worker
 
 pytestmark = pytest.mark.slow
@@ -168,4 +168,4 @@ def test_two_rollout_workers_sample_one_part_each_and_a_dead_one_is_named(
         assert read_lease(layout, 2, part_stage_name(lost, 2))["pid"] in {w.pid for w in workers}
         assert _part_manifests(layout, 2, 2)[1 - lost].worker == f"{host}:{workers[0].pid}"
     finally:
-        _stop_workers(workers)
+        stop_workers(workers)
