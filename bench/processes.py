@@ -123,10 +123,10 @@ def add_driver_arguments(parser: argparse.ArgumentParser, variants: Sequence[str
     parser.add_argument("--run", help=argparse.SUPPRESS)
 
 
-def prefect_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    """`prefect ARGS...` run from the repository (where prefect.yaml is), output captured; 300 s at most."""
+def prefect_cli(*args: str, env: dict, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`prefect ARGS...` run from the repository (where prefect.yaml is), output captured; timeout_s at most."""
     return subprocess.run(
-        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
     )
 
 

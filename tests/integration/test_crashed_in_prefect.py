@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.processes import prefect_cli
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -126,14 +127,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
             assert [row["iteration"] for row in read_metrics(layout)] == [1, 2]
 
         # Step 5: Prefect's CLI retry of a deployment run: no --entrypoint.
-        retry = subprocess.run(
-            [sys.executable, "-m", "prefect", "flow-run", "retry", str(run_2.id)],
-            cwd=REPO,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        retry = prefect_cli("flow-run", "retry", str(run_2.id), env=_env(), timeout_s=120)
         assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
         with get_client(sync_client=True) as client:
             run_2 = _wait_for_state(client, run_2.id, "COMPLETED", 600)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.processes import stop_workers
+from bench.processes import prefect_cli, stop_workers
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import COMPARED, _digests
 
@@ -128,15 +128,9 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
         assert read_metrics(layout_for(killed))[-1]["iteration"] == 2
 
         workers["train"] = _start_worker(tmp_path, "train", WORKERS["train"])
-        retry = subprocess.run(
-            [sys.executable, "-m", "prefect", "flow-run", "retry", str(state.state_details.flow_run_id)]
-            + ["--entrypoint", "flows/training.py:ppo_training"],
-            cwd=REPO,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        flow_run_id = str(state.state_details.flow_run_id)
+        entrypoint = ["--entrypoint", "flows/training.py:ppo_training"]
+        retry = prefect_cli("flow-run", "retry", flow_run_id, *entrypoint, env=_env(), timeout_s=600)
         assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
     finally:
         stop_workers(list(workers.values()))
