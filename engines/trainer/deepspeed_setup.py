@@ -30,6 +30,7 @@ cosine decay to 0 over the run's remaining steps (`total_steps`).
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import socket
@@ -61,6 +62,26 @@ def setup_distributed() -> None:
         ):
             _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        if os.environ["WORLD_SIZE"] != "1":
+            # A launcher's rank that returns normally must not exit with the group up: gloo's threads are then
+            # torn down unjoined and the process aborts ("terminate called without an active exception",
+            # exit -6) after its work succeeded.
+            atexit.register(leave_process_group)
+
+
+def leave_process_group() -> None:
+    """Destroy this process's default process group, if any, through DeepSpeed when it adopted it (DeepSpeed
+    then also drops the groups it cached for that world, which a new world must not reuse). Idempotent."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    import deepspeed.comm.comm as ds_comm
+
+    if ds_comm.cdb is not None:
+        ds_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 def join_process_group(store, rank: int, world: int, timeout_s: float) -> None:

@@ -43,6 +43,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from engines.trainer.deepspeed_setup import leave_process_group
+
 _BOOT_S = 300.0  # ranks 1..N-1 importing torch / DeepSpeed / transformers on a busy machine
 _POLL_S = 0.02
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -193,7 +195,7 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        _leave_process_group()
+        leave_process_group()
         if graceful:  # after a failure the logs stay: the error message points at them
             shutil.rmtree(self.log_dir, ignore_errors=True)
         for key, value in self._saved_env.items():
@@ -201,21 +203,6 @@ class RankGroup:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _leave_process_group() -> None:
-    """Destroy this process's default process group, if any, through DeepSpeed when it adopted it (DeepSpeed
-    then also drops the groups it cached for that world, which a new world must not reuse)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    import deepspeed.comm.comm as ds_comm
-
-    if ds_comm.cdb is not None:
-        ds_comm.destroy_process_group()
-    else:
-        dist.destroy_process_group()
 
 
 _group: Optional[RankGroup] = None
@@ -251,7 +238,7 @@ def group_for(world: int, entry: str, timeout_s: float) -> RankGroup:
     from engines import warm
 
     warm.invalidate(warm.Role.TRAINER)
-    _leave_process_group()  # a one-rank world of this process (a trainer with num_ranks=1 ran before)
+    leave_process_group()  # a one-rank world of this process (a trainer with num_ranks=1 ran before)
     group = RankGroup(world, entry, timeout_s)
     _starts += 1
     try:
