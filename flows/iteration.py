@@ -20,7 +20,7 @@ from engines.stages.evaluate import eval_due
 from engines.stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
 from engines.stages.policy import behaviour_policy_ref, policy_ref
 from flows.artifacts import publish_iteration_artifacts
-from flows.in_flight import wait_for_previous
+from flows.in_flight import mark_committed, wait_for_previous
 from flows.records import read_metrics, read_stage_record, record_metrics
 from flows.stages import run_stage
 from ppoflow.config import as_config
@@ -120,6 +120,7 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
         started = time.perf_counter()
         manifests[stage] = run_stage(cfg, stage, iteration, **inputs())
         timings[stage] = time.perf_counter() - started
+    mark_committed(cfg, iteration)  # pipelined iterations: the next update may start (flows/in_flight.py)
     if eval_due(cfg, iteration):  # the held-out prompts, with the policy this iteration just committed
         started = time.perf_counter()
         manifests["eval"] = run_stage(cfg, "eval", iteration, policy=policy_ref(cfg, iteration + 1))

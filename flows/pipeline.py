@@ -6,7 +6,7 @@
 The schedule is fixed. Iteration i may start once iteration i-1-k has ended, because its rollout samples
 the policy that iteration committed (engines/stages/policy.behaviour_policy_ref); its rollout and score
 then run while the iterations before it update. Its update trains the policy committed at i-1 (the trainer
-moves through the iterations one after another), so it waits for iteration i-1 to end (`wait_for_previous`).
+moves through the iterations one after another), so it waits for iteration i-1 to commit (`wait_for_previous`).
 Every input of every stage is thus a function of the iteration alone: the stage cache keys stay exact, a
 retried or resumed run samples and trains exactly what an uninterrupted one did, and the rows sampled by an
 older policy carry the off-policy correction of engines/ppo/off_policy.py.
