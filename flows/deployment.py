@@ -44,18 +44,23 @@ AUTOMATION_NAME = "ppoflow: crash ppoflow-train runs whose heartbeat stopped"
 logger = logging.getLogger(__name__)
 
 
-def register_deployment() -> UUID:
-    """Create or update the served deployment `ppo-training/ppoflow-train`; returns its id."""
+def _served_deployment():
+    """The served deployment `ppo-training/ppoflow-train`, as `ppoflow train` registers it and `ppoflow serve`
+    runs it (one definition, so serving it never rewrites what registering it set)."""
     from prefect.types.entrypoint import EntrypointType
 
     from flows.training import ppo_training
 
-    deployment = ppo_training.to_deployment(
+    return ppo_training.to_deployment(
         name=DEPLOYMENT_NAME,
         entrypoint_type=EntrypointType.MODULE_PATH,
         description="Runs started by `ppoflow train`; `ppoflow serve` executes their retries.",
     )
-    return deployment.apply()
+
+
+def register_deployment() -> UUID:
+    """Create or update the served deployment `ppo-training/ppoflow-train`; returns its id."""
+    return _served_deployment().apply()
 
 
 def heartbeat_seconds() -> int:
@@ -138,9 +143,5 @@ def train_through_deployment(config_json: dict[str, Any]) -> dict[str, Any]:
 def serve_deployment() -> None:
     """`ppoflow serve`: execute the Scheduled runs of `ppoflow-train` (retries, UI runs) until interrupted."""
     from prefect import serve
-    from prefect.types.entrypoint import EntrypointType
 
-    from flows.training import ppo_training
-
-    deployment = ppo_training.to_deployment(name=DEPLOYMENT_NAME, entrypoint_type=EntrypointType.MODULE_PATH)
-    serve(deployment)
+    serve(_served_deployment())

@@ -17,9 +17,9 @@ import os
 import socket
 from typing import Any, Optional
 
-from storage.checkpoints import pid_alive
 from storage.fs import join, read_json, write_json
 from storage.layout import RunLayout
+from storage.scratch import pid_alive
 
 LIVE_STATES = ("RUNNING", "PENDING")
 

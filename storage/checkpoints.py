@@ -30,10 +30,6 @@ from storage import fs as fsutil
 from storage.checkpoint_cache import checkpoint_cache_dir, evict_cached_copies
 from storage.layout import RunLayout, parse_iteration_name
 
-# Re-exported for the callers that import them from here (tasks/leases.py, tasks/rm_train.py,
-# flows/stale_runs.py, engines/stages/update_ranks.py); they live in storage/scratch.py.
-from storage.scratch import checkpoint_scratch, pid_alive  # noqa: F401
-
 log = logging.getLogger(__name__)
 
 STAGED_NAME = "_STAGED.json"

@@ -21,9 +21,9 @@ import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Optional
 
-from storage.checkpoints import pid_alive
 from storage.fs import join, read_json, write_json
 from storage.layout import RunLayout
+from storage.scratch import pid_alive
 
 HEARTBEAT_S = 5.0
 STALE_S = 60.0  # 12 missed heartbeats: a busy worker's thread still gets scheduled well within this

@@ -32,13 +32,13 @@ from ppoflow.fingerprint import folder_fingerprint
 from ppoflow.fingerprint import json_hash as stable_hash
 from storage import fs as fsutil
 from storage.checkpoints import (
-    checkpoint_scratch,
     commit_checkpoint,
     load_checkpoint,
     read_commit_marker,
     save_checkpoint_files,
 )
 from storage.layout import layout_for
+from storage.scratch import checkpoint_scratch
 
 RM_SECTIONS = ("model", "train", "rm_train")  # what a unit's result depends on, besides its inputs
 OUTPUT_FOLDER = "reward_model"  # <root>/<run>/reward_model/: the trained model, loadable as it is

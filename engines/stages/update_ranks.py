@@ -45,9 +45,10 @@ from engines.trainer import rank_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
 from engines.trainer.reshard import other_count_mode
-from storage.checkpoints import checkpoint_scratch, save_checkpoint_files
+from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
 from storage.schema import schema_for
+from storage.scratch import checkpoint_scratch
 from storage.shards import read_part, read_shards, require_manifest
 
 ENTRY = "engines.stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
