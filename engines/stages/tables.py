@@ -89,8 +89,30 @@ def scored_table(table: pa.Table, results: list[ScoreResult], hit_mask: Sequence
     ).cast(schema_for("scored"))
 
 
+def group_ids_of(sample_index: Sequence[int]) -> list[int]:
+    """Group id of each row, from the rows' `sample_index` column: a group is one draw of a prompt, its n
+    samples in order 0..n-1, so a row with sample_index 0 opens the next group.
+
+    Not the dataset row (`prompt_index`): an iteration that crosses an epoch boundary of the prompt stream,
+    or a dynamic-sampling round that draws a prompt again, holds the same dataset row twice, as two groups.
+    ValueError naming the row when the samples are not in group order (0, 1, .., then 0 again)."""
+    ids: list[int] = []
+    for row, s in enumerate(sample_index):
+        if s == 0:
+            ids.append(ids[-1] + 1 if ids else 0)
+        elif row > 0 and s == sample_index[row - 1] + 1:
+            ids.append(ids[-1])
+        else:
+            previous = sample_index[row - 1] if row > 0 else None
+            raise ValueError(
+                f"row {row}: sample_index {s} after {previous}; rows must come group by group, samples 0..n-1"
+            )
+    return ids
+
+
 def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
-    """Scored rows -> padded tensors; rows of one prompt (contiguous in the shards) form one group."""
+    """Scored rows -> padded tensors; the samples of one draw of a prompt (contiguous in the shards) form
+    one group (group_ids_of)."""
     cols = scored.to_pydict()
     return ExperienceBatch.from_lists(
         cols["prompt_ids"],
@@ -98,7 +120,7 @@ def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
         cols["reward"],
         cols["ref_logprobs"],
         rollout_logprobs=cols["rollout_logprobs"],
-        group_ids=cols["prompt_index"],
+        group_ids=group_ids_of(cols["sample_index"]),
         finish_reasons=cols["finish_reason"],
         pad_token_id=pad_token_id,
     )
