@@ -58,9 +58,9 @@ def _free_port() -> int:
 
 @contextmanager
 def loopback_prefect_server(home: Path) -> Iterator[str]:
-    """Run `prefect server start` on 127.0.0.1 with its database under `home`; yields the API URL and stops
-    the server on exit. RuntimeError (pointing at `home`/server.log) when it exits or does not answer
-    /api/health within 180 s."""
+    """Run `ppoflow prefect-server` (Prefect's server, flows/api_server.py) on 127.0.0.1 with its database
+    under `home`; yields the API URL and stops the server on exit. RuntimeError (pointing at
+    `home`/server.log) when it exits or does not answer /api/health within 180 s."""
     import httpx
 
     port = _free_port()
@@ -74,7 +74,8 @@ def loopback_prefect_server(home: Path) -> Iterator[str]:
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "flows.cli", "prefect-server", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

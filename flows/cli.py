@@ -5,6 +5,7 @@
     ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...]   reward model from preference pairs
     ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
     ppoflow serve                          execute retried runs of `ppoflow train` (UI Retry, prefect flow-run retry)
+    ppoflow prefect-server [--host H] [--port P]   Prefect's server, short retries on SQLite lock conflicts
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
@@ -168,6 +169,13 @@ def cmd_worker(args) -> int:
     return 0
 
 
+def cmd_prefect_server(args) -> int:
+    from flows.api_server import serve_prefect_api
+
+    serve_prefect_api(args.host, args.port)
+    return 0
+
+
 def cmd_serve(args) -> int:
     from flows.deployment import serve_deployment
 
@@ -248,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="execute the runs of the ppoflow-train deployment that a Retry (UI or CLI) schedules"
     )
     serve_runs.set_defaults(func=cmd_serve)
+
+    api = sub.add_parser(
+        "prefect-server",
+        help="Prefect's server (as `prefect server start`), answering SQLite lock conflicts with a 50 ms retry "
+        "instead of the client's 2 s back-off (flows/api_server.py)",
+    )
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=4200)
+    api.set_defaults(func=cmd_prefect_server)
 
     ref = sub.add_parser("config-reference", help="print the config reference (Markdown)")
     ref.set_defaults(func=cmd_config_reference)
