@@ -1,56 +1,117 @@
 """`ppoflow prefect-server`: Prefect's own server (API, services, SQLite by default), with one change in how it
-answers a lock conflict.
+handles a lock conflict.
 
 Why: on SQLite, Prefect's server runs each request in a DEFERRED transaction. A request that reads and then
 writes (creating a task run reads the flow run's labels first, then inserts) fails at once with
 SQLITE_BUSY when another connection committed in between: busy_timeout does not apply to a stale
-snapshot. The server answers 503 with no Retry-After, and Prefect's client then waits 2**1 = 2 s before the
-retry (prefect/client/base.py). With warm stage workers and pipelined iterations several processes write
-at once, and measured on the 2-core machine with `ppoflow worker` and max_staleness 1, 9 to 15 task-run
-submissions of 8 iterations met that conflict: up to 2 s each on the trainer's path. The retry itself
-succeeds; only the wait is wrong.
+snapshot. The transaction rolls back, the server answers 503 with no Retry-After, and Prefect's client waits
+2**1 = 2 s before sending the request again (prefect/client/base.py). With warm stage workers and pipelined
+iterations several processes write at once: measured on the 2-core machine with three `ppoflow worker`s and
+max_staleness 1, 9 to 15 task-run submissions of 8 iterations met the conflict, each 2 s on the trainer's
+path. The retry itself succeeds; only the wait is wrong.
 
-What this changes: a 503 leaving the server gets `Retry-After: 0.05` when it has none, so the client
-(which honours the header, adding up to its jitter factor) retries after ~50-70 ms. Nothing else differs
-from `prefect server start`: the same app (`prefect.server.api.server.create_app`), the same settings
-(PREFECT_HOME, PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_SERVER_*), services in the same process.
-On PostgreSQL the conflict does not arise (row locks) and the change is idle. A 503 the server sends for
-another reason gets the same short wait; the client still gives up after PREFECT_CLIENT_MAX_RETRIES.
+What this changes: the server replays such a request itself, at once, before the client sees anything: a
+request whose answer is 503 is run again (same method, path, headers and body) after 10, 20, 40, 80 and
+160 ms. That is what the client's own retry would send, and safe for the same reason: a 503 here means the
+request's transaction rolled back (prefect/server/api/server.py sends 503 only for errors it calls
+retryable). If the conflict outlasts those ~0.3 s, the client gets the 503 as before and backs off as before
+(2, 4, 8 s ...), so heavy contention is handled by Prefect's own back-off.
+
+A fixed short Retry-After header instead would not do: the client gives up after PREFECT_CLIENT_MAX_RETRIES
+(5) attempts, and 5 x 50 ms did not outlast the conflicts of max_staleness 2 (a run failed with the 503).
+
+Nothing else differs from `prefect server start`: the same app (`prefect.server.api.server.create_app`), the
+same settings (PREFECT_HOME, PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_SERVER_*), services in the same
+process. On PostgreSQL the conflict does not arise (row locks) and the change is idle.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable
 
-RETRY_AFTER_S = "0.05"
+REPLAY_DELAYS_S = (0.01, 0.02, 0.04, 0.08, 0.16)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class RetrySoonOnConflict:
-    """ASGI middleware: adds `Retry-After: RETRY_AFTER_S` to every HTTP 503 response that has no Retry-After.
-    Other responses, websockets and lifespan events pass through untouched."""
+class ReplayOnConflict:
+    """ASGI middleware: an HTTP request answered 503 is run again after each of `delays` seconds; the first
+    answer that is not 503 (or the last 503) goes to the client. Websockets and lifespan pass through.
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]):
+    The request body is read once and handed to every attempt. An answer is held back only until its status
+    is known (http.response.start); any other answer streams through as it is produced. An exception the app
+    raises after sending its 503 (Starlette's error middleware re-raises) is dropped on an attempt that is
+    replayed and re-raised on the last one, as it would have been without this middleware."""
+
+    def __init__(self, app: App, delays: tuple[float, ...] = REPLAY_DELAYS_S):
         self.app = app
+        self.delays = delays
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        body = await _read_body(receive)
+        for delay in (*self.delays, None):
+            replay_receive = _replaying(body, receive)
+            if delay is None:  # the last attempt: whatever it answers goes to the client
+                await self.app(dict(scope), replay_receive, send)
+                return
+            gate = _StatusGate(send)
+            try:
+                # a copy each time: routing writes into the scope (a Mount extends root_path), and a replay
+                # must be routed as the first attempt was
+                await self.app(dict(scope), replay_receive, gate.send)
+            except Exception:
+                if not gate.held_503:
+                    raise
+            if not gate.held_503:
+                return
+            await asyncio.sleep(delay)
 
-        async def send_with_retry_after(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 503:
-                headers = list(message.get("headers", []))
-                if not any(name.lower() == b"retry-after" for name, _ in headers):
-                    headers.append((b"retry-after", RETRY_AFTER_S.encode()))
-                message = {**message, "headers": headers}
-            await send(message)
 
-        await self.app(scope, receive, send_with_retry_after)
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect: the client left; the app sees no body
+            return b"".join(chunks)
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive() that gives `body` once, then waits on the real one (for http.disconnect)."""
+    given = False
+
+    async def replay() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class _StatusGate:
+    """Forwards an answer to the client unless its status is 503; a 503 answer is swallowed whole."""
+
+    def __init__(self, send: Send):
+        self._send = send
+        self.held_503 = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] == 503:
+            self.held_503 = True
+        if not self.held_503:
+            await self._send(message)
 
 
 def serve_prefect_api(host: str, port: int, log_level: str = "info") -> None:
@@ -58,4 +119,4 @@ def serve_prefect_api(host: str, port: int, log_level: str = "info") -> None:
     import uvicorn
     from prefect.server.api.server import create_app
 
-    uvicorn.run(RetrySoonOnConflict(create_app(final=True)), host=host, port=port, log_level=log_level)
+    uvicorn.run(ReplayOnConflict(create_app(final=True)), host=host, port=port, log_level=log_level)

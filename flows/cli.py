@@ -5,7 +5,7 @@
     ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...]   reward model from preference pairs
     ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
     ppoflow serve                          execute retried runs of `ppoflow train` (UI Retry, prefect flow-run retry)
-    ppoflow prefect-server [--host H] [--port P]   Prefect's server, short retries on SQLite lock conflicts
+    ppoflow prefect-server [--host H] [--port P]   Prefect's server; replays requests refused by SQLite locks
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
@@ -259,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     api = sub.add_parser(
         "prefect-server",
-        help="Prefect's server (as `prefect server start`), answering SQLite lock conflicts with a 50 ms retry "
-        "instead of the client's 2 s back-off (flows/api_server.py)",
+        help="Prefect's server (as `prefect server start`); a request refused by a SQLite lock conflict is "
+        "replayed by the server within ~0.3 s instead of the client's 2 s back-off (flows/api_server.py)",
     )
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=4200)

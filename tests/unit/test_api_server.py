@@ -1,63 +1,50 @@
-"""flows/api_server.RetrySoonOnConflict: what it adds to a 503, and what Prefect's own client does with it.
-
-The second test drives Prefect's real HTTP client (PrefectHttpxAsyncClient, the one every Prefect call goes
-through) against an app that answers 503 first; the wait the client chose is read from its own debug log.
+"""flows/api_server.ReplayOnConflict, driven through Prefect's real HTTP client (PrefectHttpxAsyncClient, the one
+every Prefect API call goes through) over httpx's ASGI transport. The waits the client chose are read from
+its own debug log: with the middleware a conflict that clears within the replays costs the client nothing.
 """
 
 import asyncio
+import json
 import logging
 import re
 
 import httpx
+import pytest
 
-from flows.api_server import RETRY_AFTER_S, RetrySoonOnConflict
+from flows.api_server import ReplayOnConflict
+
+DELAYS = (0.0, 0.0, 0.0)  # the schedule is not under test; three replays, no sleeping
 
 
-def _app_answering(statuses: list[int], headers: list[tuple[bytes, bytes]] = ()):
-    """An ASGI app that answers the i-th request with statuses[i] (the last one after that)."""
-    calls = []
+def _app_answering(statuses: list[int], raise_after_503: bool = False):
+    """An ASGI app whose i-th HTTP request gets statuses[i] (the last one after that) and a JSON body echoing
+    the request body it read. With raise_after_503 it raises after sending a 503, as Starlette's error
+    middleware does after Prefect's handler answered."""
+    seen: list = []
+    roots: list = []
 
     async def app(scope, receive, send):
-        calls.append(scope["type"])
         if scope["type"] != "http":
+            seen.append(scope["type"])
             return
-        status = statuses[min(len(calls) - 1, len(statuses) - 1)]
-        await send({"type": "http.response.start", "status": status, "headers": list(headers)})
-        await send({"type": "http.response.body", "body": b"{}"})
+        message = await receive()
+        seen.append(message["body"])
+        # routing writes into the scope, as Starlette's Mount does: a replay must not see the first one's
+        roots.append(scope.get("root_path", ""))
+        scope["root_path"] = scope.get("root_path", "") + "/api"
+        status = statuses[min(len(seen) - 1, len(statuses) - 1)]
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"x")]})
+        await send({"type": "http.response.body", "body": json.dumps({"echo": message["body"].decode()}).encode()})
+        if status == 503 and raise_after_503:
+            raise RuntimeError("database is locked")
 
-    app.calls = calls
+    app.seen = seen
+    app.roots = roots
     return app
 
 
-def _responses(app, scope_type="http"):
-    sent = []
-
-    async def send(message):
-        sent.append(message)
-
-    async def receive():
-        return {"type": "http.request", "body": b""}
-
-    asyncio.run(RetrySoonOnConflict(app)({"type": scope_type}, receive, send))
-    return sent
-
-
-def test_a_503_gets_the_short_retry_after_and_nothing_else_changes():
-    start = _responses(_app_answering([503]))[0]
-    assert (b"retry-after", RETRY_AFTER_S.encode()) in start["headers"]
-
-    ok = _responses(_app_answering([200], headers=[(b"x-a", b"1")]))[0]
-    assert ok["headers"] == [(b"x-a", b"1")]
-
-    own = _responses(_app_answering([503], headers=[(b"Retry-After", b"7")]))[0]
-    assert own["headers"] == [(b"Retry-After", b"7")]  # a server's own Retry-After is kept
-
-    app = _app_answering([200])
-    assert _responses(app, scope_type="lifespan") == [] and app.calls == ["lifespan"]
-
-
-def _waits_chosen_by_prefect_client(app) -> tuple[int, list[float]]:
-    """GET / through Prefect's HTTP client; (final status, the waits in s its retry loop logged)."""
+def _post_through_prefect_client(app) -> tuple[httpx.Response, list[float]]:
+    """POST a body through Prefect's client; (the response, the waits in s its retry loop logged)."""
     from prefect.client.base import PrefectHttpxAsyncClient
 
     records: list[str] = []
@@ -72,28 +59,62 @@ def _waits_chosen_by_prefect_client(app) -> tuple[int, list[float]]:
     log.setLevel(logging.DEBUG)
     try:
 
-        async def get():
-            async with PrefectHttpxAsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as c:
-                return (await c.get("/")).status_code
+        async def post():
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with PrefectHttpxAsyncClient(transport=transport, base_url="http://api") as c:
+                response = await c.post("/task_runs/", content=b'{"name": "update-0"}')
+                await response.aread()
+                return response
 
-        status = asyncio.run(get())
+        response = asyncio.run(post())
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
     waits = [float(m) for r in records for m in re.findall(r"Another attempt will be made in ([0-9.]+)s", r)]
-    return status, waits
+    return response, waits
 
 
-def test_prefect_client_retries_after_50_ms_instead_of_2_s():
+@pytest.mark.parametrize("raise_after_503", [False, True])
+def test_a_conflict_that_clears_is_replayed_by_the_server_and_the_client_never_waits(raise_after_503):
+    app = _app_answering([503, 503, 200], raise_after_503)
+    response, waits = _post_through_prefect_client(ReplayOnConflict(app, DELAYS))
+    assert response.status_code == 200 and waits == []
+    assert app.seen == [b'{"name": "update-0"}'] * 3  # the same body, read by every attempt
+    assert app.roots == [""] * 3  # and the same scope
+    assert response.json() == {"echo": '{"name": "update-0"}'}
+
+
+def test_a_conflict_that_outlasts_the_replays_reaches_the_client_which_backs_off_as_before():
     from prefect.settings import PREFECT_CLIENT_RETRY_JITTER_FACTOR
 
     jitter = PREFECT_CLIENT_RETRY_JITTER_FACTOR.value()
-    app = _app_answering([503, 503, 200])
-    status, waits = _waits_chosen_by_prefect_client(RetrySoonOnConflict(app))
-    assert status == 200 and app.calls.count("http") == 3
-    assert len(waits) == 2
-    assert all(float(RETRY_AFTER_S) <= w <= float(RETRY_AFTER_S) * (1 + jitter) + 1e-9 for w in waits)
+    # 1 + 3 replays answered 503 on the client's first send, then 200 on its retry
+    app = _app_answering([503] * 4 + [200])
+    response, waits = _post_through_prefect_client(ReplayOnConflict(app, DELAYS))
+    assert response.status_code == 200 and len(app.seen) == 5
+    assert len(waits) == 1 and waits[0] >= 2 * (1 - jitter) - 1e-9  # Prefect's own 2**1 s back-off, kept
 
-    # the before: the same 503 without the header costs the client's exponential back-off, 2**1 s +- jitter
-    status, waits = _waits_chosen_by_prefect_client(_app_answering([503, 200]))
-    assert status == 200 and len(waits) == 1 and waits[0] >= 2 * (1 - jitter) - 1e-9
+
+def test_the_before_without_the_middleware_one_conflict_costs_the_client_2_s():
+    from prefect.settings import PREFECT_CLIENT_RETRY_JITTER_FACTOR
+
+    jitter = PREFECT_CLIENT_RETRY_JITTER_FACTOR.value()
+    response, waits = _post_through_prefect_client(_app_answering([503, 200]))
+    assert response.status_code == 200 and len(waits) == 1 and waits[0] >= 2 * (1 - jitter) - 1e-9
+
+
+def test_other_answers_and_lifespan_pass_through_once():
+    app = _app_answering([201])
+    response, waits = _post_through_prefect_client(ReplayOnConflict(app, DELAYS))
+    assert response.status_code == 201 and waits == [] and len(app.seen) == 1
+
+    lifespan = _app_answering([200])
+
+    async def nothing():
+        return {"type": "lifespan.startup"}
+
+    async def drop(message):
+        pass
+
+    asyncio.run(ReplayOnConflict(lifespan, DELAYS)({"type": "lifespan"}, nothing, drop))
+    assert lifespan.seen == ["lifespan"]
