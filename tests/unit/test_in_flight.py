@@ -20,7 +20,13 @@ from storage.layout import layout_for
 
 @pytest.fixture
 def cfg(tmp_path):
-    return toy_config(tmp_path / "runs", "in-flight", tmp_path / "model", tmp_path / "data")
+    return toy_config(
+        tmp_path / "runs",
+        "in-flight",
+        tmp_path / "model",
+        tmp_path / "data",
+        sections={"pipeline": {"max_staleness": 1}},
+    )
 
 
 def _slot(cfg, iteration: int) -> concurrent.futures.Future:
