@@ -32,7 +32,6 @@ class _Slot:
 # (run directory, iteration) -> that iteration's slot, for the iterations in flight in this process;
 # `wait_for_previous` reads it from the iteration subflows, which run in the slots' threads.
 _in_flight: dict[tuple[str, int], _Slot] = {}
-_committed_early: set[tuple[str, int]] = set()  # commits seen before their slot was registered
 _lock = threading.Lock()
 
 
@@ -64,40 +63,18 @@ def wait_for_previous(cfg, iteration: int) -> None:
 
 def mark_committed(cfg, iteration: int) -> None:
     """Iteration `iteration` of this run committed its checkpoint: release the update of iteration+1 waiting
-    in `wait_for_previous`, and the submission of iteration+1+k (flows/pipeline.py)."""
-    if not cfg.pipeline.max_staleness:  # one iteration at a time: nothing waits for a commit
-        return
-    key = (layout_for(cfg).run_dir, iteration)
+    in `wait_for_previous` (a no-op when the iteration is not in flight here)."""
     with _lock:
-        slot = _in_flight.get(key)
-        if slot is None:  # committed before its slot was registered (all stages cached), or not in flight here
-            _committed_early.add(key)
-            return
-    slot.committed = True
-    slot.ended.set()
-
-
-def wait_for_commit(run_dir: str, iteration: int, timeout_s: float) -> Optional[bool]:
-    """Wait up to `timeout_s` for `iteration` of the run at `run_dir` (in flight in this process) to commit its
-    checkpoint or end its slot: True when it committed, False when its slot ended without a commit, None when
-    neither happened yet. KeyError when it is not in flight here."""
-    with _lock:
-        slot = _in_flight[(run_dir, iteration)]
-    if not slot.ended.wait(timeout_s):
-        return None
-    return slot.committed
+        slot = _in_flight.get((layout_for(cfg).run_dir, iteration))
+    if slot is not None:
+        slot.committed = True
+        slot.ended.set()
 
 
 def register_in_flight(run_dir: str, iteration: int, future: Optional[PrefectFuture]) -> None:
     """Record (future) or forget (None) the slot of `iteration` of the run stored at `run_dir`."""
-    key = (run_dir, iteration)
     with _lock:
         if future is None:
-            _in_flight.pop(key, None)
-            _committed_early.discard(key)
-            return
-        slot = _in_flight[key] = _Slot(future)
-        if key in _committed_early:
-            _committed_early.discard(key)
-            slot.committed = True
-            slot.ended.set()
+            _in_flight.pop((run_dir, iteration), None)
+        else:
+            _in_flight[(run_dir, iteration)] = _Slot(future)

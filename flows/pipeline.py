@@ -3,7 +3,7 @@
     iteration i-1:  rollout  score  update  checkpoint
     iteration i:            rollout  score  .......... update  checkpoint          (k = 1)
 
-The schedule is fixed. Iteration i may start once iteration i-1-k has committed, because its rollout samples
+The schedule is fixed. Iteration i may start once iteration i-1-k has ended, because its rollout samples
 the policy that iteration committed (engines/stages/policy.behaviour_policy_ref); its rollout and score
 then run while the iterations before it update. Its update trains the policy committed at i-1 (the trainer
 moves through the iterations one after another), so it waits for iteration i-1 to commit (`wait_for_previous`).
@@ -33,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import SettingsContext, get_settings_context
 from prefect.futures import PrefectFuture
 
-from flows.in_flight import register_in_flight, wait_for_commit
+from flows.in_flight import register_in_flight
 from flows.iteration import ppo_iteration
 from storage.layout import layout_for
 
@@ -62,48 +62,27 @@ def iteration_slot(config: dict[str, Any], iteration: int) -> dict[str, Any]:
 
 
 def run_pipelined(cfg, start: int, on_row: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
-    """Iterations start..run.iterations with up to k+1 uncommitted in flight; `on_row` sees each metrics row in
-    order.
+    """Iterations start..run.iterations with up to k+1 in flight; `on_row` sees each metrics row in order.
 
-    Iteration i+k+1 is submitted when iteration i commits its checkpoint, not when i's slot ends: the policy
-    it samples is the one i committed, and i's tail (metrics row, artifacts, a due eval, the subflow's final
-    state) is no input of it. Iterations commit in order (each update waits for the one before), so "at most
-    k+1 uncommitted" is exactly "i may start once i-1-k has committed". An iteration whose slot ends without a
-    commit stops the submissions: its error is raised once the iterations before it have reported."""
+    Iteration i+k+1 is submitted when iteration i ends: iterations end in order (each update waits for the
+    one before), so k+1 in flight is exactly "i may start once i-1-k has ended"."""
     k = cfg.pipeline.max_staleness
     run_dir = layout_for(cfg).run_dir
     config = cfg.model_dump(mode="json")
-    in_flight: deque[tuple[int, PrefectFuture]] = deque()  # submitted, row not yet reported; oldest first
+    in_flight: deque[tuple[int, PrefectFuture]] = deque()
     rows: list[dict[str, Any]] = []
-    upcoming = start  # the next iteration to submit
-    uncommitted = start  # the oldest submitted iteration not known to have committed
-
-    def report(future: PrefectFuture) -> None:
-        row = future.result()  # raises the iteration's error
-        rows.append(row)
-        on_row(row)
-
-    def report_ended() -> None:  # the rows of slots already ended, in order, without waiting
-        while in_flight and in_flight[0][1].wrapped_future.done():
-            report(in_flight.popleft()[1])
-
+    upcoming = start
     try:
         while upcoming <= cfg.run.iterations or in_flight:
-            while upcoming <= cfg.run.iterations and upcoming - uncommitted <= k:
+            while upcoming <= cfg.run.iterations and len(in_flight) <= k:
                 future = iteration_slot.submit(config, upcoming)
                 register_in_flight(run_dir, upcoming, future)
                 in_flight.append((upcoming, future))
                 upcoming += 1
-            committed = None
-            while upcoming <= cfg.run.iterations and committed is None:
-                committed = wait_for_commit(run_dir, uncommitted, timeout_s=0.1)
-                report_ended()  # rows (and the progress bar) as their iterations end, not at the next commit
-            if committed:
-                uncommitted += 1
-            else:  # all submitted, or `uncommitted` ended without a commit: report in order (raises its error)
-                iteration, future = in_flight.popleft()
-                report(future)
-                uncommitted = max(uncommitted, iteration + 1)
+            _, future = in_flight.popleft()
+            row = future.result()  # raises the iteration's error
+            rows.append(row)
+            on_row(row)
     except BaseException:
         for _, future in in_flight:  # they fail at their update, or finish: let their runs end before raising
             future.wait()

@@ -26,8 +26,7 @@ from storage.layout import layout_for
 @flow(
     name="ppo-training",
     flow_run_name="ppo-training-{config[run][name]}",
-    # k+1 uncommitted iterations, plus the one that committed and is finishing its tail (flows/pipeline.py)
-    task_runner=ThreadPoolTaskRunner(max_workers=MAX_STALENESS + 2),
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_STALENESS + 1),
 )
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""

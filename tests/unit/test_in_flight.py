@@ -20,13 +20,7 @@ from storage.layout import layout_for
 
 @pytest.fixture
 def cfg(tmp_path):
-    return toy_config(
-        tmp_path / "runs",
-        "in-flight",
-        tmp_path / "model",
-        tmp_path / "data",
-        sections={"pipeline": {"max_staleness": 1}},
-    )
+    return toy_config(tmp_path / "runs", "in-flight", tmp_path / "model", tmp_path / "data")
 
 
 def _slot(cfg, iteration: int) -> concurrent.futures.Future:
