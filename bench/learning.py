@@ -101,7 +101,7 @@ def run(
     start = time.perf_counter()
     loop = EngineLoop(cfg, work_dir=str(work / "loop"))
     setup_s = time.perf_counter() - start
-    rewards, reached, curve = [], None, []
+    rewards, reached, curve, flat_trained = [], None, [], []
     try:
         for it in range(iterations):
             metrics = loop.run_iteration(it)
@@ -110,6 +110,8 @@ def run(
             reward = metrics.get("rollout/first_round_reward_mean", metrics["reward/mean"])
             rewards.append(reward)
             curve.append((elapsed, reward))
+            if "rollout/zero_variance_trained_fraction" in metrics:
+                flat_trained.append(metrics["rollout/zero_variance_trained_fraction"])
             if reached is None and reward >= 0.9:
                 reached = round(elapsed, 1)
             print(
@@ -146,6 +148,16 @@ def run(
             if curve[0][0] <= t <= curve[-1][0]
         },
         "reward_at_iteration": {str(i): round(rewards[i], 4) for i in (10, 20, 30, 40, 60) if i < len(rewards)},
+        # share of the trained groups whose samples all scored the same (no advantage under a group estimator):
+        # mean and worst iteration; with dynamic sampling on it is 0 unless the rounds ran out
+        **(
+            {
+                "zero_variance_trained_fraction_mean": round(sum(flat_trained) / len(flat_trained), 4),
+                "zero_variance_trained_fraction_max": round(max(flat_trained), 4),
+            }
+            if flat_trained
+            else {}
+        ),
         "baseline": "iteration 0 (random-init policy)",
     }
     return emit("learning", figures) if emit_summary else figures

@@ -2,7 +2,7 @@
 
     ppoflow demo [--iterations N] [--verbose]   tiny model + digits task, trained on the embedded default
     ppoflow train CONFIG.yaml [--set section.field=value ...] [--verbose]
-    ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...]   reward model from preference pairs
+    ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...] [--verbose]   reward model from preference pairs
     ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
     ppoflow serve                          execute retried runs of `ppoflow train` (UI Retry, prefect flow-run retry)
     ppoflow prefect-server [--host H] [--port P]   Prefect's server; replays requests refused by SQLite locks
@@ -14,9 +14,9 @@
 With no PREFECT_API_URL the flows report to Prefect's ephemeral local server (SQLite, started for the
 run); set PREFECT_API_URL to report to a running server and see the runs in its UI.
 
-`train` and `demo` show a progress bar and the iteration table; the engines' and Prefect's own output
-goes to the run's log file (<root>/<run>/logs/), `--verbose` shows it here too. A failure prints one
-message: what failed, where, the log file with the traceback, and the command that resumes.
+`train` and `demo` show a progress bar and the iteration table, `train-rm` a line per unit; the engines' and
+Prefect's own output goes to the run's log file (<root>/<run>/logs/), `--verbose` shows it here too. A failure
+prints one message: what failed, where, the log file with the traceback, and the command that resumes.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def cmd_train(args) -> int:
 def cmd_train_rm(args) -> int:
     from flows.rm_training import train_reward_model
 
-    train_reward_model(load_config(args.config, args.set))
-    return 0
+    cfg = load_config(args.config, args.set)
+    return _run_with_capture(cfg, "train-rm", args, lambda console: train_reward_model(cfg, console))
 
 
 def cmd_demo(args) -> int:
@@ -212,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_rm = sub.add_parser("train-rm", help="train a Bradley-Terry reward model (the rm_train section)")
     train_rm.add_argument("config")
     train_rm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    train_rm.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     train_rm.set_defaults(func=cmd_train_rm)
 
     shards = sub.add_parser("shards", help="inspect shards")

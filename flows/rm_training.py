@@ -101,11 +101,12 @@ def rm_training(config: dict[str, Any]) -> dict[str, Any]:
     return rm_export_task.with_options(**options)(cfg, plan, start_ref(cfg, plan["units"] + 1))
 
 
-def train_reward_model(cfg: PPOFlowConfig) -> dict[str, Any]:
-    """Run the flow in this process and print one line per unit and where the model is (`ppoflow train-rm`)."""
+def train_reward_model(cfg: PPOFlowConfig, console: Any = None) -> dict[str, Any]:
+    """Run the flow in this process and print one line per unit and where the model is on `console` (a rich
+    Console; `ppoflow train-rm` passes the one its output capture leaves on the terminal)."""
     from rich.console import Console
 
-    console = Console()
+    console = console or Console()
     result = rm_training(cfg.model_dump(mode="json"))
     for row in read_metrics(layout_for(cfg)):
         seconds = f"{row['timing/unit']:.1f} s" if "timing/unit" in row else ""

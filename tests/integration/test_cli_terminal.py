@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.terminal import library_lines
 
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = 3
@@ -30,13 +31,6 @@ SMALL = [
     "train.ppo_epochs=1",
     "pipeline.retries=0",
 ]
-# Lines that only the libraries print: vLLM's "(EngineCore pid=..) INFO", Prefect's "12:00:00.000 | INFO |",
-# transformers' loading bars and LOAD REPORT, DeepSpeed's "[real_accelerator.py:..]", Python warnings.
-LIBRARY_LINE = re.compile(
-    r"pid=\d+\)|\d\d:\d\d:\d\d\.\d+ \| |Loading weights|LOAD REPORT|Writing model shards|"
-    r"real_accelerator|Warning|WARNING|INFO|Flow run|Task run|prefect|vllm|Traceback"
-)
-
 pytestmark = pytest.mark.slow
 
 
@@ -66,7 +60,7 @@ def demo_run(tmp_path_factory, prefect_server, tiny_model_dir, digits_dataset_di
 def test_demo_terminal_shows_progress_and_table_only(demo_run):
     root, result = demo_run
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-    noise = [line for line in lines if LIBRARY_LINE.search(line)]
+    noise = library_lines(result.stdout + result.stderr)
     assert not noise, "library output reached the terminal:\n" + "\n".join(noise[:20])
     assert "Traceback" not in result.stdout + result.stderr
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["iter", "reward", "kl"])

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.fixtures.terminal import library_lines
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,8 +68,12 @@ def _start(config: Path) -> subprocess.Popen:
 
 
 def _finish(process: subprocess.Popen) -> str:
+    """Wait for a run that must succeed; its terminal holds ppoflow's own lines only (unit lines, where the model
+    is), the libraries' output having gone to the run's log file."""
     output = process.communicate(timeout=600)[0]
     assert process.returncode == 0, output[-4000:]
+    assert not library_lines(output), "library output reached the terminal:\n" + output[-3000:]
+    assert output.count("reward model: ") == 1, output[-3000:]
     return output
 
 
@@ -118,3 +124,22 @@ def test_a_killed_rm_run_resumes_to_the_uninterrupted_result(prefect_api, tmp_pa
     assert all(isinstance(s, float) for s in scores)
     critic = load_critic(got_dir)
     assert (critic.value_head.weight == got["score.weight"]).all()
+
+
+def test_a_failing_rm_run_gives_one_message_and_the_traceback_in_the_log(prefect_api, tmp_path, tiny_model_dir):
+    """Pairs whose file has a line that is not JSON: exit 1, one message naming the file and line, the log file
+    holding the traceback, and the command that resumes; nothing but that on the terminal."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "say 3", "chosen": "3 3", "rejected": "w1 w2"}\n{"prompt": "say 4", "chosen": \n')
+    config = _config(tmp_path, "broken", tiny_model_dir, data)
+    process = _start(config)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 1, output[-4000:]
+    assert output.count("error:") == 1 and "Traceback" not in output, output[-4000:]
+    assert "pairs.jsonl" in output and "line 2" in output, output[-4000:]
+    assert not [line for line in library_lines(output) if "Traceback" not in line], output[-4000:]
+    resume = next(line for line in output.splitlines() if line.strip().startswith("resume:"))
+    assert resume.split("resume:")[1].split() == ["ppoflow", "train-rm", str(config)]
+    log_file = Path(next(line for line in output.splitlines() if line.strip().startswith("log:")).split()[1])
+    assert log_file.parent == tmp_path / "runs" / "broken" / "logs"
+    assert "Traceback (most recent call last)" in log_file.read_text()
