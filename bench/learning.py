@@ -111,7 +111,7 @@ def run(
             rewards.append(reward)
             curve.append((elapsed, reward))
             if "rollout/zero_variance_trained_fraction" in metrics:
-                flat_trained.append(metrics["rollout/zero_variance_trained_fraction"])
+                flat_trained.append((it, metrics["rollout/zero_variance_trained_fraction"], reward))
             if reached is None and reward >= 0.9:
                 reached = round(elapsed, 1)
             print(
@@ -148,19 +148,28 @@ def run(
             if curve[0][0] <= t <= curve[-1][0]
         },
         "reward_at_iteration": {str(i): round(rewards[i], 4) for i in (10, 20, 30, 40, 60) if i < len(rewards)},
-        # share of the trained groups whose samples all scored the same (no advantage under a group estimator):
-        # mean and worst iteration; with dynamic sampling on it is 0 unless the rounds ran out
-        **(
-            {
-                "zero_variance_trained_fraction_mean": round(sum(flat_trained) / len(flat_trained), 4),
-                "zero_variance_trained_fraction_max": round(max(flat_trained), 4),
-            }
-            if flat_trained
-            else {}
-        ),
+        **flat_groups_trained(flat_trained),
         "baseline": "iteration 0 (random-init policy)",
     }
     return emit("learning", figures) if emit_summary else figures
+
+
+def flat_groups_trained(per_iteration: list[tuple[int, float, float]]) -> dict:
+    """Dynamic sampling's `rollout/zero_variance_trained_fraction` (share of the trained groups whose samples all
+    scored the same: no advantage under a group estimator) over the run, from (iteration, fraction, reward) per
+    iteration: mean, worst, and the first iteration above 0 with its reward. It stays 0 while the rounds find
+    enough groups with variance; once the task is solved they run out and the first step is topped up
+    (engines/ppo/dynamic_sampling.select_groups). Empty without dynamic sampling (the metric is absent)."""
+    if not per_iteration:
+        return {}
+    fractions = [f for _, f, _ in per_iteration]
+    first = next(((it, r) for it, f, r in per_iteration if f > 0), None)
+    return {
+        "zero_variance_trained_fraction_mean": round(sum(fractions) / len(fractions), 4),
+        "zero_variance_trained_fraction_max": round(max(fractions), 4),
+        "zero_variance_trained_first_iteration": first and first[0],
+        "zero_variance_trained_first_reward": first and round(first[1], 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results"
 OUT = BENCH_DIR.parent / "BENCHMARKS.md"
-NOT_BENCHES = {"__init__", "common", "report", "plots", "trl_env", "ppoflow_side"}
+NOT_BENCHES = {"__init__", "common", "report", "plots", "trl_env", "ppoflow_side", "processes"}
 META = ("bench", "date", "commit", "cpu_count", "machine")
 
 
@@ -31,7 +31,10 @@ VARIANT_KEYS = (
     "model",
     "storage",
     "dynamic_sampling",
+    "experiment",
 )  # a bench run per variant keeps one latest line per variant
+# What a line written before its bench reported a variant key ran with (bench.learning had no dynamic sampling).
+VARIANT_DEFAULTS = {"dynamic_sampling": False}
 
 
 def latest(name: str) -> list[dict]:
@@ -43,7 +46,8 @@ def latest(name: str) -> list[dict]:
     for ln in path.read_text().splitlines():
         if ln.strip():
             line = json.loads(ln)
-            by_variant[json.dumps([line.get(k) for k in VARIANT_KEYS], sort_keys=True)] = line
+            variant = [line.get(k, VARIANT_DEFAULTS.get(k)) for k in VARIANT_KEYS]
+            by_variant[json.dumps(variant, sort_keys=True)] = line
     return list(by_variant.values())
 
 
