@@ -21,8 +21,11 @@ Figures per mode and k (medians over repeats):
 - it_per_s: steady state, iterations 2..N: (N-1) / (end of N - end of 1).
 - speedup: it_per_s / it_per_s of k = 0 in the same mode (goal for warm k = 1: >= 1.5);
   total_speedup: the same on total_s.
-- reward_at_equal_time: at T = the shortest total_s among the mode's variants, the mean reward/mean of the
-  last 3 iterations each variant had finished by T (goal: k = 1 >= k = 0).
+- reward_at_equal_time: per repeat, at T = the shortest total_s among that repeat's variants, the mean
+  reward/mean of the last 3 iterations each variant had finished by T; the median over repeats (goal: k = 1
+  >= k = 0), and per repeat in reward_at_equal_time_by_seed. Repeat r trains with run.seed = r: one
+  trajectory of this toy task moves with its seed by more than k changes it (at iteration 40, k = 0 samples
+  0.29, 0.16 and 0.12 with seeds 0, 1, 2), so one seed cannot say whether staleness costs reward.
 - stage_body_s: median seconds inside each stage body (its stage record), iterations 2..N.
 - staleness_ok: every row's async/staleness is min(k, i-1).
 Plot: bench/results/async_reward_vs_seconds.png (reward/mean against seconds since start, every variant).
@@ -59,24 +62,27 @@ WORKLOAD = {
 }
 
 
-def async_config(workdir: str, run: str, iterations: int, mode: str, k: int):
+def async_config(workdir: str, run: str, iterations: int, mode: str, k: int, seed: int = 0):
     pipeline = {"max_staleness": k, **variant_sections(mode).get("pipeline", {})}
-    return bench_config(workdir, run, iterations, "tiny", extra={**WORKLOAD, "pipeline": pipeline})
+    return bench_config(workdir, run, iterations, "tiny", extra={**WORKLOAD, "pipeline": pipeline}, seed=seed)
 
 
-def driver(mode: str, k: int, workdir: str, run: str, iterations: int) -> None:
+def driver(mode: str, k: int, workdir: str, run: str, iterations: int, seed: int = 0) -> None:
     """Run the training flow in this process; print its metrics rows and stage body seconds as one JSON line."""
     from flows.records import read_stage_record
 
     keep = ("iteration", "reward/mean", "time/finished_unix", "async/staleness")
-    layout, rows = train_in_driver(async_config(workdir, run, iterations, mode, k), keep)
+    layout, rows = train_in_driver(async_config(workdir, run, iterations, mode, k, seed), keep)
     bodies = {s: [read_stage_record(layout, i, s)["seconds"] for i in range(1, iterations + 1)] for s in STAGES}
     print(json.dumps({"driver": mode, "k": k, "rows": rows, "bodies": bodies}), flush=True)
 
 
-def run_variant(mode: str, k: int, workdir: str, api_url: str, iterations: int, threads: int, tag: str) -> dict:
+def run_variant(
+    mode: str, k: int, workdir: str, api_url: str, iterations: int, threads: int, tag: str, seed: int = 0
+) -> dict:
     env = {**child_env(workdir, api_url), "OMP_NUM_THREADS": str(threads)}
     args = ["--driver", mode, "--k", str(k), "--workdir", workdir, "--run", tag, "--iterations", str(iterations)]
+    args += ["--seed", str(seed)]
     return run_driver("bench.async", args, "warm" if mode == "warm" else "inprocess", workdir, env, tag)
 
 
@@ -114,12 +120,15 @@ def summarize(mode: str, runs: dict[int, list[dict]]) -> dict:
     for k in runs:
         out[f"k{k}"]["speedup"] = round(out[f"k{k}"]["it_per_s"] / out["k0"]["it_per_s"], 3)
         out[f"k{k}"]["total_speedup"] = round(out["k0"]["total_s"] / out[f"k{k}"]["total_s"], 3)
-    equal_time = min(out[f"k{k}"]["total_s"] for k in runs)
+    # per repeat (one seed each): the reward of every k at that repeat's shortest total time
+    repeats = range(min(len(fs) for fs in figs.values()))
+    equal_times = [min(figs[k][j]["total_s"] for k in figs) for j in repeats]
     for k, fs in figs.items():
-        rewards = [reward_by(f["curve"], equal_time) for f in fs]
-        rewards = [r for r in rewards if r is not None]
+        by_seed = [reward_by(fs[j]["curve"], equal_times[j]) for j in repeats]
+        out[f"k{k}"]["reward_at_equal_time_by_seed"] = [None if r is None else round(r, 4) for r in by_seed]
+        rewards = [r for r in by_seed if r is not None]
         out[f"k{k}"]["reward_at_equal_time"] = round(statistics.median(rewards), 4) if rewards else None
-    out["equal_time_s"] = round(equal_time, 2)
+    out["equal_time_s"] = round(statistics.median(equal_times), 2)
     out["curves"] = {f"k{k}": fs[0]["curve"] for k, fs in figs.items()}
     return out
 
@@ -150,14 +159,15 @@ def plot(results: dict) -> Path | None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="repeat r trains with run.seed = r")
     p.add_argument("--modes", default="warm,inprocess")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     add_driver_arguments(p, ["warm", "inprocess"])
     p.add_argument("--k", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.driver:
-        driver(a.driver, a.k, a.workdir, a.run, a.iterations)
+        driver(a.driver, a.k, a.workdir, a.run, a.iterations, a.seed)
         return
     modes = [m for m in a.modes.split(",") if m]
     if a.iterations < 4 or a.repeats < 1 or not set(modes) <= {"warm", "inprocess"}:
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(a.repeats):
                 for k in KS if r % 2 == 0 else reversed(KS):
                     tag = f"{mode}-k{k}-{r}"
-                    runs[k].append(run_variant(mode, k, workdir, api_url, a.iterations, a.threads, tag))
+                    runs[k].append(run_variant(mode, k, workdir, api_url, a.iterations, a.threads, tag, seed=r))
             results[mode] = summarize(mode, runs)
     png = plot(results)
     figures = {

@@ -43,9 +43,11 @@ WORKLOADS = {  # rollout settings per workload; everything else is shared
 }
 
 
-def bench_config(workdir: str, run: str, iterations: int, workload: str = "tiny", extra: dict | None = None):
+def bench_config(
+    workdir: str, run: str, iterations: int, workload: str = "tiny", extra: dict | None = None, seed: int = 0
+):
     """The benches' toy config of `workload`; `extra`: config sections merged over it key by key (a bench's
-    own workload or pipeline settings)."""
+    own workload or pipeline settings); `seed`: run.seed."""
     from engines.toy.model import ensure_tiny_llama
     from engines.toy.run_config import toy_config
     from engines.toy.task import ensure_digits_dataset
@@ -70,7 +72,8 @@ def bench_config(workdir: str, run: str, iterations: int, workload: str = "tiny"
     }
     for section, values in (extra or {}).items():
         sections[section] = {**sections.get(section, {}), **values}
-    return toy_config(os.path.join(workdir, "runs"), run, model, data, iterations=iterations, seed=0, sections=sections)
+    runs = os.path.join(workdir, "runs")
+    return toy_config(runs, run, model, data, iterations=iterations, seed=seed, sections=sections)
 
 
 def workload_figures(results: dict[str, dict]) -> dict:

@@ -37,3 +37,17 @@ def test_a_row_staler_than_k_is_flagged():
     run["rows"][2]["async/staleness"] = 2  # iteration 3 with k = 1 may be 1 version old, not 2
     assert not bench_async.figures_of(run)["staleness_ok"]
     assert bench_async.reward_by([(5.0, 0.5)], 4.0) is None
+
+
+def test_reward_at_equal_time_per_seed_then_median():
+    # Two repeats (seeds). Seed 0: as in test_figures_by_hand, T = 16 s: k = 0 0.15, k = 1 0.3.
+    # Seed 1: k = 0 ends at +10, +12, +14, +16 and k = 1 at +10, +11, +12, +13, so T = 13 s: k = 0 has iterations
+    # 1-2 (0.5, 0.6 -> 0.55); k = 1 all four, the last three 0.2, 0.1, 0.0 -> 0.1.
+    k0 = [_run(0, [110, 114, 118, 122], [0.1, 0.2, 0.3, 0.4]), _run(0, [110, 112, 114, 116], [0.5, 0.6, 0.7, 0.8])]
+    k1 = [_run(1, [110, 112, 114, 116], [0.1, 0.2, 0.3, 0.4]), _run(1, [110, 111, 112, 113], [0.3, 0.2, 0.1, 0.0])]
+    out = bench_async.summarize("warm", {0: k0, 1: k1})
+    assert out["k0"]["reward_at_equal_time_by_seed"] == [0.15, 0.55]
+    assert out["k1"]["reward_at_equal_time_by_seed"] == [0.3, 0.1]
+    assert out["k0"]["reward_at_equal_time"] == pytest.approx(0.35)  # median of two: their mean
+    assert out["k1"]["reward_at_equal_time"] == pytest.approx(0.2)
+    assert out["equal_time_s"] == 14.5  # median of 16 and 13
