@@ -115,6 +115,12 @@ def train_reward_model(cfg: PPOFlowConfig, console: Any = None) -> dict[str, Any
             f"train acc {row['rm/accuracy']:.3f}  eval acc {row.get('rm/eval_accuracy', float('nan')):.3f}  "
             f"{seconds}"
         )
-    console.print(f"reward model: {result['uri']}  (eval: {result['eval']})")
+    ev = result["eval"]
+    held_out = (
+        f"eval accuracy {ev['rm/eval_accuracy']:.3f} on {ev['rm/eval_pairs']} pairs, loss {ev['rm/eval_loss']:.4f}"
+        if ev.get("rm/eval_pairs")
+        else "no eval pairs"
+    )
+    console.print(f"reward model: {result['uri']}  ({held_out})", highlight=False)
     console.print(f"use it:       --set 'reward.sources=[{{kind: model, target: {result['uri']}}}]'")
     return result

@@ -102,7 +102,7 @@ def test_a_killed_rm_run_resumes_to_the_uninterrupted_result(prefect_api, tmp_pa
     assert resumed_from is not None and resumed_from < 2, output[-3000:]  # 8 steps in units of 5: 2 units
 
     _finish(_start(killed_cfg))  # the same command again
-    _finish(clean)
+    clean_output = _finish(clean)
 
     got_dir = Path(killed_layout.run_dir) / "reward_model"
     want_dir = Path(clean_layout.run_dir) / "reward_model"
@@ -111,6 +111,10 @@ def test_a_killed_rm_run_resumes_to_the_uninterrupted_result(prefect_api, tmp_pa
     for name in want:  # same seed, data order and ops on one CPU thread, in fresh processes: exact
         assert (got[name] - want[name]).abs().max().item() == 0.0, name
     rows, clean_rows = read_metrics(killed_layout), read_metrics(clean_layout)
+    last = clean_rows[-1]  # the terminal's last lines: where the model is and how it did on the eval pairs
+    held_out = f"(eval accuracy {last['rm/eval_accuracy']:.3f} on {last['rm/eval_pairs']} pairs"
+    words = " ".join(clean_output.split())  # rich folds long lines at the console width
+    assert f"reward model: {clean_layout.run_dir}/reward_model {held_out}" in words, clean_output[-2000:]
     assert [r["iteration"] for r in rows] == [1, 2] and [r["rm/step"] for r in rows] == [5, 8]
     # a kill between unit 1's commit and its metrics line is repaired from the commit marker
     for key in ("rm/loss", "rm/accuracy", "rm/eval_loss", "rm/eval_accuracy", "optim/lr"):
