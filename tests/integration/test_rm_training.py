@@ -141,7 +141,7 @@ def test_a_failing_rm_run_gives_one_message_and_the_traceback_in_the_log(prefect
     assert process.returncode == 1, output[-4000:]
     assert output.count("error:") == 1 and "Traceback" not in output, output[-4000:]
     assert "pairs.jsonl" in output and "line 2" in output, output[-4000:]
-    assert not [line for line in library_lines(output) if "Traceback" not in line], output[-4000:]
+    assert not library_lines(output), output[-4000:]
     resume = next(line for line in output.splitlines() if line.strip().startswith("resume:"))
     assert resume.split("resume:")[1].split() == ["ppoflow", "train-rm", str(config)]
     log_file = Path(next(line for line in output.splitlines() if line.strip().startswith("log:")).split()[1])

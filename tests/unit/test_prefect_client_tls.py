@@ -1,4 +1,4 @@
-"""Prefect's API clients share one TLS context per process once `flows` is imported (flows/prefect_client.py)."""
+"""Prefect's API clients share one TLS context per process once `tasks` is imported (tasks/prefect_client.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_clients_share_one_verifying_context(api_url):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_SSL_CERT_FILE
 
-    import flows  # noqa: F401 - installs the shared contexts
+    import tasks  # noqa: F401 - installs the shared contexts
 
     sync_a, sync_b, async_a = get_client(sync_client=True), get_client(sync_client=True), get_client()
     shared = _context_of(sync_a)
@@ -41,7 +41,7 @@ def test_the_insecure_context_is_not_the_verifying_one(api_url):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_TLS_INSECURE_SKIP_VERIFY, temporary_settings
 
-    from flows.prefect_client import share_tls_context
+    from tasks.prefect_client import share_tls_context
 
     assert share_tls_context() and share_tls_context()  # idempotent
     verifying = _context_of(get_client(sync_client=True))
@@ -55,7 +55,7 @@ def test_the_insecure_context_is_not_the_verifying_one(api_url):
 def test_a_client_module_of_another_shape_is_left_alone(monkeypatch):
     from prefect.client import orchestration
 
-    from flows import prefect_client
+    from tasks import prefect_client
 
     monkeypatch.setattr(orchestration, "ssl", object())  # a Prefect whose client module no longer uses `ssl` so
     assert prefect_client.share_tls_context() is False
