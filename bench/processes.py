@@ -58,7 +58,7 @@ def _free_port() -> int:
 
 @contextmanager
 def loopback_prefect_server(home: Path) -> Iterator[str]:
-    """Run `ppoflow prefect-server` (Prefect's server, flows/api_server.py) on 127.0.0.1 with its database
+    """Run `ppoflow prefect-server` (Prefect's server, ppoflow/prefect_server.py) on 127.0.0.1 with its database
     under `home`; yields the API URL and stops the server on exit. RuntimeError (pointing at
     `home`/server.log) when it exits or does not answer /api/health within 180 s."""
     import httpx

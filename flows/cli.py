@@ -170,7 +170,7 @@ def cmd_worker(args) -> int:
 
 
 def cmd_prefect_server(args) -> int:
-    from flows.api_server import serve_prefect_api
+    from ppoflow.prefect_server import serve_prefect_api
 
     serve_prefect_api(args.host, args.port)
     return 0
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser(
         "prefect-server",
         help="Prefect's server (as `prefect server start`); a request refused by a SQLite lock conflict is "
-        "replayed by the server within ~0.3 s instead of the client's 2 s back-off (flows/api_server.py)",
+        "replayed by the server within ~0.3 s instead of the client's 2 s back-off (ppoflow/prefect_server.py)",
     )
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=4200)

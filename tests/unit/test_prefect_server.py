@@ -1,4 +1,4 @@
-"""flows/api_server.ReplayOnConflict, driven through Prefect's real HTTP client (PrefectHttpxAsyncClient, the one
+"""ppoflow/prefect_server.ReplayOnConflict, driven through Prefect's real HTTP client (PrefectHttpxAsyncClient, the one
 every Prefect API call goes through) over httpx's ASGI transport. The waits the client chose are read from
 its own debug log: with the middleware a conflict that clears within the replays costs the client nothing.
 """
@@ -6,13 +6,18 @@ its own debug log: with the middleware a conflict that clears within the replays
 import asyncio
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from flows.api_server import ReplayOnConflict
+from ppoflow.prefect_server import ReplayOnConflict
 
+REPO = Path(__file__).resolve().parents[2]
 DELAYS = (0.0, 0.0, 0.0)  # the schedule is not under test; three replays, no sleeping
 
 
@@ -118,3 +123,55 @@ def test_other_answers_and_lifespan_pass_through_once():
 
     asyncio.run(ReplayOnConflict(lifespan, DELAYS)({"type": "lifespan"}, nothing, drop))
     assert lifespan.seen == ["lifespan"]
+
+
+# --- Prefect's temporary server (the embedded default) runs the replaying app ---------------------------------
+
+_START_TEMPORARY_SERVER = """
+import json, sys
+import tasks  # installs the hook, as every process that runs ppoflow's flows does
+from prefect.client.orchestration import get_client
+from prefect.server.api.server import SubprocessASGIServer
+
+with get_client(sync_client=True) as client:  # Prefect's own path to its temporary server
+    healthy = client.api_healthcheck() is None
+(server,) = [s for s in SubprocessASGIServer._instances.values() if s.server_process]
+with open(f"/proc/{server.server_process.pid}/cmdline", "rb") as f:
+    argv = f.read().decode().split("\\0")
+server.stop()
+print(json.dumps({"healthy": healthy, "argv": argv}))
+"""
+
+
+def _python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "PREFECT_HOME": str(tmp_path / "prefect-home"), **env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_the_temporary_server_prefect_starts_without_an_api_url_is_the_replaying_app(tmp_path):
+    out = _python(_START_TEMPORARY_SERVER, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    started = json.loads(out.stdout.strip().splitlines()[-1])
+    assert started["healthy"]
+    argv = started["argv"]
+    # Prefect's command (uvicorn on loopback) with only the factory changed
+    assert argv[argv.index("--factory") + 1] == "ppoflow.prefect_server:create_replaying_app"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and "uvicorn" in argv
+
+
+def test_with_an_api_url_nothing_is_changed_and_prefects_server_module_is_not_loaded(tmp_path):
+    code = (
+        "import sys, tasks\n"
+        "from ppoflow.prefect_server import replay_on_temporary_server\n"
+        "print(replay_on_temporary_server(), 'prefect.server.api.server' in sys.modules)\n"
+    )
+    out = _python(code, tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False"]
