@@ -27,8 +27,9 @@ process. On PostgreSQL the conflict does not arise (row locks) and the change is
 Prefect's temporary server (the embedded default: no PREFECT_API_URL, Prefect starts a server process of its
 own for the run) meets the same conflict with one flow writing: its services (the task-run recorder, the event
 persister) write beside the flow's requests. Measured on the 2-core machine with the demo's workload (0.7 s
-iterations; three runs of 20 to 26 iterations): from about iteration 12 on, 3 to 10 of the iterations each waited
-the 2 s before their subflow run started, and none with the replaying app.
+iterations) on a PREFECT_HOME that kept earlier runs: five runs of 20 to 30 iterations met 0, 2, 3, 5 and 10 such
+2 s waits before a subflow run started (none in a fresh database's first 30 iterations), four runs with the
+replaying app none.
 `replay_on_temporary_server` makes that server the same app behind the same middleware.
 """
 
