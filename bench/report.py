@@ -37,8 +37,19 @@ VARIANT_KEYS = (
 VARIANT_DEFAULTS = {"dynamic_sampling": False}
 
 
+def variant_of(line: dict) -> dict:
+    """What makes a line a variant of its own: the VARIANT_KEYS it has (or their defaults), and for a bench that
+    measures several workloads (bench.overhead, bench.pools) which of them the line holds, so a run of one workload
+    does not hide the latest figures of another."""
+    variant = {k: line[k] for k in VARIANT_KEYS if k in line}
+    variant.update({k: v for k, v in VARIANT_DEFAULTS.items() if k not in line})
+    if isinstance(line.get("workloads"), dict):
+        variant["workloads"] = "+".join(sorted(line["workloads"]))
+    return variant
+
+
 def latest(name: str) -> list[dict]:
-    """The latest line of each variant (algo/engine/size) of a bench, oldest variant first."""
+    """The latest line of each variant (variant_of) of a bench, oldest variant first."""
     path = RESULTS / f"{name}.jsonl"
     if not path.exists():
         return []
@@ -46,8 +57,7 @@ def latest(name: str) -> list[dict]:
     for ln in path.read_text().splitlines():
         if ln.strip():
             line = json.loads(ln)
-            variant = [line.get(k, VARIANT_DEFAULTS.get(k)) for k in VARIANT_KEYS]
-            by_variant[json.dumps(variant, sort_keys=True)] = line
+            by_variant[json.dumps(variant_of(line), sort_keys=True)] = line
     return list(by_variant.values())
 
 
@@ -89,7 +99,7 @@ def section(name: str) -> str:
         return "\n".join(lines)
     for line in found:
         m = line.get("machine") or {}
-        variant = ", ".join(f"{k}={line[k]}" for k in VARIANT_KEYS if k in line)
+        variant = ", ".join(f"{k}={v}" for k, v in variant_of(line).items() if k in line)
         lines += [
             f"Latest{' (' + variant + ')' if variant else ''}: {line.get('date')} on "
             f"{m.get('cores', line.get('cpu_count'))} cores, {m.get('mem_gib', '?')} GiB, "

@@ -29,3 +29,20 @@ def test_latest_keeps_one_line_per_variant_in_first_seen_order(tmp_path, monkeyp
 def test_a_bench_without_results_has_no_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     assert report.latest("never-run") == []
+
+
+def test_a_line_of_one_workload_does_not_hide_the_latest_line_of_another(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    _write(
+        tmp_path,
+        "overhead",
+        [
+            {"workloads": {"batch": {}, "tiny": {}}, "x": 1},
+            {"workloads": {"batch": {}}, "x": 2},
+            {"workloads": {"tiny": {}}, "x": 3},
+            {"workloads": {"batch": {}}, "x": 4},
+        ],
+    )
+    # three workload sets: both (x=1), batch alone (latest x=4), tiny alone (x=3)
+    assert [line["x"] for line in report.latest("overhead")] == [1, 4, 3]
+    assert "Latest (workloads=batch)" in report.section("overhead")
