@@ -4,8 +4,8 @@
 
 One loopback Prefect server (`prefect server start`, SQLite) serves every variant. The same config runs
 with pipeline.max_staleness k = 0 (the baseline: one iteration after another), 1 and 2, in two modes:
-- warm: three `ppoflow worker` processes (rollout; score; update+checkpoint), started with the driver, run
-  the stages (bench/processes.py's WARM_GROUPS): separate pools, here one core each;
+- warm: three `ppoflow worker` processes (rollout; score; update), started with the driver, run the stages
+  (bench/processes.py's WARM_GROUPS; the checkpoint commit runs in the flow): separate pools, here one core each;
 - inprocess: every stage in the driver process, pipelined iterations in threads of Prefect's task runner.
 Each variant starts fresh processes (driver, and workers for warm); the order of the variants alternates
 between repeats (k = 0, 1, 2, then 2, 1, 0, ...). Every process runs with OMP_NUM_THREADS=1 (--threads):

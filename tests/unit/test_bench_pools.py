@@ -33,7 +33,7 @@ def test_timings_by_hand():
 
 
 def test_warm_checks_find_a_stage_off_its_worker_and_a_rebuild():
-    pid = {"rollout": 11, "score": 12, "update": 13, "checkpoint": 13}  # WARM_GROUPS: update+checkpoint share
+    pid = {"rollout": 11, "score": 12, "update": 13, "checkpoint": 10}  # WARM_GROUPS; the checkpoint in the flow
     good = _run([1.0] * 3, [0.5] * 3, [1.0, 2.0, 3.0], worker=lambda s, i: f"{HOST}:{pid[s]}")
     assert worker_checks("warm", good) == {
         "engine_builds": {s: [2, 2, 2] for s in STAGES},
@@ -42,6 +42,11 @@ def test_warm_checks_find_a_stage_off_its_worker_and_a_rebuild():
     }
     off = _run([1.0] * 3, [0.5] * 3, [1.0, 2.0, 3.0], worker=lambda s, i: f"{HOST}:{12 if s == 'update' else pid[s]}")
     assert worker_checks("warm", off)["all_on_their_worker"] is False
+    # the checkpoint belongs in the flow: on the trainer's worker it is off its place too
+    on_trainer = _run(
+        [1.0] * 3, [0.5] * 3, [1.0, 2.0, 3.0], worker=lambda s, i: f"{HOST}:{13 if s == 'checkpoint' else pid[s]}"
+    )
+    assert worker_checks("warm", on_trainer)["all_on_their_worker"] is False
     rebuilt = _run(
         [1.0] * 3,
         [0.5] * 3,
