@@ -39,6 +39,8 @@ import asyncio
 import subprocess
 from typing import Any, Awaitable, Callable
 
+from ppoflow.stand_in import install_stand_in
+
 REPLAY_DELAYS_S = (0.01, 0.02, 0.04, 0.08, 0.16)
 
 Scope = dict[str, Any]
@@ -161,13 +163,7 @@ def replay_on_temporary_server() -> bool:
         return False
     from prefect.server.api import server
 
-    current = getattr(server, "subprocess", None)
-    if isinstance(current, _ReplayingPopen):
-        return True
-    if current is not subprocess:
-        return False
-    server.subprocess = _ReplayingPopen()
-    return True
+    return install_stand_in(server, "subprocess", subprocess, _ReplayingPopen)
 
 
 def serve_prefect_api(host: str, port: int, log_level: str = "info") -> None:

@@ -22,6 +22,8 @@ import ssl
 import threading
 from typing import Any
 
+from ppoflow.stand_in import install_stand_in
+
 
 class _SharedDefaultContexts:
     """Stands in for the `ssl` module inside prefect.client.orchestration: `create_default_context` returns one
@@ -49,10 +51,4 @@ def share_tls_context() -> bool:
     expected one (then Prefect is left as it is)."""
     from prefect.client import orchestration
 
-    current = getattr(orchestration, "ssl", None)
-    if isinstance(current, _SharedDefaultContexts):
-        return True
-    if current is not ssl:
-        return False
-    orchestration.ssl = _SharedDefaultContexts()
-    return True
+    return install_stand_in(orchestration, "ssl", ssl, _SharedDefaultContexts)
