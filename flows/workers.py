@@ -71,6 +71,7 @@ class SlotTaskWorker(TaskWorker):
 def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> None:
     """Serve the stage tasks of `stages` in this process until interrupted. limit: task runs at once (1:
     one trainer or sampler must not run two stages at the same time)."""
+    from engines import compute_thread
     from tasks.leases import serve_as_worker
     from tasks.stages import STAGE_TASKS
 
@@ -81,6 +82,7 @@ def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> Non
     served = list(dict.fromkeys(stages)) + (["rollout-part", "eval"] if "rollout" in stages else [])
     tasks = [STAGE_TASKS[s].with_options(retries=retries) for s in served]
     serve_as_worker()  # stage bodies hold leases: the submitting flow finds out if this process dies
+    compute_thread.pin_to_one_thread()  # the task runs come on several threads; the bodies' torch on one
     # As prefect.task_worker.serve runs its worker: in Prefect's event loop thread (so SIGTERM ends the process as
     # it does a `prefect task serve`: TaskWorker installs its own handler only from the main thread).
     try:
