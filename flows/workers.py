@@ -5,7 +5,8 @@
 
 Mechanism: Prefect's task workers (`prefect.task_worker.serve`). The training flow submits a stage task
 with `.delay(...)` (pipeline.stage_workers names which stages); the server hands each task run to ONE worker
-serving that task, which runs it in its own process, in a thread, with the task's cache key and retries. So
+serving that task, which runs it in its own process, in a thread, with the task's cache key and retries (the stage
+body itself on the process's one compute thread: engines/compute_thread.py says why). So
 the engines registries (engines/warm.py, engines/rollout/registry.py) stay warm across iterations and runs,
 and a worker whose engine holds other weights loads the committed policy named in the stage's input in
 place. Why not a served flow (`flow.serve`) or a process work pool: both start a new process per flow run,
