@@ -13,8 +13,11 @@ thread: 7.7-9.0 s for the same update.)
     pin_to_one_thread()      this process's stage bodies run on one long-lived thread from now on (warm workers)
     run(fn, *args, **kw)     fn(*args, **kw) there when pinned (the caller waits), else right here
 
-Not pinned by default: the in-process pipeline already runs its bodies on the flow's thread. A body's exception
-is raised in the caller; its context variables are copied to the compute thread.
+Not pinned by default: the in-process pipeline with max_staleness 0 runs its bodies on the flow's thread; with
+k >= 1 its iterations run on the task runner's threads, and pinning them would serialize the rollout and the
+update that k >= 1 overlaps, so they are left as they are. A body's exception is raised in the caller; its
+context variables are copied to the compute thread. The thread is not a daemon: a process that exits while a body
+runs waits for that body (as it did for the task worker's thread).
 """
 
 from __future__ import annotations
