@@ -17,7 +17,7 @@ Not pinned by default: the in-process pipeline with max_staleness 0 runs its bod
 k >= 1 its iterations run on the task runner's threads, and pinning them would serialize the rollout and the
 update that k >= 1 overlaps, so they are left as they are. A body's exception is raised in the caller; its
 context variables are copied to the compute thread. The thread is not a daemon: a process that exits while a body
-runs waits for that body (as it did for the task worker's thread).
+runs waits for that body.
 """
 
 from __future__ import annotations
