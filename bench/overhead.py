@@ -3,10 +3,13 @@ shards, checkpoints on local storage) and through the engines in a bare loop (no
 
     python -m bench.overhead [--iterations 6] [--rounds 1] [--workload batch|tiny|both]
 
-Each variant runs in its own fresh process (engines built from scratch in both), in alternating order
-(pipeline, bare, pipeline, bare, ...). Per-iteration time is the mean wall time between the ends of
-consecutive iterations, so the first iteration (engine start-up, DeepSpeed set-up) is excluded on both
-sides. Same config, same seed, same tiny model and digits task; HF generate on both sides. Both sides draw
+Each variant runs in its own fresh process (engines built from scratch in both). After each side's start-up and
+first iteration (run alone, excluded from the figures), the two take turns one iteration at a time, the other
+side stopped (SIGSTOP of its process group, Prefect's server included): bench/interleave.py says why (the host's
+speed drifts more than the 5% this bench must resolve) and how. Per-iteration time: median over iterations 2..N
+of every round; which side starts first alternates by round.
+
+Same config, same seed, same tiny model and digits task; HF generate on both sides. Both sides draw
 the same samples (one seed function), so their per-iteration rewards must be equal: `same_rewards`
 checks that the pipeline computes what the bare loop computes.
 
@@ -26,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,9 +89,12 @@ def workload_figures(results: dict[str, dict]) -> dict:
     return figures
 
 
-def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
-    """Run one variant in this process; print {"ends": [...]} (unix time at the end of each iteration)."""
-    cfg = bench_config(workdir, f"overhead-{variant}-{os.getpid()}", iterations, workload)
+def worker(variant: str, workdir: str, iterations: int, workload: str, run: str) -> None:
+    """Run one variant in this process as run `run`; print {"variant", "ends", "rewards"} at the end.
+
+    The controller needs each iteration's end as it happens: the pipeline's is its metrics row
+    (`time/finished_unix` in <runs>/<run>/metrics.jsonl), the bare loop prints {"end": unix time} per iteration."""
+    cfg = bench_config(workdir, run, iterations, workload)
     ends: list[float] = []
     if variant == "pipeline":
         from flows.training import ppo_training
@@ -105,61 +110,88 @@ def worker(variant: str, workdir: str, iterations: int, workload: str) -> None:
         for i in range(1, iterations + 1):
             rewards.append(loop.run_iteration(i)["reward/mean"])
             ends.append(time.time())
+            print(json.dumps({"end": ends[-1]}), flush=True)
     print(json.dumps({"variant": variant, "ends": ends, "rewards": rewards}), flush=True)
 
 
-def run_variant(variant: str, workdir: str, iterations: int, workload: str) -> dict:
+class _MetricsEnds:
+    """The pipeline side's iteration ends: `time/finished_unix` of the rows of its metrics.jsonl (re-read only
+    when the file grew)."""
+
+    def __init__(self, path: str):
+        self.path, self._size, self._ends = path, -1, []
+
+    def __call__(self) -> list[float]:
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return []
+        if size != self._size:
+            with open(self.path) as f:
+                rows = [json.loads(line) for line in f if line.endswith("\n")]  # a row being written waits
+            self._size, self._ends = size, [r["time/finished_unix"] for r in rows if "time/finished_unix" in r]
+        return self._ends
+
+
+def _start_side(variant: str, workdir: str, iterations: int, workload: str, run: str):
+    from bench.interleave import Side
+
     env = {
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
         "DS_ACCELERATOR": "cpu",
-        "PREFECT_HOME": os.path.join(workdir, "prefect-home"),
+        "PREFECT_HOME": os.path.join(workdir, f"prefect-home-{run}"),
         "PYTHONUNBUFFERED": "1",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     }
     env.pop("PREFECT_API_URL", None)  # the embedded default: Prefect's local ephemeral server
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.overhead",
-            "--worker",
-            variant,
-            "--workdir",
-            workdir,
-            "--iterations",
-            str(iterations),
-            "--workload",
-            workload,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"variant"')]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"{variant} worker failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
-    data = json.loads(lines[-1])
-    ends = data["ends"]
-    data["per_iteration_s"] = (ends[-1] - ends[0]) / (len(ends) - 1)
-    return data
+    argv = [sys.executable, "-m", "bench.overhead", "--worker", variant, "--workdir", workdir]
+    argv += ["--iterations", str(iterations), "--workload", workload, "--run", run]
+    if variant == "pipeline":
+        ends = _MetricsEnds(os.path.join(workdir, "runs", run, "metrics.jsonl"))
+    else:
+        ends = lambda: [json.loads(line)["end"] for line in list(side.stdout) if line.startswith('{"end"')]  # noqa: E731
+    side = Side(variant, argv, ends, cwd=REPO, env=env)
+    return side
+
+
+def _final_line(side) -> dict:
+    lines = [line for line in side.stdout if line.startswith('{"variant"')]
+    if not lines:
+        raise RuntimeError(f"{side.name} printed no result:\n{''.join(side.stderr)[-4000:]}")
+    return json.loads(lines[-1])
 
 
 def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
-    """Median per-iteration seconds of both variants over `rounds` alternating rounds, and their rewards."""
+    """Per-iteration seconds of both variants, measured in turns (bench/interleave.py) over `rounds` runs (the
+    side that starts first alternates by run); medians over all iterations 2..`iterations` of all runs."""
+    from bench.interleave import run_in_turns
+
     times: dict[str, list[float]] = {"pipeline": [], "bare": []}
     rewards: dict[str, list] = {}
-    for _ in range(rounds):
-        for variant in ("pipeline", "bare"):
-            data = run_variant(variant, workdir, iterations, workload)
-            times[variant].append(data["per_iteration_s"])
-            rewards[variant] = data["rewards"]
+    for r in range(rounds):
+        order = ("pipeline", "bare") if r % 2 == 0 else ("bare", "pipeline")
+        started = {}
+
+        def starter(variant: str):
+            def start():
+                started[variant] = _start_side(variant, workdir, iterations, workload, f"overhead-{variant}-{r}")
+                return started[variant]
+
+            return start
+
+        seconds = run_in_turns(starter(order[0]), starter(order[1]), iterations)
+        for variant in order:
+            times[variant] += seconds[variant]
+            rewards[variant] = _final_line(started[variant])["rewards"]
     pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
+    pairs = [p / b for p, b in zip(times["pipeline"], times["bare"])]
     return {
         "pipeline_s_per_iter": round(pipeline, 3),
         "bare_s_per_iter": round(bare, 3),
         "ratio": round(pipeline / bare, 3),
+        "pair_ratio_median": round(statistics.median(pairs), 3),
+        "pair_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(pairs, n=4)[::2]],
         "overhead_s_per_iter": round(pipeline - bare, 3),
         "same_rewards": rewards["pipeline"] == rewards["bare"],
         "rewards_pipeline": rewards["pipeline"],
@@ -173,9 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", choices=["batch", "tiny", "both"], default="both")
     p.add_argument("--worker", choices=["pipeline", "bare"])
     p.add_argument("--workdir")
+    p.add_argument("--run")
     a = p.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.workdir, a.iterations, a.workload)
+        worker(a.worker, a.workdir, a.iterations, a.workload, a.run)
         return
     if a.iterations < 2:
         raise SystemExit("--iterations must be >= 2 (the first iteration is excluded)")
@@ -186,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         "baseline": "bare engine loop (no Prefect, no storage)",
         "iterations": a.iterations,
         "rounds": a.rounds,
+        "method": "in turns: both sides warm, one iteration each in turn, the other stopped (bench/interleave.py)",
         "goal": "<= 1.05",
         **workload_figures(results),
     }

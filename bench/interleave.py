@@ -1,0 +1,140 @@
+"""Two benchmark sides measured iteration by iteration in turn: one runs while the other is stopped.
+
+Why: on these machines the speed of the host drifts by 10-30% over minutes (the same pipeline measured 6.5 and
+9.9 s per iteration in two runs ten minutes apart), which drowns a 5% difference between two sides run one after
+the other, even alternated run by run. Here both sides stay up (engines warm) and take turns one iteration at a
+time, so each pipeline iteration has a bare iteration seconds away on the same host, and the drift cancels in
+the ratio.
+
+How: each side is a process in its own session. The controller sends SIGSTOP to that process group (the side and
+everything it started: Prefect's temporary server stops with its flow) as soon as the side reports the end of an
+iteration, and SIGCONT when its turn comes. A stopped side uses no CPU, so it does not slow the running side. A
+side's iteration time is the wall time between two of its own iteration ends minus the time it was stopped in
+between; the side reports its ends as unix times, so the controller's polling delay changes nothing.
+
+Order: the first side's start-up and first iteration run alone, then the second's; then the turns, the order
+swapped every round (A B, B A, ...) so that a trend over the run favours neither side.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable, Optional
+
+POLL_S = 0.01
+
+
+class SideFailed(RuntimeError):
+    """A side's process exited before reporting the iterations it was asked for; carries its stderr's tail."""
+
+
+class Side:
+    """One benchmark side: a process started in its own session, whose iteration ends `ends()` reads.
+
+    ends: returns the unix times of the iterations this side has finished so far (in order); it is called
+    every POLL_S while the side runs, so it must be cheap (a stat and a small read)."""
+
+    def __init__(self, name: str, argv: list[str], ends: Callable[[], list[float]], **popen):
+        self.name = name
+        self._ends = ends
+        self.stopped: list[tuple[float, float]] = []  # (stop, cont) unix times
+        self._stopped_at: Optional[float] = None
+        self.proc = subprocess.Popen(
+            argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+        )
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        # Drain both pipes on threads: a side that fills a pipe nobody reads would block mid-iteration.
+        self._drains = [
+            threading.Thread(target=_drain, args=(stream, sink), daemon=True)
+            for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr))
+        ]
+        for thread in self._drains:
+            thread.start()
+
+    def ends(self) -> list[float]:
+        return self._ends()
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self._stopped_at = time.time()
+
+    def cont(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+        if self._stopped_at is not None:
+            self.stopped.append((self._stopped_at, time.time()))
+            self._stopped_at = None
+
+    def run_until(self, done: int, timeout_s: float) -> None:
+        """Let this side run (it must not be stopped) until it has finished `done` iterations, then stop it."""
+        deadline = time.time() + timeout_s
+        while len(self.ends()) < done:
+            if self.proc.poll() is not None:
+                for thread in self._drains:  # the pipes' last lines (the error) before they are quoted
+                    thread.join(timeout=5)
+                raise SideFailed(
+                    f"{self.name} exited (rc {self.proc.returncode}) after {len(self.ends())} of {done} "
+                    f"iterations:\n{''.join(self.stderr)[-4000:]}"
+                )
+            if time.time() > deadline:
+                raise SideFailed(f"{self.name} finished {len(self.ends())} of {done} iterations in {timeout_s:.0f} s")
+            time.sleep(POLL_S)
+        self.stop()
+
+    def active_seconds(self) -> list[float]:
+        """Per iteration from the second on: wall time since the previous end, less the time stopped in between."""
+        ends = self.ends()
+        out = []
+        for previous, end in zip(ends, ends[1:]):
+            paused = sum(min(c, end) - max(s, previous) for s, c in self.stopped if s < end and c > previous)
+            out.append(end - previous - paused)
+        return out
+
+    def finish(self, timeout_s: float) -> None:
+        """Let the side run to its end (it was told how many iterations to run) and wait for it."""
+        self.cont()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise SideFailed(f"{self.name} did not exit within {timeout_s:.0f} s after its last iteration")
+        if self.proc.returncode != 0:
+            raise SideFailed(f"{self.name} failed (rc {self.proc.returncode}):\n{''.join(self.stderr)[-4000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped group would not act on SIGKILL's cleanup
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _drain(stream, sink: list[str]) -> None:
+    for line in stream:
+        sink.append(line)
+
+
+def run_in_turns(
+    start_first: Callable[[], Side], start_second: Callable[[], Side], iterations: int, timeout_s: float = 1800.0
+) -> dict[str, list[float]]:
+    """Start the first side and run it to the end of its first iteration (then stopped), the same for the second,
+    then give them iterations 2..`iterations` in turns, the order swapped each round. Returns each side's active
+    seconds per iteration 2..`iterations` ({side name: [...]}). Both processes are gone when this returns."""
+    sides: list[Side] = []
+    try:
+        for start in (start_first, start_second):
+            side = start()
+            sides.append(side)
+            side.run_until(1, timeout_s)
+        for done in range(2, iterations + 1):
+            for side in sides if done % 2 == 0 else sides[::-1]:
+                side.cont()
+                side.run_until(done, timeout_s)
+        for side in sides:
+            side.finish(timeout_s)
+        return {side.name: side.active_seconds() for side in sides}
+    finally:
+        for side in sides:
+            side.kill()

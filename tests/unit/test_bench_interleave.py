@@ -1,0 +1,64 @@
+"""bench/interleave.py: two sides take turns, one stopped while the other runs, and a side's iteration time
+leaves out the time it was stopped.
+
+Each side here spins until its own process has used SPIN_S of CPU per iteration: CPU time does not advance while
+a process is stopped, so an iteration's true running time is SPIN_S (plus start-up noise), whatever the other
+side does. A wall-clock sleep would not do: it goes on while the process is stopped.
+"""
+
+import json
+import sys
+import time
+
+from bench.interleave import Side, run_in_turns
+
+SPIN_S = 0.25
+ITERATIONS = 5
+
+SIDE = f"""
+import json, time
+for _ in range({ITERATIONS}):
+    t = time.process_time()
+    while time.process_time() - t < {SPIN_S}:
+        pass
+    print(json.dumps({{"end": time.time()}}), flush=True)
+"""
+
+
+def _side(name):
+    def start():
+        def ends():
+            return [json.loads(line)["end"] for line in list(side.stdout) if line.startswith('{"end"')]
+
+        side = Side(name, [sys.executable, "-c", SIDE], ends)
+        return side
+
+    return start
+
+
+def test_sides_take_turns_and_stopped_time_is_left_out():
+    started = time.time()
+    seconds = run_in_turns(_side("a"), _side("b"), ITERATIONS, timeout_s=60)
+    wall = time.time() - started
+    assert set(seconds) == {"a", "b"}
+    for name, per_iteration in seconds.items():
+        assert len(per_iteration) == ITERATIONS - 1, name
+        # each iteration ran SPIN_S of CPU; the controller's polling (10 ms) and scheduling add a little, and the
+        # other side's turn (>= SPIN_S) between two of this side's ends must not be counted
+        for s in per_iteration:
+            assert SPIN_S * 0.95 <= s < SPIN_S + 0.1, (name, per_iteration)
+    # one at a time: the run took at least the sum of both sides' CPU (2 x ITERATIONS x SPIN_S) in wall time; on
+    # two cores, sides running side by side would have taken about half of it
+    assert wall >= 2 * ITERATIONS * SPIN_S * 0.95
+
+
+def test_a_side_that_dies_fails_the_measurement_with_its_stderr():
+    def start():
+        return Side("broken", [sys.executable, "-c", "import sys; sys.exit('no engine here')"], lambda: [])
+
+    try:
+        run_in_turns(start, _side("b"), ITERATIONS, timeout_s=60)
+    except RuntimeError as e:
+        assert "broken exited (rc 1)" in str(e) and "no engine here" in str(e)
+    else:
+        raise AssertionError("a side that exits early must fail the run")
