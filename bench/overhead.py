@@ -185,16 +185,20 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
             times[variant] += seconds[variant]
             rewards[variant] = _final_line(started[variant])["rewards"]
     pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
+    # pairs: iteration k of both sides (the same samples, so the same work), measured seconds apart
     pairs = [p / b for p, b in zip(times["pipeline"], times["bare"])]
     return {
         "pipeline_s_per_iter": round(pipeline, 3),
         "bare_s_per_iter": round(bare, 3),
         "ratio": round(pipeline / bare, 3),
+        "total_ratio": round(sum(times["pipeline"]) / sum(times["bare"]), 3),
         "pair_ratio_median": round(statistics.median(pairs), 3),
         "pair_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(pairs, n=4)[::2]],
         "overhead_s_per_iter": round(pipeline - bare, 3),
         "same_rewards": rewards["pipeline"] == rewards["bare"],
         "rewards_pipeline": rewards["pipeline"],
+        "pipeline_s": [round(t, 3) for t in times["pipeline"]],
+        "bare_s": [round(t, 3) for t in times["bare"]],
     }
 
 
