@@ -18,6 +18,7 @@ swapped every round (A B, B A, ...) so that a trend over the run favours neither
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,8 +39,11 @@ class Side:
     ends: returns the unix times of the iterations this side has finished so far (in order); it is called
     every POLL_S while the side runs, so it must be cheap (a stat and a small read)."""
 
-    def __init__(self, name: str, argv: list[str], ends: Callable[[], list[float]], **popen):
+    def __init__(
+        self, name: str, argv: list[str], ends: Callable[[], list[float]], companions: tuple[int, ...] = (), **popen
+    ):
         self.name = name
+        self.companions = companions  # process groups stopped and continued with this side's (its workers)
         self._ends = ends
         self.stopped: list[tuple[float, float]] = []  # (stop, cont) unix times
         self._stopped_at: Optional[float] = None
@@ -59,12 +63,19 @@ class Side:
     def ends(self) -> list[float]:
         return self._ends()
 
+    def _signal(self, sig: int) -> None:
+        for group in (self.proc.pid, *self.companions):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:  # a companion that already exited: the side notices when it needs it
+                pass
+
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self._signal(signal.SIGSTOP)
         self._stopped_at = time.time()
 
     def cont(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGCONT)
+        self._signal(signal.SIGCONT)
         if self._stopped_at is not None:
             self.stopped.append((self._stopped_at, time.time()))
             self._stopped_at = None
@@ -106,9 +117,28 @@ class Side:
             raise SideFailed(f"{self.name} failed (rc {self.proc.returncode}):\n{''.join(self.stderr)[-4000:]}")
 
     def kill(self) -> None:
+        self._signal(signal.SIGCONT)  # companions are the caller's to stop; they must not stay frozen
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped group would not act on SIGKILL's cleanup
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class MetricsEnds:
+    """A pipeline side's iteration ends: `time/finished_unix` of the rows of its run's metrics.jsonl, re-read only
+    when the file grew (a row still being written is left for the next call)."""
+
+    def __init__(self, path: str):
+        self.path, self._size, self._ends = path, -1, []
+
+    def __call__(self) -> list[float]:
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return []
+        if size != self._size:
+            with open(self.path) as f:
+                rows = [json.loads(line) for line in f if line.endswith("\n")]
+            self._size, self._ends = size, [r["time/finished_unix"] for r in rows if "time/finished_unix" in r]
+        return self._ends
 
 
 def _drain(stream, sink: list[str]) -> None:

@@ -114,27 +114,8 @@ def worker(variant: str, workdir: str, iterations: int, workload: str, run: str)
     print(json.dumps({"variant": variant, "ends": ends, "rewards": rewards}), flush=True)
 
 
-class _MetricsEnds:
-    """The pipeline side's iteration ends: `time/finished_unix` of the rows of its metrics.jsonl (re-read only
-    when the file grew)."""
-
-    def __init__(self, path: str):
-        self.path, self._size, self._ends = path, -1, []
-
-    def __call__(self) -> list[float]:
-        try:
-            size = os.stat(self.path).st_size
-        except FileNotFoundError:
-            return []
-        if size != self._size:
-            with open(self.path) as f:
-                rows = [json.loads(line) for line in f if line.endswith("\n")]  # a row being written waits
-            self._size, self._ends = size, [r["time/finished_unix"] for r in rows if "time/finished_unix" in r]
-        return self._ends
-
-
 def _start_side(variant: str, workdir: str, iterations: int, workload: str, run: str):
-    from bench.interleave import Side
+    from bench.interleave import MetricsEnds, Side
 
     env = {
         **os.environ,
@@ -148,7 +129,7 @@ def _start_side(variant: str, workdir: str, iterations: int, workload: str, run:
     argv = [sys.executable, "-m", "bench.overhead", "--worker", variant, "--workdir", workdir]
     argv += ["--iterations", str(iterations), "--workload", workload, "--run", run]
     if variant == "pipeline":
-        ends = _MetricsEnds(os.path.join(workdir, "runs", run, "metrics.jsonl"))
+        ends = MetricsEnds(os.path.join(workdir, "runs", run, "metrics.jsonl"))
     else:
         ends = lambda: [json.loads(line)["end"] for line in list(side.stdout) if line.startswith('{"end"')]  # noqa: E731
     side = Side(variant, argv, ends, cwd=REPO, env=env)

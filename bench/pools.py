@@ -12,12 +12,17 @@ process that calls the training flow:
 - pools: `pipeline.stage_pools`; the stage deployments of prefect.yaml on process work pools, one
   `prefect worker start --type process` per pool: a fresh process per stage per iteration (Prefect's default
   worker polling, 10 s). Slow, so it runs once per workload with --pool-iterations (3) iterations.
-inprocess and warm alternate (inprocess, warm, inprocess, warm, ...); pools follows the first pair.
+inprocess and warm are measured in turns (bench/interleave.py): each starts (driver and workers) and runs its
+first iteration alone, then the two take turns one iteration at a time, the other side's driver and workers
+stopped; which side starts first alternates by repeat. The host's speed drifts more over minutes than the goal's
+margin; in turns, each warm iteration has an in-process iteration seconds away. pools follows the first pair,
+alone (its stage flows wait on Prefect's worker polling, which a stopped side would distort).
 
 Figures per workload and variant (medians over repeats):
 - startup_s: from starting the processes (driver; workers for warm/pools) to the end of iteration 1, i.e.
   what a user waits for the first iteration: imports, worker start and pickup, engine builds.
-- s_per_iter: median seconds between the ends of consecutive iterations after the first (steady state).
+- s_per_iter: median seconds per iteration after the first (steady state): the time between the ends of
+  consecutive iterations, less the time the side was stopped in between (in turns).
 - dispatch_ms: fixed cost per stage dispatch = a stage's wall time seen by the flow (metrics row
   `timing/<stage>`) minus the stage body's own `seconds` (its stage record, measured inside the stage body
   wherever it ran); median over the stages of iterations 2..N (per stage too). It holds task-run
@@ -34,19 +39,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
+import sys
+import time
 
 from bench.common import emit
 from bench.overhead import bench_config, workload_figures
 from bench.processes import (
     POOLS,
+    REPO,
     STAGES,
     WARM_GROUPS,
     add_driver_arguments,
     child_env,
     prefect_cli,
     run_driver,
+    start_workers,
+    stop_workers,
     train_in_driver,
     variant_sections,
     workdir_with_server,
@@ -77,17 +88,61 @@ def run_variant(variant: str, workdir: str, api_url: str, iterations: int, workl
     return run_driver("bench.pools", args, variant, workdir, child_env(workdir, api_url), tag)
 
 
+def start_side(variant: str, workdir: str, api_url: str, iterations: int, workload: str, tag: str):
+    """Start `variant`'s workers and driver as one side of a measurement in turns (bench/interleave.py)."""
+    from bench.interleave import MetricsEnds, Side
+
+    env = child_env(workdir, api_url)
+    t0 = time.time()
+    workers = start_workers(variant, workdir, env, tag)
+    argv = [sys.executable, "-m", "bench.pools", "--driver", variant, "--workdir", workdir, "--run", tag]
+    argv += ["--iterations", str(iterations), "--workload", workload]
+    ends = MetricsEnds(os.path.join(workdir, "runs", tag, "metrics.jsonl"))
+    side = Side(variant, argv, ends, companions=tuple(w.pid for w in workers.values()), cwd=REPO, env=env)
+    side.t0, side.workers = t0, workers
+    return side
+
+
+def run_in_turns_pair(first: str, second: str, workdir: str, api_url: str, a, workload: str, r: int) -> dict:
+    """One repeat of two variants in turns; returns {variant: data} as run_variant does, plus `active_s`."""
+    from bench.interleave import run_in_turns
+
+    sides: dict = {}
+
+    def starter(variant: str):
+        def start():
+            sides[variant] = start_side(variant, workdir, api_url, a.iterations, workload, f"{variant}-{workload}-{r}")
+            return sides[variant]
+
+        return start
+
+    try:
+        seconds = run_in_turns(starter(first), starter(second), a.iterations)
+    finally:
+        for side in sides.values():
+            stop_workers(list(side.workers.values()))
+    out = {}
+    for variant, side in sides.items():
+        lines = [ln for ln in side.stdout if ln.startswith('{"driver"')]
+        if not lines:
+            raise RuntimeError(f"{variant} printed no result:\n{''.join(side.stderr)[-4000:]}")
+        pids = {g: w.pid for g, w in side.workers.items()}
+        out[variant] = {**json.loads(lines[-1]), "t0": side.t0, "pids": pids, "active_s": seconds[variant]}
+    return out
+
+
 def timings(data: dict) -> dict:
     """startup_s, s_per_iter, dispatch and stage body figures of one variant run (see the module docstring)."""
     rows, records = data["rows"], data["records"]
     ends = [row["time/finished_unix"] for row in rows]
     later = range(1, len(ends))
+    per_iteration = data.get("active_s") or [b - a for a, b in zip(ends, ends[1:])]  # active_s: run in turns
     dispatch = {
         s: [1e3 * (rows[i][f"timing/{s}"] - records[s][i]["seconds"]) for i in range(len(ends))] for s in STAGES
     }
     return {
         "startup_s": ends[0] - data["t0"],
-        "s_per_iter": statistics.median(b - a for a, b in zip(ends, ends[1:])),
+        "s_per_iter": statistics.median(per_iteration),
         "dispatch_ms": statistics.median(dispatch[s][i] for s in STAGES for i in later),
         "dispatch_ms_by_stage": {s: statistics.median(dispatch[s][i] for i in later) for s in STAGES},
         "first_dispatch_ms": {s: dispatch[s][0] for s in STAGES},
@@ -149,10 +204,9 @@ def summarize(runs: list[dict]) -> dict:
 def measure(workload: str, a: argparse.Namespace, workdir: str, api_url: str) -> dict:
     runs: dict[str, list[dict]] = {"inprocess": [], "warm": []}
     for r in range(a.repeats):
-        for variant in ("inprocess", "warm"):
-            runs[variant].append(
-                run_variant(variant, workdir, api_url, a.iterations, workload, f"{variant}-{workload}-{r}")
-            )
+        order = ("inprocess", "warm") if r % 2 == 0 else ("warm", "inprocess")
+        for variant, data in run_in_turns_pair(*order, workdir, api_url, a, workload, r).items():
+            runs[variant].append(data)
         if r == 0 and a.pool_iterations:
             runs["pools"] = [run_variant("pools", workdir, api_url, a.pool_iterations, workload, f"pools-{workload}")]
     result = {v: summarize(rs) for v, rs in runs.items()}
