@@ -36,9 +36,14 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.client.subscriptions import Subscription
 from prefect.settings import get_current_settings
 from prefect.task_worker import StopTaskWorker, TaskWorker
+from prefect.task_worker import logger as task_worker_logger
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 STAGES = ("rollout", "score", "update", "checkpoint")
 _SLOT_POLL_S = 0.05  # how soon a worker whose slot freed subscribes again
+# OSError includes TimeoutError (the handshake's); a refused or dropped handshake, a close while waiting
+_SUBSCRIBE_ERRORS = (OSError, InvalidHandshake, ConnectionClosed)
+_RESUBSCRIBE_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # waits after failed subscriptions in a row (the last one repeats)
 
 
 class SlotTaskWorker(TaskWorker):
@@ -48,25 +53,45 @@ class SlotTaskWorker(TaskWorker):
         base_url = get_current_settings().api.url
         if base_url is None:
             raise ValueError("PREFECT_API_URL must be set for a task worker (the ephemeral API has none)")
+        failures = 0
         while True:
             while self.available_tasks == 0:
                 await asyncio.sleep(_SLOT_POLL_S)
-            subscription = Subscription(
-                model=TaskRun,
-                path="/task_runs/subscriptions/scheduled",
-                keys=self.task_keys,
-                client_id=self.client_id,
-                base_url=base_url,
-            )
             try:
-                task_run = await subscription.__anext__()  # connects, receives one run, acknowledges it
-            finally:
-                try:
-                    await subscription.websocket.close()  # before the server hands this worker another run
-                except RuntimeError:
-                    pass  # never connected (shut down while connecting)
+                task_run = await self._one_run(base_url)
+            except _SUBSCRIBE_ERRORS as e:  # see the module docstring
+                wait = _RESUBSCRIBE_S[min(failures, len(_RESUBSCRIBE_S) - 1)]
+                failures += 1
+                task_worker_logger.warning(
+                    "subscribing to task runs at %s failed (%s: %s, %d in a row); trying again in %.1f s",
+                    base_url,
+                    type(e).__name__,
+                    e or "no detail",
+                    failures,
+                    wait,
+                )
+                await asyncio.sleep(wait)
+                continue
+            failures = 0
             if await self._acquire_token(task_run.id):
                 self._runs_task_group.start_soon(self._safe_submit_scheduled_task_run, task_run)
+
+    async def _one_run(self, base_url: str) -> TaskRun:
+        """Subscribe, receive one scheduled task run, acknowledge it and close the subscription."""
+        subscription = Subscription(
+            model=TaskRun,
+            path="/task_runs/subscriptions/scheduled",
+            keys=self.task_keys,
+            client_id=self.client_id,
+            base_url=base_url,
+        )
+        try:
+            return await subscription.__anext__()  # connects, receives one run, acknowledges it
+        finally:
+            try:
+                await subscription.websocket.close()  # before the server hands this worker another run
+            except RuntimeError:
+                pass  # never connected (shut down or failed while connecting)
 
 
 def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> None:
