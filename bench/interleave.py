@@ -63,6 +63,18 @@ class Side:
     def ends(self) -> list[float]:
         return self._ends()
 
+    def printed(self, key: str) -> list[dict]:
+        """The JSON objects this side has printed on stdout, one per line, whose first key is `key`, in order."""
+        prefix = '{"' + key + '"'
+        return [json.loads(line) for line in list(self.stdout) if line.startswith(prefix)]
+
+    def result(self, key: str) -> dict:
+        """The last JSON line whose first key is `key` (a side's result line); SideFailed quoting stderr if none."""
+        lines = self.printed(key)
+        if not lines:
+            raise SideFailed(f"{self.name} printed no result:\n{''.join(self.stderr)[-4000:]}")
+        return lines[-1]
+
     def _signal(self, sig: int) -> None:
         for group in (self.proc.pid, *self.companions):
             try:

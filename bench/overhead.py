@@ -131,16 +131,9 @@ def _start_side(variant: str, workdir: str, iterations: int, workload: str, run:
     if variant == "pipeline":
         ends = MetricsEnds(os.path.join(workdir, "runs", run, "metrics.jsonl"))
     else:
-        ends = lambda: [json.loads(line)["end"] for line in list(side.stdout) if line.startswith('{"end"')]  # noqa: E731
+        ends = lambda: [line["end"] for line in side.printed("end")]  # noqa: E731
     side = Side(variant, argv, ends, cwd=REPO, env=env)
     return side
-
-
-def _final_line(side) -> dict:
-    lines = [line for line in side.stdout if line.startswith('{"variant"')]
-    if not lines:
-        raise RuntimeError(f"{side.name} printed no result:\n{''.join(side.stderr)[-4000:]}")
-    return json.loads(lines[-1])
 
 
 def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
@@ -164,7 +157,7 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
         seconds = run_in_turns(starter(order[0]), starter(order[1]), iterations)
         for variant in order:
             times[variant] += seconds[variant]
-            rewards[variant] = _final_line(started[variant])["rewards"]
+            rewards[variant] = started[variant].result("variant")["rewards"]
     pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
     # pairs: iteration k of both sides (the same samples, so the same work), measured seconds apart
     pairs = [p / b for p, b in zip(times["pipeline"], times["bare"])]

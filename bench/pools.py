@@ -123,11 +123,8 @@ def run_in_turns_pair(first: str, second: str, workdir: str, api_url: str, a, wo
             stop_workers(list(side.workers.values()))
     out = {}
     for variant, side in sides.items():
-        lines = [ln for ln in side.stdout if ln.startswith('{"driver"')]
-        if not lines:
-            raise RuntimeError(f"{variant} printed no result:\n{''.join(side.stderr)[-4000:]}")
         pids = {g: w.pid for g, w in side.workers.items()}
-        out[variant] = {**json.loads(lines[-1]), "t0": side.t0, "pids": pids, "active_s": seconds[variant]}
+        out[variant] = {**side.result("driver"), "t0": side.t0, "pids": pids, "active_s": seconds[variant]}
     return out
 
 

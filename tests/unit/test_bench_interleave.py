@@ -6,7 +6,6 @@ a process is stopped, so an iteration's true running time is SPIN_S (plus start-
 side does. A wall-clock sleep would not do: it goes on while the process is stopped.
 """
 
-import json
 import sys
 import time
 
@@ -28,7 +27,7 @@ for _ in range({ITERATIONS}):
 def _side(name):
     def start():
         def ends():
-            return [json.loads(line)["end"] for line in list(side.stdout) if line.startswith('{"end"')]
+            return [line["end"] for line in side.printed("end")]
 
         side = Side(name, [sys.executable, "-c", SIDE], ends)
         return side
