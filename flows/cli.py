@@ -4,6 +4,7 @@
     ppoflow train CONFIG.yaml [--set section.field=value ...] [--verbose]
     ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...] [--verbose]   reward model from preference pairs
     ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
+    ppoflow rank-agent --master HOST:PORT --node K   start node K's update ranks (train.hostfile)
     ppoflow serve                          execute retried runs of `ppoflow train` (UI Retry, prefect flow-run retry)
     ppoflow prefect-server [--host H] [--port P]   Prefect's server; replays requests refused by SQLite locks
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
@@ -169,6 +170,19 @@ def cmd_worker(args) -> int:
     return 0
 
 
+def cmd_rank_agent(args) -> int:
+    import logging
+
+    from engines.trainer.rank_agent import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        serve(args.master, args.node)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
 def cmd_prefect_server(args) -> int:
     from ppoflow.prefect_server import serve_prefect_api
 
@@ -252,6 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--stage", action="append", required=True, choices=["rollout", "score", "update", "checkpoint"])
     worker.add_argument("--retries", type=int, default=0, help="retries of each task run on this worker")
     worker.set_defaults(func=cmd_worker)
+
+    agent = sub.add_parser(
+        "rank-agent",
+        help="on a node of train.hostfile other than rank 0's: start that node's update ranks for every group",
+    )
+    agent.add_argument("--master", required=True, metavar="HOST:PORT", help="train.master_addr:train.master_port")
+    agent.add_argument("--node", type=int, required=True, help="this node's line in the hostfile (0 = rank 0's)")
+    agent.set_defaults(func=cmd_rank_agent)
 
     serve_runs = sub.add_parser(
         "serve", help="execute the runs of the ppoflow-train deployment that a Retry (UI or CLI) schedules"

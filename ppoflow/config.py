@@ -452,8 +452,8 @@ class TrainConfig(_Section):
         ge=1,
         le=512,
         description=(
-            "Data-parallel ranks of the update stage on this machine: the stage's process is rank 0, ranks "
-            "1..N-1 are processes it starts at the first update and keeps between iterations (gloo on CPU, NCCL "
+            "Data-parallel ranks of the update stage (on this machine unless train.hostfile places them): the "
+            "stage's process is rank 0, ranks 1..N-1 are processes started at the first update and keeps between iterations (gloo on CPU, NCCL "
             "with one GPU per rank). Each rank trains on its share of every optimizer step; the loss is the "
             "token mean over all ranks' tokens. 1 = no other process."
         ),
@@ -465,6 +465,27 @@ class TrainConfig(_Section):
             "With num_ranks > 1: seconds a rank waits in one collective (a step's all-reduce, the checkpoint "
             "barrier while rank 0 writes the weights) or for the others to start before the stage fails."
         ),
+    )
+
+    hostfile: Optional[str] = Field(
+        None,
+        description=(
+            "Several nodes: a DeepSpeed-style hostfile, one `<host> slots=<ranks>` per line, slots adding up to "
+            "num_ranks. The first line is rank 0's node (the stage's own machine), which starts its own ranks; "
+            "every other node runs `ppoflow rank-agent --master <master_addr>:<master_port> --node <line index>`, "
+            "which starts that node's ranks for each group and reports their exits and its heartbeat. Every node "
+            "must mount the run's storage root and the model folders at the same paths (local storage on a "
+            "shared filesystem; S3 runs are one node). None = all ranks on this machine."
+        ),
+    )
+    master_addr: Optional[str] = Field(
+        None, description="With train.hostfile: the address other nodes reach rank 0's node at (default: its host)."
+    )
+    master_port: int = Field(
+        29500,
+        ge=1,
+        le=65535,
+        description="With train.hostfile: the TCP port rank 0 serves the group's rendezvous store on.",
     )
 
     @model_validator(mode="after")

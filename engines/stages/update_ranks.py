@@ -42,6 +42,7 @@ from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.stages.update import build_trainer, staleness, update_manifest
 from engines.trainer import rank_group
+from engines.trainer.hostfile import placement_for
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
 from engines.trainer.reshard import other_count_mode
@@ -68,6 +69,25 @@ def check_saved_ranks(ckpt: Optional[str], ranks: int, cfg=None) -> None:
             f"checkpoint {ckpt} was saved by {saved} rank(s) but train.num_ranks={ranks}: resuming on another "
             f"number of ranks is supported at train.zero_stage 1-2, and 0 with model.dtype=float32, when the "
             f"stage is unchanged (ZeRO-3 partitions are not re-cut); set train.num_ranks={saved}"
+        )
+
+
+def check_sees_storage(cfg, checkpoint_dir: Optional[str]) -> None:
+    """FileNotFoundError when this rank's machine cannot see the run folder or the checkpoint folder rank 0 named.
+
+    On one node they are the same disk. With train.hostfile every node must mount the run's storage at the same
+    path; a node that does not would otherwise fail later on some shard with a bare "no such file".
+    """
+    import socket
+
+    layout = layout_for(cfg)
+    missing = [] if layout.fs.exists(layout.run_dir) else [layout.run_dir]
+    if checkpoint_dir is not None and not os.path.isdir(checkpoint_dir):
+        missing.append(checkpoint_dir)
+    if missing:
+        raise FileNotFoundError(
+            f"{socket.gethostname()} cannot see {' or '.join(missing)}: every node of the update group "
+            f"(train.hostfile) must mount the run's storage at the same path as rank 0's node"
         )
 
 
@@ -122,7 +142,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     layout = layout_for(cfg)
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
     check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
-    group = rank_group.group_for(cfg.train.num_ranks, ENTRY, cfg.train.rank_timeout_s)
+    group = rank_group.group_for(placement_for(cfg.train), ENTRY, cfg.train.rank_timeout_s)
     try:
         trainer = warm.take(trainer_key(policy.weights_id))
         if trainer is None or group.holds != policy.weights_id:
@@ -175,6 +195,7 @@ class _Rank:
             self.trainer = None
             gc.collect()
             self.cfg = build_config(command["config"], origin="the update group's build command")
+            check_sees_storage(self.cfg, command["checkpoint_dir"])
             policy = PolicyRef.model_validate(command["policy"])
             zero3_counters(command["zero3_counters"])
             self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])

@@ -84,24 +84,31 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def join_process_group(store, rank: int, world: int, timeout_s: float) -> None:
-    """Make this process rank `rank` of a `world`-rank process group rendezvousing through `store` (a c10d
-    TCPStore the rank group hosts: engines/trainer/rank_group.py), then let DeepSpeed adopt that group.
+def join_process_group(
+    store, rank: int, world: int, timeout_s: float, *, local_rank: int, master_addr: str, master_port: int
+) -> None:
+    """Make this process rank `rank` of a `world`-rank process group rendezvousing through `store` (the c10d
+    TCPStore the rank group hosts at master_addr:master_port, or a prefix of it: engines/trainer/rank_group.py),
+    then let DeepSpeed adopt that group.
 
     The environment variables a launcher would set are set too (DeepSpeed and `deepspeed_config` read them).
-    gloo on CPU, NCCL on GPU (this rank's device: cuda:<rank>, one node). `timeout_s` bounds every collective.
+    gloo on CPU, NCCL on GPU (this rank's device: cuda:<local_rank>, its index on its node). `timeout_s` bounds
+    every collective.
     """
     import datetime
 
     import torch.distributed as dist
 
-    port = str(store.port) if hasattr(store, "port") else os.environ.get("MASTER_PORT", "0")
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
     )
     gpu = torch.cuda.is_available()
     if gpu:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank)
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if os.environ.get("PPOFLOW_DS_SHM_COMM") != "1":

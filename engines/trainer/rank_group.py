@@ -1,30 +1,37 @@
 """A group of data-parallel ranks that stays up between update stages.
 
-This process is rank 0. Ranks 1..N-1 are child processes (`python -m <entry module>`) started once, at the
-first update, and kept until the process ends, a rank dies, or another number of ranks is asked for; then
-they are torn down and a new group is started. Between iterations they wait for a command:
+This process is rank 0. The other ranks of its node are child processes (`python -m <entry module>`) started
+once, at the first update, and kept until the process ends, a rank dies, or another placement is asked for;
+then they are torn down and a new group is started. Between iterations they wait for a command:
 
-    group = rank_group.group_for(world, entry, timeout_s)  the running group, or a new one (RankDiedError
-                                                            naming a rank that died since the last stage)
+    group = rank_group.group_for(placement, entry, timeout_s)  the running group, or a new one (RankDiedError
+                                                               naming a rank that died since the last stage)
     group.send({"op": ...})             one small JSON command to every rank
     rank_group.failed(exc)              after an exception: the error to raise; the group is torn down
     rank_group.shutdown()               stop the ranks (also at interpreter exit)
 
-    link = RankLink.join()              in a rank process: join the group; `for cmd in link.commands()`
+    link = RankLink()                   in a rank process: join the group; `for cmd in link.commands()`
 
 Launcher: torchrun and DeepSpeed's `deepspeed` launcher both start EVERY rank as their own children and own
 their lifetime (they end when the script ends). Here rank 0 must be the process that already runs the stage
 (the in-process pipeline, or a warm `ppoflow worker --stage update`), and the group must outlive one stage,
 so neither fits. The group uses the same contract they use instead: torch.distributed's rendezvous over a
-c10d TCPStore on loopback (rank 0 hosts it, the env variables RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
-MASTER_PORT are set as a launcher sets them) and DeepSpeed adopting that process group
-(deepspeed_setup.join_process_group). One node only: MASTER_ADDR is 127.0.0.1.
+c10d TCPStore that rank 0 hosts (the env variables RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+are set as a launcher sets them) and DeepSpeed adopting that process group
+(deepspeed_setup.join_process_group). Each group has its own key space in the store, `group/<id>/`.
 
-Commands travel through the same TCPStore (key cmd/<n>), not through a collective: a rank may wait for the
+Several nodes (engines/trainer/hostfile.py): the store listens on train.master_port for the whole life of
+this process, and on every other node a rank agent (engines/trainer/rank_agent.py, `ppoflow rank-agent`)
+stays connected to it. Rank 0 publishes each new group under the key `group`; the agent of node k starts
+that node's ranks, writes `exit/<rank>` (exit code, log tail) when one of them ends, and adds 1 to `beat/<k>`
+every second. A node whose heartbeat stops for _HEARTBEAT_LOST_S is reported dead, naming its ranks.
+
+Commands travel through the store (key cmd/<n>), not through a collective: a rank may wait for the
 next iteration far longer than any collective timeout (rollout and scoring run in between). They are JSON
 (no pickle), a few hundred bytes: references to storage, never tensors. A rank that fails a command writes
 its error to the store (err/<rank>) and exits 1; rank 0 then names it. Ranks end with rank 0: while
-waiting for a command they check their parent pid, and in a collective gloo/NCCL fail when its sockets close.
+waiting for a command they check their parent pid (rank 0, or their node's agent) and the store, and in a
+collective gloo/NCCL fail when its sockets close.
 """
 
 from __future__ import annotations
@@ -33,20 +40,25 @@ import atexit
 import datetime
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from engines.trainer.deepspeed_setup import leave_process_group
+from engines.trainer.hostfile import Placement
 
 _BOOT_S = 300.0  # ranks 1..N-1 importing torch / DeepSpeed / transformers on a busy machine
 _POLL_S = 0.02
+BEAT_S = 1.0  # an agent's heartbeat period
+_HEARTBEAT_LOST_S = 10.0  # a node whose agent has not beaten for this long is dead (10 missed beats)
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -58,7 +70,7 @@ class RankDiedError(RuntimeError):
         self.rank = rank
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -68,99 +80,215 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _store(port: int, is_master: bool, timeout_s: float):
+def connect(addr: str, port: int, timeout_s: float):
+    """A client of the rendezvous store at addr:port (waits up to `timeout_s` for it to listen)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout_s))
+
+
+def group_store(base, group_id: str):
+    """Group `group_id`'s key space in the rendezvous store."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"group/{group_id}", base)
+
+
+def _host(port: int, timeout_s: float):
+    """A rendezvous store served by this process on `port` (0: a free port the OS picks)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if is_master:
-        return dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False)
-    return dist.TCPStore("127.0.0.1", port, None, False, timeout)
+    try:
+        return dist.TCPStore("0.0.0.0", port, None, True, timeout, wait_for_workers=False)
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot serve the update group's rendezvous on port {port} (train.master_port): {e}")
+
+
+_rendezvous: dict[int, Any] = {}  # port -> the store this process serves there for all its multi-node groups
+
+
+def _shared_rendezvous(port: int, timeout_s: float):
+    """The store on `port` that the other nodes' agents stay connected to, for as long as this process lives."""
+    if port not in _rendezvous:
+        _rendezvous[port] = _host(port, timeout_s)
+    return _rendezvous[port]
+
+
+class _Heartbeats:
+    """Watches the `beat/<node>` counters of the other nodes' agents from a thread with its own store client."""
+
+    def __init__(self, placement: Placement, timeout_s: float):
+        self.nodes = range(1, len(placement.nodes))
+        self._store = connect(placement.master_addr, placement.master_port, timeout_s)
+        # the counts persist in the store from earlier groups (a dead agent's last count too): only a change
+        # from here on is a beat
+        self._initial = {node: self._store.add(f"beat/{node}", 0) for node in self.nodes}
+        now = time.monotonic()
+        self._seen = {node: (count, now) for node, count in self._initial.items()}  # (last count, when it changed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rank-heartbeats", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(BEAT_S / 2):
+            for node in self.nodes:
+                try:
+                    count = self._store.add(f"beat/{node}", 0)
+                except RuntimeError:
+                    return
+                if count != self._seen[node][0]:
+                    self._seen[node] = (count, time.monotonic())
+
+    def silence(self, node: int) -> tuple[bool, float]:
+        """(whether node's agent has beaten since this group started, seconds since its count last changed)."""
+        count, when = self._seen[node]
+        return count != self._initial[node], time.monotonic() - when
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class RankGroup:
-    """Ranks 1..world-1 as child processes and this process as rank 0 of one torch.distributed group."""
+    """Ranks 1..world-1 (this node's as child processes, other nodes' through their agents) and this process
+    as rank 0 of one torch.distributed group."""
 
-    def __init__(self, world: int, entry: str, timeout_s: float):
+    def __init__(self, placement: Placement, entry: str, timeout_s: float):
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        local = placement.nodes[0].slots
+        if torch.cuda.is_available() and torch.cuda.device_count() < local:
             raise ValueError(
-                f"train.num_ranks={world} needs one GPU per rank on this machine, but it has "
-                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+                f"{local} update ranks on this machine need one GPU each, but it has {torch.cuda.device_count()} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
             )
-        self.world = world
+        self.placement = placement
+        self.world = placement.world
         self.timeout_s = timeout_s
-        self.store = _store(0, True, timeout_s)  # port 0: the OS picks a free port, no race with others
+        self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        if placement.remote:
+            base = _shared_rendezvous(placement.master_port, timeout_s)
+        else:
+            base = _host(0, timeout_s)  # port 0: the OS picks a free port, no race with others
+        self.port = base.port
+        self.addr = placement.master_addr
+        self.store = group_store(base, self.id)
         self.log_dir = Path(tempfile.mkdtemp(prefix="ppoflow-ranks-"))
         self.holds: Optional[str] = None  # identity of the weights every rank's trainer holds (set by the stage)
         self._sent = 0
         self._saved_env = {key: os.environ.get(key) for key in _ENV_KEYS}
         self.procs: dict[int, subprocess.Popen] = {}
-        for rank in range(1, world):
+        self.heartbeats: Optional[_Heartbeats] = None
+        for rank in range(1, local):
             self.procs[rank] = self._spawn(rank, entry)
+        if placement.remote:
+            self.heartbeats = _Heartbeats(placement, timeout_s)
+            spec = {"id": self.id, "entry": entry, "timeout_s": timeout_s, "world": self.world}
+            spec.update(master_addr=self.addr, master_port=self.port)
+            spec["nodes"] = [{"host": n.host, "slots": n.slots} for n in placement.nodes]
+            base.set("group", json.dumps(spec))  # the agents start their ranks when they see a new id
 
     def _spawn(self, rank: int, entry: str) -> subprocess.Popen:
-        root = str(Path(__file__).resolve().parents[2])  # the checkout holding engines/, for `python -m`
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(self.world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(self.store.port),
-            PPOFLOW_RANK_TIMEOUT_S=str(self.timeout_s),
-            PPOFLOW_RANK_PARENT=str(os.getpid()),
-            PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
-        )
-        log = open(self.log_dir / f"rank{rank}.log", "wb")
-        try:
-            return subprocess.Popen([sys.executable, "-m", entry], env=env, stdout=log, stderr=subprocess.STDOUT)
-        finally:
-            log.close()
+        env = rank_env(rank, rank, self.world, self.addr, self.port, self.id, self.timeout_s, parent=os.getpid())
+        return spawn_rank(env, entry, self.log_dir / f"rank{rank}.log")
+
+    @property
+    def remote_ranks(self) -> range:
+        return range(self.placement.nodes[0].slots, self.world)
 
     @property
     def pids(self) -> dict[int, int]:
-        """{rank: pid} of ranks 1..N-1 (rank 0 is this process)."""
-        return {rank: proc.pid for rank, proc in self.procs.items()}
+        """{rank: pid} of ranks 1..N-1 (rank 0 is this process; another node's pid is on that node)."""
+        pids = {rank: proc.pid for rank, proc in self.procs.items()}
+        for rank in self.remote_ranks:
+            if self.store.check([f"booted/{rank}"]):
+                pids[rank] = int(self.store.get(f"booted/{rank}"))
+        return pids
 
     def join(self) -> None:
         """Wait until every rank has started (naming one that died first), then join the process group."""
         from engines.trainer.deepspeed_setup import join_process_group
 
-        deadline = time.monotonic() + min(_BOOT_S, self.timeout_s)
-        waiting = set(self.procs)
+        limit = min(_BOOT_S, self.timeout_s)
+        deadline = time.monotonic() + limit
+        waiting = set(range(1, self.world))
         while waiting:
             self.check_alive()
             waiting = {r for r in waiting if not self.store.check([f"booted/{r}"])}
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"update ranks {sorted(waiting)} did not start within {min(_BOOT_S, self.timeout_s):.0f} s "
-                    f"(logs in {self.log_dir})"
+                    f"update ranks {sorted(waiting)} did not start within {limit:.0f} s ({self._where()})"
                 )
             time.sleep(_POLL_S)
-        join_process_group(self.store, 0, self.world, self.timeout_s)
+        join_process_group(
+            self.store, 0, self.world, self.timeout_s, local_rank=0, master_addr=self.addr, master_port=self.port
+        )
+
+    def _where(self) -> str:
+        if not self.placement.remote:
+            return f"logs in {self.log_dir}"
+        return f"this node's logs in {self.log_dir}; other nodes' in their agent's output"
+
+    def _agent_hint(self, node: int) -> str:
+        return f"`ppoflow rank-agent --master {self.addr}:{self.port} --node {node}`"
 
     def check_alive(self) -> None:
-        """RankDiedError naming the first rank that has exited (its exit code or signal, its last log lines)."""
+        """RankDiedError naming the first rank that has exited (its exit code or signal, its last log lines),
+        or the first other node whose agent fell silent."""
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
                 raise RankDiedError(self._death_message(rank, code), rank)
+        if self.placement.remote and self.store.check(["refused"]):
+            refusal = self.store.get("refused").decode(errors="replace")
+            raise RankDiedError(f"a rank agent refused the group: {refusal}", self.placement.first_rank(1))
+        for rank in self.remote_ranks:
+            if self.store.check([f"exit/{rank}"]):
+                raise RankDiedError(self._remote_death_message(rank), rank)
+        if self.heartbeats is not None:
+            for node in self.heartbeats.nodes:
+                beaten, silent_s = self.heartbeats.silence(node)
+                if silent_s > _HEARTBEAT_LOST_S:
+                    raise RankDiedError(self._silence_message(node, beaten, silent_s), self.placement.first_rank(node))
 
-    def _death_message(self, rank: int, code: int) -> str:
-        reported = ""
+    def _reported(self, rank: int) -> str:
         try:
             if self.store.check([f"err/{rank}"]):
-                reported = ": " + self.store.get(f"err/{rank}").decode(errors="replace")
+                return ": " + self.store.get(f"err/{rank}").decode(errors="replace")
         except RuntimeError:
             pass
+        return ""
+
+    def _death_message(self, rank: int, code: int) -> str:
         log_path = self.log_dir / f"rank{rank}.log"
         tail = ""
         if log_path.is_file():
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         return (
-            f"update rank {rank} of {self.world} (pid {self.procs[rank].pid}) {_describe_exit(code)}{reported}\n"
-            f"last lines of {log_path}:\n{tail}"
+            f"update rank {rank} of {self.world} (pid {self.procs[rank].pid}) {describe_exit(code)}"
+            f"{self._reported(rank)}\nlast lines of {log_path}:\n{tail}"
+        )
+
+    def _remote_death_message(self, rank: int) -> str:
+        info = json.loads(self.store.get(f"exit/{rank}"))
+        node = self.placement.node_of(rank)
+        return (
+            f"update rank {rank} of {self.world} on node {node} ({info['host']}, pid {info['pid']}) "
+            f"{describe_exit(int(info['code']))}{self._reported(rank)}\n"
+            f"last lines of {info['log']} on {info['host']}:\n{info['tail']}"
+        )
+
+    def _silence_message(self, node: int, beaten: bool, silent_s: float) -> str:
+        ranks = self.placement.ranks_of(node)
+        host = self.placement.nodes[node].host
+        head = f"update ranks {ranks.start}..{ranks.stop - 1} of {self.world} on node {node} ({host}): "
+        if not beaten:
+            return head + (
+                f"no rank agent of that node joined the rendezvous at {self.addr}:{self.port} within {silent_s:.0f} "
+                f"s; run {self._agent_hint(node)} on {host}"
+            )
+        return head + (
+            f"its rank agent sent no heartbeat for {silent_s:.0f} s (the node, its network or the agent died)"
         )
 
     def send(self, command: dict[str, Any]) -> None:
@@ -171,7 +299,10 @@ class RankGroup:
 
     def dead_rank(self, grace_s: float) -> Optional[RankDiedError]:
         """The error naming a rank that has exited, waiting up to `grace_s` for one (after a failed collective,
-        the rank that broke it may still be on its way out); None when all live."""
+        the rank that broke it may still be on its way out; with other nodes, up to a lost heartbeat's time
+        for a node that died whole); None when all live."""
+        if self.heartbeats is not None:
+            grace_s = max(grace_s, _HEARTBEAT_LOST_S + 2 * BEAT_S)
         deadline = time.monotonic() + grace_s
         while True:
             try:
@@ -183,18 +314,21 @@ class RankGroup:
             time.sleep(_POLL_S)
 
     def close(self, graceful: bool) -> None:
-        """Stop ranks 1..N-1 (a stop command first when `graceful`, else SIGKILL), then leave the process group."""
-        if graceful and all(p.poll() is None for p in self.procs.values()):
-            try:
-                self.store.set(f"cmd/{self._sent}", json.dumps({"op": "stop"}))
-            except RuntimeError:
-                pass
+        """Stop ranks 1..N-1 (a stop command first when `graceful`, else SIGKILL here and an abort for the
+        other nodes' agents), then leave the process group."""
+        alive = all(p.poll() is None for p in self.procs.values())
+        try:
+            self.store.set(f"cmd/{self._sent}" if graceful and alive else "abort", json.dumps({"op": "stop"}))
+        except RuntimeError:
+            pass
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=10 if graceful else 0.01)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
         leave_process_group()
         if graceful:  # after a failure the logs stay: the error message points at them
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -203,6 +337,35 @@ class RankGroup:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def rank_env(
+    rank: int, local_rank: int, world: int, addr: str, port: int, group_id: str, timeout_s: float, parent: int
+) -> dict[str, str]:
+    """The environment of a rank process: a launcher's variables plus the group's id and the parent to watch."""
+    root = str(Path(__file__).resolve().parents[2])  # the checkout holding engines/, for `python -m`
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+        PPOFLOW_RANK_GROUP=group_id,
+        PPOFLOW_RANK_TIMEOUT_S=str(timeout_s),
+        PPOFLOW_RANK_PARENT=str(parent),
+        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+def spawn_rank(env: dict[str, str], entry: str, log_path: Path) -> subprocess.Popen:
+    """Start `python -m entry` with `env`, its stdout and stderr going to `log_path`."""
+    log = open(log_path, "wb")
+    try:
+        return subprocess.Popen([sys.executable, "-m", entry], env=env, stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        log.close()
 
 
 _group: Optional[RankGroup] = None
@@ -218,8 +381,8 @@ def current() -> Optional[RankGroup]:
     return _group
 
 
-def group_for(world: int, entry: str, timeout_s: float) -> RankGroup:
-    """The running group of `world` ranks, else a new one (an old group of another size is stopped first).
+def group_for(placement: Placement, entry: str, timeout_s: float) -> RankGroup:
+    """The running group with `placement`, else a new one (an old group placed otherwise is stopped first).
 
     A group with a rank that died since the last stage is torn down and RankDiedError names the rank: the stage
     fails, and its retry starts a new group (whose trainers are built from the committed checkpoint).
@@ -227,7 +390,7 @@ def group_for(world: int, entry: str, timeout_s: float) -> RankGroup:
     """
     global _group, _starts
     if _group is not None:
-        if _group.world == world:
+        if _group.placement == placement:
             try:
                 _group.check_alive()
                 return _group
@@ -239,7 +402,7 @@ def group_for(world: int, entry: str, timeout_s: float) -> RankGroup:
 
     warm.invalidate(warm.Role.TRAINER)
     leave_process_group()  # a one-rank world of this process (a trainer with num_ranks=1 ran before)
-    group = RankGroup(world, entry, timeout_s)
+    group = RankGroup(placement, entry, timeout_s)
     _starts += 1
     try:
         group.join()
@@ -285,19 +448,24 @@ atexit.register(shutdown)
 
 
 class RankLink:
-    """A rank's side of the group (ranks 1..N-1): joined from the environment its parent set."""
+    """A rank's side of the group (ranks 1..N-1): joined from the environment its parent (rank 0, or its node's
+    rank agent) set: `rank_env`."""
 
     def __init__(self):
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         self.parent = int(os.environ["PPOFLOW_RANK_PARENT"])
         timeout_s = float(os.environ["PPOFLOW_RANK_TIMEOUT_S"])
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         _check_parent()
-        self.store = _store(int(os.environ["MASTER_PORT"]), False, timeout_s)
+        self.store = group_store(connect(addr, port, timeout_s), os.environ["PPOFLOW_RANK_GROUP"])
         self.store.set(f"booted/{self.rank}", str(os.getpid()))
         from engines.trainer.deepspeed_setup import join_process_group
 
-        join_process_group(self.store, self.rank, self.world, timeout_s)
+        local_rank = int(os.environ["LOCAL_RANK"])
+        join_process_group(
+            self.store, self.rank, self.world, timeout_s, local_rank=local_rank, master_addr=addr, master_port=port
+        )
 
     def commands(self) -> Iterator[dict[str, Any]]:
         """Rank 0's commands in order, until {"op": "stop"} (or rank 0 is gone: then this process exits)."""
@@ -313,7 +481,7 @@ class RankLink:
             yield command
 
     def _check(self, key: str) -> bool:
-        if os.getppid() != self.parent:  # rank 0 is gone (the death signal covers most cases; this the rest)
+        if os.getppid() != self.parent:  # rank 0 (or this node's agent) is gone
             os._exit(3)
         try:
             return self.store.check([key])
