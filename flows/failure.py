@@ -27,6 +27,28 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MAX_MESSAGE_LINES = 12
 
 
+class Terminated(KeyboardInterrupt):
+    """The process was sent SIGTERM (a batch scheduler's stop, `kill`): raised in the main thread so that it
+    unwinds as Ctrl-C does. Prefect marks the run, `finally` blocks and atexit hooks run (Prefect's temporary
+    server is stopped by one), and the command prints the one failure message with the resume command. Without
+    it Python dies at once on SIGTERM and leaves that server process running with nobody to stop it."""
+
+
+def raise_on_sigterm():
+    """Make SIGTERM raise Terminated in the main thread from now on; returns the previous handler (None off the
+    main thread, where no handler can be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum, frame):
+        raise Terminated("stopped by SIGTERM")
+
+    return signal.signal(signal.SIGTERM, terminated)
+
+
 def failed_stage(tb: Optional[TracebackType]) -> tuple[Optional[str], Optional[int]]:
     """(stage, iteration) from the innermost ppoflow frame that names both, else what is known, else Nones."""
     stage, iteration = None, None
