@@ -135,8 +135,11 @@ def serve(master: str, node: int) -> None:
     waiting_logged = False
     while True:
         try:
+            # A plain TCP probe first: the store's client, when nothing listens, waits out its timeout and
+            # logs a C++ stack trace per attempt, which an agent idle between runs would print all day.
+            socket.create_connection((host, int(port)), timeout=5.0).close()
             base = connect(host, int(port), _CONNECT_S)
-        except RuntimeError:  # nothing listens yet (no run), or the address is wrong: say so once, keep trying
+        except (OSError, RuntimeError):  # nothing listens yet (no run), or the address is wrong: say so once
             if not waiting_logged:
                 log.info("node %d: waiting for rank 0's rendezvous at %s", node, master)
                 waiting_logged = True

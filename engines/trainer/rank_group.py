@@ -59,6 +59,7 @@ _BOOT_S = 300.0  # ranks 1..N-1 importing torch / DeepSpeed / transformers on a 
 _POLL_S = 0.02
 BEAT_S = 1.0  # an agent's heartbeat period
 _HEARTBEAT_LOST_S = 10.0  # a node whose agent has not beaten for this long is dead (10 missed beats)
+_AGENT_JOIN_S = 30.0  # how long a new group waits for a node's agent that has not beaten yet (it polls each 1 s)
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -248,7 +249,7 @@ class RankGroup:
         if self.heartbeats is not None:
             for node in self.heartbeats.nodes:
                 beaten, silent_s = self.heartbeats.silence(node)
-                if silent_s > _HEARTBEAT_LOST_S:
+                if silent_s > (_HEARTBEAT_LOST_S if beaten else _AGENT_JOIN_S):
                     raise RankDiedError(self._silence_message(node, beaten, silent_s), self.placement.first_rank(node))
 
     def _reported(self, rank: int) -> str:

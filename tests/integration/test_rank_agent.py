@@ -133,6 +133,7 @@ def test_a_second_node_through_its_rank_agent(tiny_model_dir, digits_dataset_dir
     agent_output = agent_log.read_text() if agent_log.is_file() else ""
     assert driver.returncode == 0, driver.stderr[-4000:] + "\nagent:\n" + agent_output[-2000:]
     out = json.loads(next(line for line in driver.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    print("seconds to the error: agent killed", out["agent_error_s"], "no agent", out["no_agent_error_s"])
 
     # node 1's rank is the agent's child, not rank 0's: rank 0 started no process of its own
     assert out["rank1_parent"] == out["agent_pid"] and out["local_procs"] == []
