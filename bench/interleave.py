@@ -164,7 +164,10 @@ def run_in_turns(
     """Start the first side and run it to the end of its first iteration (then stopped), the same for the second,
     then give them iterations 2..`iterations` in turns, the order swapped each round. Returns each side's active
     seconds per iteration 2..`iterations` ({side name: [...]}). Both processes are gone when this returns."""
+    from flows.failure import raise_on_sigterm
+
     sides: list[Side] = []
+    previous = raise_on_sigterm()  # a `kill` of this controller must not leave a side stopped (state T) for good
     try:
         for start in (start_first, start_second):
             side = start()
@@ -180,3 +183,5 @@ def run_in_turns(
     finally:
         for side in sides:
             side.kill()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -177,7 +177,11 @@ def cmd_worker(args) -> int:
 
 def cmd_rank_agent(args) -> int:
     import logging
+    import os
 
+    # c10d logs every lost or refused store connection as a warning with a C++ stack trace; an agent meets one
+    # at the end of every run (rank 0's process exits) and says so itself. Its ranks inherit the setting.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from engines.trainer.rank_agent import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

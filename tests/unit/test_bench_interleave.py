@@ -61,3 +61,56 @@ def test_a_side_that_dies_fails_the_measurement_with_its_stderr():
         assert "broken exited (rc 1)" in str(e) and "no engine here" in str(e)
     else:
         raise AssertionError("a side that exits early must fail the run")
+
+
+CONTROLLER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from bench.interleave import Side, run_in_turns
+SLOW = "\\n".join([
+    "import json, time",
+    "for _ in range(1000):",
+    "    time.sleep(0.2)",
+    "    print(json.dumps({'end': time.time()}), flush=True)",
+])
+
+def start(name):
+    def run():
+        side = Side(name, [sys.executable, "-c", SLOW], lambda: [line["end"] for line in side.printed("end")])
+        print("PID", side.proc.pid, flush=True)
+        return side
+    return run
+
+run_in_turns(start("a"), start("b"), 1000, timeout_s=600)
+"""
+
+
+def test_a_controller_stopped_with_sigterm_takes_its_sides_with_it():
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    from storage.scratch import pid_alive
+
+    repo = str(Path(__file__).resolve().parents[2])
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, repo], stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        while len(pids) < 2:  # both sides started: one of them is stopped (SIGSTOP) whenever the other runs
+            line = controller.stdout.readline()
+            assert line, "the controller ended before starting both sides"
+            if line.startswith("PID "):
+                pids.append(int(line.split()[1]))
+        time.sleep(1.0)  # a few turns
+        controller.send_signal(signal.SIGTERM)
+        controller.wait(timeout=30)
+    finally:
+        controller.kill()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if pid_alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"sides {left} outlived their controller (one would stay stopped for good)"
