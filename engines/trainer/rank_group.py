@@ -180,14 +180,14 @@ class RankGroup:
         self._saved_env = {key: os.environ.get(key) for key in _ENV_KEYS}
         self.procs: dict[int, subprocess.Popen] = {}
         self.heartbeats: Optional[_Heartbeats] = None
-        for rank in range(1, local):
-            self.procs[rank] = self._spawn(rank, entry)
-        if placement.remote:
+        if placement.remote:  # before this node's ranks: a failure here leaves no process behind
             self.heartbeats = _Heartbeats(placement, timeout_s)
             spec = {"id": self.id, "entry": entry, "timeout_s": timeout_s, "world": self.world}
             spec.update(master_addr=self.addr, master_port=self.port)
             spec["nodes"] = [{"host": n.host, "slots": n.slots} for n in placement.nodes]
             base.set("group", json.dumps(spec))  # the agents start their ranks when they see a new id
+        for rank in range(1, local):
+            self.procs[rank] = self._spawn(rank, entry)
 
     def _spawn(self, rank: int, entry: str) -> subprocess.Popen:
         env = rank_env(rank, rank, self.world, self.addr, self.port, self.id, self.timeout_s, parent=os.getpid())
