@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -86,6 +87,9 @@ class _NodeRanks:
             self.reported.add(rank)
             level = logging.INFO if code == 0 else logging.WARNING
             log.log(level, "group %s: rank %d (pid %d) ended with code %d", self.id, rank, proc.pid, code)
+        clean = len(self.reported) == len(self.procs) and all(p.returncode == 0 for p in self.procs.values())
+        if clean and self.log_dir.is_dir():
+            shutil.rmtree(self.log_dir, ignore_errors=True)  # a clean stop; after a failure the logs stay
 
     def aborted(self) -> bool:
         return self.store.check(["abort"])
