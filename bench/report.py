@@ -35,6 +35,9 @@ VARIANT_KEYS = (
 )  # a bench run per variant keeps one latest line per variant
 # What a line written before its bench reported a variant key ran with (bench.learning had no dynamic sampling).
 VARIANT_DEFAULTS = {"dynamic_sampling": False}
+# The workload a bench's lines measured before the bench named its workloads: bench.overhead's first lines
+# (2026-11-21) ran the demo's 32 x 4 rollout, which it now calls "tiny".
+LEGACY_WORKLOADS = {"overhead": "tiny"}
 
 
 def variant_of(line: dict) -> dict:
@@ -45,6 +48,8 @@ def variant_of(line: dict) -> dict:
     variant.update({k: v for k, v in VARIANT_DEFAULTS.items() if k not in line})
     if isinstance(line.get("workloads"), dict):
         variant["workloads"] = "+".join(sorted(line["workloads"]))
+    elif line.get("bench") in LEGACY_WORKLOADS:
+        variant["workloads"] = LEGACY_WORKLOADS[line["bench"]]
     return variant
 
 

@@ -46,3 +46,18 @@ def test_a_line_of_one_workload_does_not_hide_the_latest_line_of_another(tmp_pat
     # three workload sets: both (x=1), batch alone (latest x=4), tiny alone (x=3)
     assert [line["x"] for line in report.latest("overhead")] == [1, 4, 3]
     assert "Latest (workloads=batch)" in report.section("overhead")
+
+
+def test_an_overhead_line_from_before_workloads_were_named_counts_as_tiny(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    _write(
+        tmp_path,
+        "overhead",
+        [
+            {"bench": "overhead", "ratio": 2.3, "x": 1},  # 2026-11-21: the demo's 32 x 4 workload, unnamed
+            {"bench": "overhead", "workloads": {"batch": {}}, "x": 2},
+            {"bench": "overhead", "workloads": {"tiny": {}}, "x": 3},
+        ],
+    )
+    # the old line is the tiny variant's, so the newer tiny line replaces it instead of both being listed
+    assert [line["x"] for line in report.latest("overhead")] == [3, 2]
