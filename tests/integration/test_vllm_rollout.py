@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from engines.rollout.base import SamplingSettings  # noqa: E402
 from engines.rollout.registry import get_rollout_engine, shutdown_all  # noqa: E402
 from ppoflow.config import ModelConfig, RolloutConfig  # noqa: E402
+from tests.integration.test_trainer_scale import partition_every_parameter  # noqa: E402, F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -106,13 +107,19 @@ def test_logprobs_match_transformers_recompute(engine, tiny_model_dir, temperatu
     log_softmax(z) differ by 0.08 nats per token on average (max 0.37), so a wrong temperature moves the
     worst of 48 tokens well past 2e-5; renormalising over a nucleus or an off-by-one position even more.
     """
-    from transformers import AutoModelForCausalLM
-
     engine.load_weights(str(tiny_model_dir), 0)
     samples = engine.generate(
         PROMPTS, SamplingSettings(n=2, temperature=temperature, max_new_tokens=8), seeds=[5, 6, 7]
     )
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    worst = _worst_logprob_gap(samples, tiny_model_dir, temperature)
+    assert worst < 2e-5, f"max |vLLM - transformers| log-prob = {worst}"
+
+
+def _worst_logprob_gap(samples, model_dir, temperature: float = 1.0) -> float:
+    """max over sampled tokens of |vLLM's log-prob - log_softmax(logits / T) of transformers on `model_dir`|."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     worst = 0.0
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
@@ -123,7 +130,26 @@ def test_logprobs_match_transformers_recompute(engine, tiny_model_dir, temperatu
         step_logits = logits[start : start + len(s.response_ids)] / temperature
         expected = torch.log_softmax(step_logits, dim=-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
         worst = max(worst, (expected - torch.tensor(s.rollout_logprobs)).abs().max().item())
-    assert worst < 2e-5, f"max |vLLM - transformers| log-prob = {worst}"
+    return worst
+
+
+@pytest.mark.usefixtures("partition_every_parameter")
+def test_a_zero3_checkpoint_policy_is_what_vllm_samples(engine, tiny_model_dir, tmp_path):
+    """The policy folder a ZeRO-3 trainer writes (its weights gathered from the partitions at save) loads in the
+    engine, and vLLM then samples that policy: its log-probs are a transformers forward of the folder's within
+    the tolerance above, and far from the initial model's (the update moved the weights)."""
+    from engines.trainer.ppo_trainer import PPOTrainer
+    from tests.integration.test_trainer import _batch, _cfg
+
+    trainer = PPOTrainer(_cfg(tiny_model_dir, **{"train.zero_stage": 3}), str(tiny_model_dir))
+    assert all(p.numel() == 0 for p in trainer.actor.module.parameters())  # really partitioned
+    trainer.update(_batch(tiny_model_dir, 1))
+    trainer.save(str(tmp_path))
+    del trainer
+    engine.load_weights(str(tmp_path / "policy"), 1)
+    samples = engine.generate(PROMPTS, SamplingSettings(n=2, max_new_tokens=8), seeds=[5, 6, 7])
+    assert _worst_logprob_gap(samples, tmp_path / "policy") < 2e-5
+    assert _worst_logprob_gap(samples, tiny_model_dir) > 1e-3  # the initial weights would not explain them
 
 
 def test_same_seed_same_samples_other_seed_differs(engine, tiny_model_dir):
