@@ -41,7 +41,7 @@ from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.stages.update import build_trainer, staleness, update_manifest
-from engines.trainer import rank_group
+from engines.trainer import rank_group, rank_link
 from engines.trainer.hostfile import placement_for
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
@@ -212,7 +212,7 @@ class _Rank:
 
 def main() -> None:
     """Ranks 1..N-1: join the group, then follow rank 0's commands until told to stop."""
-    rank_group.run_rank(_Rank())
+    rank_link.run_rank(_Rank())
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from engines.trainer.rank_group import BEAT_S, connect, group_store, rank_env, spawn_rank
+from engines.trainer.rank_wire import BEAT_S, connect, group_store, log_tail, rank_env, spawn_rank
 
 log = logging.getLogger("ppoflow.rank_agent")
 
@@ -81,8 +81,13 @@ class _NodeRanks:
             if code is None or rank in self.reported:
                 continue
             path = self.log_dir / f"rank{rank}.log"
-            tail = "\n".join(path.read_text(errors="replace").splitlines()[-15:]) if path.is_file() else ""
-            info = {"code": code, "pid": proc.pid, "host": socket.gethostname(), "log": str(path), "tail": tail}
+            info = {
+                "code": code,
+                "pid": proc.pid,
+                "host": socket.gethostname(),
+                "log": str(path),
+                "tail": log_tail(path),
+            }
             self.store.set(f"exit/{rank}", json.dumps(info))
             self.reported.add(rank)
             level = logging.INFO if code == 0 else logging.WARNING

@@ -10,7 +10,7 @@ then they are torn down and a new group is started. Between iterations they wait
     rank_group.failed(exc)              after an exception: the error to raise; the group is torn down
     rank_group.shutdown()               stop the ranks (also at interpreter exit)
 
-    link = RankLink()                   in a rank process: join the group; `for cmd in link.commands()`
+    rank_link.run_rank(handle)          in a rank process (engines/trainer/rank_link.py): join, then follow
 
 Launcher: torchrun and DeepSpeed's `deepspeed` launcher both start EVERY rank as their own children and own
 their lifetime (they end when the script ends). Here rank 0 must be the process that already runs the stage
@@ -37,27 +37,32 @@ collective gloo/NCCL fail when its sockets close.
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from engines.trainer.deepspeed_setup import leave_process_group
 from engines.trainer.hostfile import Placement
+from engines.trainer.rank_wire import (
+    BEAT_S,
+    POLL_S,
+    connect,
+    describe_exit,
+    group_store,
+    log_tail,
+    rank_env,
+    serve_store,
+    spawn_rank,
+)
 
 _BOOT_S = 300.0  # ranks 1..N-1 importing torch / DeepSpeed / transformers on a busy machine
-_POLL_S = 0.02
-BEAT_S = 1.0  # an agent's heartbeat period
 _HEARTBEAT_LOST_S = 10.0  # a node whose agent has not beaten for this long is dead (10 missed beats)
 _AGENT_JOIN_S = 30.0  # how long a new group waits for a node's agent that has not beaten yet (it polls each 1 s)
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -71,48 +76,13 @@ class RankDiedError(RuntimeError):
         self.rank = rank
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "an unknown signal"
-        return f"was killed by signal {name} ({-code})"
-    return f"exited with code {code}"
-
-
-def connect(addr: str, port: int, timeout_s: float):
-    """A client of the rendezvous store at addr:port (waits up to `timeout_s` for it to listen)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout_s))
-
-
-def group_store(base, group_id: str):
-    """Group `group_id`'s key space in the rendezvous store."""
-    import torch.distributed as dist
-
-    return dist.PrefixStore(f"group/{group_id}", base)
-
-
-def _host(port: int, timeout_s: float):
-    """A rendezvous store served by this process on `port` (0: a free port the OS picks)."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        return dist.TCPStore("0.0.0.0", port, None, True, timeout, wait_for_workers=False)
-    except RuntimeError as e:
-        raise RuntimeError(f"cannot serve the update group's rendezvous on port {port} (train.master_port): {e}")
-
-
 _rendezvous: dict[int, Any] = {}  # port -> the store this process serves there for all its multi-node groups
 
 
 def _shared_rendezvous(port: int, timeout_s: float):
     """The store on `port` that the other nodes' agents stay connected to, for as long as this process lives."""
     if port not in _rendezvous:
-        _rendezvous[port] = _host(port, timeout_s)
+        _rendezvous[port] = serve_store(port, timeout_s)
     return _rendezvous[port]
 
 
@@ -170,7 +140,7 @@ class RankGroup:
         if placement.remote:
             base = _shared_rendezvous(placement.master_port, timeout_s)
         else:
-            base = _host(0, timeout_s)  # port 0: the OS picks a free port, no race with others
+            base = serve_store(0, timeout_s)  # port 0: the OS picks a free port, no race with others
         self.port = base.port
         self.addr = placement.master_addr
         self.store = group_store(base, self.id)
@@ -220,7 +190,7 @@ class RankGroup:
                 raise TimeoutError(
                     f"update ranks {sorted(waiting)} did not start within {limit:.0f} s ({self._where()})"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         join_process_group(
             self.store, 0, self.world, self.timeout_s, local_rank=0, master_addr=self.addr, master_port=self.port
         )
@@ -262,9 +232,7 @@ class RankGroup:
 
     def _death_message(self, rank: int, code: int) -> str:
         log_path = self.log_dir / f"rank{rank}.log"
-        tail = ""
-        if log_path.is_file():
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        tail = log_tail(log_path)
         return (
             f"update rank {rank} of {self.world} (pid {self.procs[rank].pid}) {describe_exit(code)}"
             f"{self._reported(rank)}\nlast lines of {log_path}:\n{tail}"
@@ -312,7 +280,7 @@ class RankGroup:
                 return died
             if time.monotonic() >= deadline:
                 return None
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def close(self, graceful: bool) -> None:
         """Stop ranks 1..N-1 (a stop command first when `graceful`, else SIGKILL here and an abort for the
@@ -338,35 +306,6 @@ class RankGroup:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def rank_env(
-    rank: int, local_rank: int, world: int, addr: str, port: int, group_id: str, timeout_s: float, parent: int
-) -> dict[str, str]:
-    """The environment of a rank process: a launcher's variables plus the group's id and the parent to watch."""
-    root = str(Path(__file__).resolve().parents[2])  # the checkout holding engines/, for `python -m`
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR=addr,
-        MASTER_PORT=str(port),
-        PPOFLOW_RANK_GROUP=group_id,
-        PPOFLOW_RANK_TIMEOUT_S=str(timeout_s),
-        PPOFLOW_RANK_PARENT=str(parent),
-        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
-    )
-    return env
-
-
-def spawn_rank(env: dict[str, str], entry: str, log_path: Path) -> subprocess.Popen:
-    """Start `python -m entry` with `env`, its stdout and stderr going to `log_path`."""
-    log = open(log_path, "wb")
-    try:
-        return subprocess.Popen([sys.executable, "-m", entry], env=env, stdout=log, stderr=subprocess.STDOUT)
-    finally:
-        log.close()
 
 
 _group: Optional[RankGroup] = None
@@ -446,77 +385,3 @@ def shutdown(graceful: bool = True) -> None:
 
 
 atexit.register(shutdown)
-
-
-class RankLink:
-    """A rank's side of the group (ranks 1..N-1): joined from the environment its parent (rank 0, or its node's
-    rank agent) set: `rank_env`."""
-
-    def __init__(self):
-        self.rank = int(os.environ["RANK"])
-        self.world = int(os.environ["WORLD_SIZE"])
-        self.parent = int(os.environ["PPOFLOW_RANK_PARENT"])
-        timeout_s = float(os.environ["PPOFLOW_RANK_TIMEOUT_S"])
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        _check_parent()
-        self.store = group_store(connect(addr, port, timeout_s), os.environ["PPOFLOW_RANK_GROUP"])
-        self.store.set(f"booted/{self.rank}", str(os.getpid()))
-        from engines.trainer.deepspeed_setup import join_process_group
-
-        local_rank = int(os.environ["LOCAL_RANK"])
-        join_process_group(
-            self.store, self.rank, self.world, timeout_s, local_rank=local_rank, master_addr=addr, master_port=port
-        )
-
-    def commands(self) -> Iterator[dict[str, Any]]:
-        """Rank 0's commands in order, until {"op": "stop"} (or rank 0 is gone: then this process exits)."""
-        n = 0
-        while True:
-            key = f"cmd/{n}"
-            while not self._check(key):
-                time.sleep(_POLL_S)
-            command = json.loads(self.store.get(key))
-            n += 1
-            if command.get("op") == "stop":
-                return
-            yield command
-
-    def _check(self, key: str) -> bool:
-        if os.getppid() != self.parent:  # rank 0 (or this node's agent) is gone
-            os._exit(3)
-        try:
-            return self.store.check([key])
-        except RuntimeError:  # the store went away with rank 0
-            os._exit(3)
-
-    def report(self, exc: BaseException) -> None:
-        """Leave this rank's error where rank 0 reads it when it names the dead rank."""
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        try:
-            self.store.set(f"err/{self.rank}", text[-2000:])
-        except RuntimeError:
-            pass
-
-
-def _check_parent() -> None:
-    """Exit when the parent that started this rank is already gone (it died before the rank came up).
-
-    Not PR_SET_PDEATHSIG: Linux sends that signal when the THREAD that started the child ends, and rank 0 may
-    start the group from a worker thread of a Prefect task runner that ends long before the process does.
-    """
-    if os.getppid() != int(os.environ["PPOFLOW_RANK_PARENT"]):
-        os._exit(3)
-
-
-def run_rank(handle) -> None:
-    """A rank's main: join, then `handle(command)` for every command; an error is reported and exits 1."""
-    link = RankLink()
-    try:
-        for command in link.commands():
-            handle(command)
-    except BaseException as exc:
-        link.report(exc)
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # no atexit / destructor may block on a collective the others will never join
-    os._exit(0)
