@@ -30,18 +30,33 @@ persister) write beside the flow's requests. Measured on the 2-core machine with
 iterations) on a PREFECT_HOME that kept earlier runs: five runs of 20 to 30 iterations met 0, 2, 3, 5 and 10 such
 2 s waits before a subflow run started (none in a fresh database's first 30 iterations), four runs with the
 replaying app none.
-`replay_on_temporary_server` makes that server the same app behind the same middleware.
+`replay_on_temporary_server` makes that server the same app behind the same middleware, and starts it at the
+lowest CPU priority (nice 19, `yield_to_compute`).
+
+Why the lower priority: the temporary server serves this one process. Its answers are awaited by a thread that
+blocks meanwhile, so a core is free for it then; its other work (the task-run recorder and the event persister
+taking the events the run sends in the background, the logs, its loop services: ~0.27 CPU-s per iteration of
+bench.overhead's batch workload) otherwise lands on a core the run's compute is using. Torch's OpenMP team
+spins at its barriers, so a core taken from one of its threads stalls them all for as long. At nice 19 that
+work waits for a core the compute leaves idle (between ops, the Python-only parts of a stage, every request).
+Measured on the 2-core machine in turns against the bare loop (bench.overhead, batch workload, 10 iterations x
+2 rounds): ratio 1.11 and 1.13 at nice 0, 1.057 at nice 19; tiny workload, one iteration at a time: 0.73 and
+0.75 s per iteration at 19, 0.68 and 0.77 at 0; pipelined (max_staleness 1) tiny: 0.76 and 0.72 against 0.73
+and 0.70, noise-level. Only the temporary server is lowered: a server other processes share (`ppoflow
+prefect-server`, `prefect server start`) is left as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from typing import Any, Awaitable, Callable
 
 from ppoflow.stand_in import install_stand_in
 
 REPLAY_DELAYS_S = (0.01, 0.02, 0.04, 0.08, 0.16)
+TEMPORARY_SERVER_NICENESS = 19  # the lowest priority: the server runs when the run's compute leaves a core idle
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -140,23 +155,38 @@ REPLAYING_FACTORY = f"{__name__}:{create_replaying_app.__name__}"
 
 class _ReplayingPopen:
     """Stands in for the `subprocess` module inside prefect.server.api.server: a command that names Prefect's app
-    factory is started with `create_replaying_app` in its place; everything else is the real module's."""
+    factory is started with `create_replaying_app` in its place, at nice 19 (`yield_to_compute`); everything
+    else is the real module's."""
 
     def Popen(self, args, *rest, **kwargs):  # noqa: N802 (the name subprocess has)
-        if isinstance(args, list):
+        serves_prefect = isinstance(args, list) and PREFECT_FACTORY in args
+        if serves_prefect:
             args = [REPLAYING_FACTORY if a == PREFECT_FACTORY else a for a in args]
-        return subprocess.Popen(args, *rest, **kwargs)
+        process = subprocess.Popen(args, *rest, **kwargs)
+        if serves_prefect:
+            yield_to_compute(process.pid)
+        return process
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
 
+def yield_to_compute(pid: int) -> None:
+    """Set process `pid` to nice TEMPORARY_SERVER_NICENESS (see the module docstring); a no-op where the OS has
+    no setpriority. Called as soon as Popen returns, i.e. after the exec: the new interpreter has no thread but
+    its first yet, and on Linux (where niceness is per thread) every thread it starts inherits the value.
+    Raising one's own child's niceness needs no privilege."""
+    if hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, pid, TEMPORARY_SERVER_NICENESS)
+
+
 def replay_on_temporary_server() -> bool:
     """Make Prefect's temporary server run `create_replaying_app` (idempotent). Its command is Prefect's own
     (`SubprocessASGIServer._run_uvicorn_command`: uvicorn, loopback, the UI off, the process's settings in its
-    environment) with only the factory named differently. False, changing nothing, when this process has an
-    API URL (importing Prefect's server module costs ~1.6 s, which a process that starts the temporary server
-    pays anyway), or when Prefect's module does not look as expected (its server then conflicts as before)."""
+    environment) with only the factory named differently, started at nice 19. False, changing nothing, when this
+    process has an API URL (importing Prefect's server module costs ~1.6 s, which a process that starts the
+    temporary server pays anyway), or when Prefect's module does not look as expected (its server then conflicts
+    as before)."""
     from prefect.settings import get_current_settings
 
     if get_current_settings().api.url:

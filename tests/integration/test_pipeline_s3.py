@@ -1,5 +1,6 @@
 """ppo_training for 2 iterations against a real Prefect server and a real S3-protocol server, both on
-loopback; then the flow, subflow and task run states through the Prefect client, and the shards through s3fs."""
+loopback; then the flow, subflow and task run states and the iterations' artifacts through the Prefect client, and
+the shards through s3fs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ STAGES = ("rollout", "score", "update", "checkpoint")
 def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digits_dataset_dir):
     import s3fs
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
 
     from engines import warm
     from flows.training import ppo_training
@@ -61,6 +67,13 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
             for stage in STAGES:
                 task = names[f"{stage}-iter-{i}"]
                 assert task.state.is_completed(), (task.name, task.state)
+            # one artifact per iteration, in the iteration's subflow run: its metrics and its shards' S3 URIs
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sub.id]))
+            )
+            assert [a.key for a in artifacts] == ["s3run-iteration"], [a.key for a in artifacts]
+            assert f"`s3://{bucket}/runs/s3run/iter-{i:06d}/rollout` (16 rows)" in artifacts[0].data
+            assert f"| iteration | {i} |" in artifacts[0].data
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": storage_cfg.endpoint_url}, skip_instance_cache=True)
     expected_rows = cfg.rollout.prompts_per_iteration * cfg.rollout.n_samples  # 8 prompts x 2 samples

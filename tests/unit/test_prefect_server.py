@@ -128,7 +128,7 @@ def test_other_answers_and_lifespan_pass_through_once():
 # --- Prefect's temporary server (the embedded default) runs the replaying app ---------------------------------
 
 _START_TEMPORARY_SERVER = """
-import json, sys
+import json, os, sys
 import tasks  # installs the hook, as every process that runs ppoflow's flows does
 from prefect.client.orchestration import get_client
 from prefect.server.api.server import SubprocessASGIServer
@@ -136,10 +136,15 @@ from prefect.server.api.server import SubprocessASGIServer
 with get_client(sync_client=True) as client:  # Prefect's own path to its temporary server
     healthy = client.api_healthcheck() is None
 (server,) = [s for s in SubprocessASGIServer._instances.values() if s.server_process]
-with open(f"/proc/{server.server_process.pid}/cmdline", "rb") as f:
+pid = server.server_process.pid
+with open(f"/proc/{pid}/cmdline", "rb") as f:
     argv = f.read().decode().split("\\0")
+niceness = {}  # per thread: field 19 of /proc/<pid>/task/<tid>/stat (the 17th after the command's closing paren)
+for tid in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        niceness[tid] = int(f.read().rsplit(")", 1)[1].split()[16])
 server.stop()
-print(json.dumps({"healthy": healthy, "argv": argv}))
+print(json.dumps({"healthy": healthy, "argv": argv, "niceness": niceness, "own": os.nice(0)}))
 """
 
 
@@ -155,7 +160,7 @@ def _python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_temporary_server_prefect_starts_without_an_api_url_is_the_replaying_app(tmp_path):
+def test_the_temporary_server_prefect_starts_without_an_api_url_is_the_replaying_app_at_nice_19(tmp_path):
     out = _python(_START_TEMPORARY_SERVER, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     started = json.loads(out.stdout.strip().splitlines()[-1])
@@ -164,6 +169,10 @@ def test_the_temporary_server_prefect_starts_without_an_api_url_is_the_replaying
     # Prefect's command (uvicorn on loopback) with only the factory changed
     assert argv[argv.index("--factory") + 1] == "ppoflow.prefect_server:create_replaying_app"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "uvicorn" in argv
+    # ...at the lowest priority, every thread of it (uvicorn's loop, the database threads), while this run's own
+    # process keeps its priority
+    assert started["own"] < 19 and len(started["niceness"]) > 1
+    assert set(started["niceness"].values()) == {19}
 
 
 def test_with_an_api_url_nothing_is_changed_and_prefects_server_module_is_not_loaded(tmp_path):
