@@ -16,8 +16,10 @@ checks that the pipeline computes what the bare loop computes.
 Baseline: the bare engine loop. Figures:
 - ratio: pipeline / bare per-iteration time on the `batch` workload (goal <= 1.05): 256 prompts x 8
   samples per iteration, about 5 s of compute per iteration on 2 cores. The pipeline's cost is mostly a
-  fixed amount per iteration (a subflow run, four task runs, three artifacts, shard and checkpoint
-  writes), so the ratio depends on how long an iteration computes; real runs compute for minutes.
+  fixed amount per iteration (a subflow run, four task runs, an artifact and the progress bar's update, shard
+  and checkpoint writes), so the ratio depends on how long an iteration computes; real runs compute for minutes.
+  Prefect's temporary server runs at nice 19 (ppoflow/prefect_server.py): its background work would otherwise
+  stall the compute's two threads on two cores (1.11-1.13 before, at nice 0).
 - tiny_ratio: the same on the demo's workload (32 prompts x 4 samples, ~0.5 s of compute per
   iteration), where that fixed cost dominates.
 - overhead_s_per_iter: pipeline minus bare seconds per iteration, per workload.
@@ -149,7 +151,9 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
 
         def starter(variant: str):
             def start():
-                started[variant] = _start_side(variant, workdir, iterations, workload, f"overhead-{variant}-{r}")
+                # a run per workload, side and round: `--workload both` runs both workloads in one folder
+                run = f"overhead-{workload}-{variant}-{r}"
+                started[variant] = _start_side(variant, workdir, iterations, workload, run)
                 return started[variant]
 
             return start

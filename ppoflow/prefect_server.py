@@ -39,11 +39,12 @@ taking the events the run sends in the background, the logs, its loop services: 
 bench.overhead's batch workload) otherwise lands on a core the run's compute is using. Torch's OpenMP team
 spins at its barriers, so a core taken from one of its threads stalls them all for as long. At nice 19 that
 work waits for a core the compute leaves idle (between ops, the Python-only parts of a stage, every request).
-Measured on the 2-core machine in turns against the bare loop (bench.overhead, batch workload, 10 iterations x
-2 rounds): ratio 1.11 and 1.13 at nice 0, 1.057 at nice 19; tiny workload, one iteration at a time: 0.73 and
-0.75 s per iteration at 19, 0.68 and 0.77 at 0; pipelined (max_staleness 1) tiny: 0.76 and 0.72 against 0.73
-and 0.70, noise-level. Only the temporary server is lowered: a server other processes share (`ppoflow
-prefect-server`, `prefect server start`) is left as it is.
+Measured on the 2-core machine in turns against the bare loop (bench.overhead, batch workload): ratio 1.11 and
+1.13 at nice 0 (0.62-0.68 s per iteration over the bare loop); at nice 19, three runs of 16 iterations x 2
+rounds: 0.992, 1.074 and 1.037 (all 90 pairs pooled: 1.002; ratio of totals 1.029); tiny workload: 0.29 s per
+iteration over the bare loop against 0.36. Pipelined (max_staleness 1) tiny runs, outside the bench: 0.76 and
+0.72 s per iteration at 19 against 0.73 and 0.70 at 0, noise-level. Only the temporary server is lowered: a
+server other processes share (`ppoflow prefect-server`, `prefect server start`) is left as it is.
 """
 
 from __future__ import annotations
