@@ -135,6 +135,10 @@ class LoraConfig(_Section):
         min_length=1,
         description="Names (last component) of the nn.Linear modules that get an adapter; each must exist in the policy (checked against its config before any work).",
     )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Names (last component) of modules trained in full beside the adapters (peft's modules_to_save), e.g. [lm_head]: a trained copy each, the frozen original stays the reference; each must exist in the policy, not be a target, and not be an embedding tied to the other (checked before any work).",
+    )
 
 
 class ModelConfig(_Section):
@@ -161,7 +165,7 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory in actor and critic.")
     lora: Optional[LoraConfig] = Field(
         None,
-        description="LoRA adapters (peft) on the actor: only they train, the frozen base is the reference, checkpoints hold policy/adapter plus the merged policy folder. A critic (algo with a critic) is still fully fine-tuned. Fields: rank (8), alpha (16.0; scale alpha/rank), dropout (0.0), target_modules (q_proj, k_proj, v_proj, o_proj: Linear names the policy must have); e.g. `--set model.lora.rank=16`. None = full fine-tune.",
+        description="LoRA adapters (peft) on the actor: only they train, the frozen base is the reference, checkpoints hold policy/adapter plus the merged policy folder. A critic (algo with a critic) is still fully fine-tuned. Fields: rank (8), alpha (16.0; scale alpha/rank), dropout (0.0), target_modules (q_proj, k_proj, v_proj, o_proj: Linear names the policy must have), modules_to_save ([]: modules trained in full, e.g. [lm_head]); e.g. `--set model.lora.rank=16`. None = full fine-tune.",
     )
 
 

@@ -194,8 +194,8 @@ def storage_problem(cfg: PPOFlowConfig) -> Optional[str]:
 
 
 def lora_target_problem(cfg: PPOFlowConfig) -> str | None:
-    """model.lora.target_modules that are not Linear modules of the policy (read from config.json on the meta
-    device, no weights loaded), or None."""
+    """model.lora.target_modules that are not Linear modules of the policy, or modules_to_save it cannot train
+    (engines/trainer/lora.check_targets: read from config.json on the meta device, no weights loaded), or None."""
     if cfg.model.lora is None or not os.path.isfile(os.path.join(cfg.model.policy_path, "config.json")):
         return None  # no LoRA, or a missing folder model_folder_problems already names
     from engines.trainer.lora import check_targets

@@ -152,3 +152,83 @@ def test_lora_with_gradient_checkpointing_gives_the_adapters_the_same_gradients(
         scale = float(plain[name].abs().max())
         assert scale > 0, name
         torch.testing.assert_close(ckpt[name], plain[name], atol=1e-5 * scale, rtol=0, msg=name)
+
+
+# --- model.lora.modules_to_save: a fully trained copy of lm_head beside the adapters -------------------------
+
+SAVE_HEAD = dict(LORA, **{"model.lora.target_modules": "[q_proj, v_proj]", "model.lora.modules_to_save": "[lm_head]"})
+
+
+def test_a_module_to_save_trains_in_full_lands_in_both_folders_and_stays_the_original_in_the_reference(
+    tiny_model_dir, tmp_path
+):
+    """After one update: the trainable parameters are the adapters plus one lm_head copy; the merged folder
+    (transformers) and the adapter folder (peft on the base) both compute the trainer's logits, the merged
+    lm_head is the trained copy (not the base's), peft's merge_and_unload agrees tensor by tensor; the shared-base
+    reference still scores the initial policy; a resume from the folders trains on exactly as the live trainer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batches = _batch(tiny_model_dir, 1), _batch(tiny_model_dir, 2)
+    cfg = _cfg(tiny_model_dir, **SAVE_HEAD)
+    trainer = PPOTrainer(cfg, str(tiny_model_dir))
+    module = trainer.actor.module
+    trainable = sorted(n for n, p in module.named_parameters() if p.requires_grad)
+    # 2 layers x 2 targets x (A, B), and the copy of lm_head
+    assert len(trainable) == 9 and trainable[0] == "base_model.model.lm_head.modules_to_save.default.weight"
+    trainer.update(batches[0])
+    trainer.save(str(tmp_path))
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trained_head = dict(module.named_parameters())["base_model.model.lm_head.modules_to_save.default.weight"]
+    assert not torch.allclose(trained_head, base.lm_head.weight, atol=1e-4)  # it moved
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 40, 63]])
+    module.eval()
+    expected = _logits(module, ids)
+    module.train()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert torch.equal(merged.lm_head.weight, trained_head.detach())
+    torch.testing.assert_close(_logits(merged, ids), expected, atol=1e-5, rtol=0)
+    with_adapter = PeftModel.from_pretrained(base, tmp_path / "policy" / "adapter")
+    with_adapter.eval()
+    torch.testing.assert_close(_logits(with_adapter, ids), expected, atol=1e-6, rtol=0)
+    peft_merged = with_adapter.merge_and_unload().state_dict()
+    for name, value in merged.state_dict().items():
+        torch.testing.assert_close(value, peft_merged[name], atol=1e-6, rtol=0, msg=name)
+
+    batch = batches[0]
+    prompts = [row[row_mask.bool()].tolist() for row, row_mask in zip(batch.prompt_ids, batch.prompt_mask)]
+    responses = [row[: int(m.sum())].tolist() for row, m in zip(batch.response_ids, batch.response_mask)]
+    loaded = ReferenceModel(str(tiny_model_dir), micro_batch_size=8)
+    for a, b in zip(shared_reference(trainer).logprobs(prompts, responses), loaded.logprobs(prompts, responses)):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+    resumed = PPOTrainer(cfg, str(tmp_path / "policy"), trainer_state_dir=str(tmp_path / "trainer"))
+    trainer.update(batches[1])
+    resumed.update(batches[1])
+    live = dict(trainer.actor.module.named_parameters())
+    for name, p in resumed.actor.module.named_parameters():
+        assert torch.equal(p, live[name]), name
+
+
+def test_modules_to_save_that_cannot_be_trained_are_named_before_any_work(tiny_model_dir, tmp_path):
+    from transformers import AutoConfig
+
+    def problem(model_dir, **lora) -> str:
+        cfg = _cfg(tiny_model_dir, **dict(LORA, **lora))
+        with pytest.raises(ValueError) as err:
+            check_targets(model_dir, cfg.model.lora)
+        return str(err.value)
+
+    message = problem(tiny_model_dir, **{"model.lora.modules_to_save": "[lm_head, score]"})
+    assert "model.lora.modules_to_save" in message and "['score']" in message and "embed_tokens" in message
+    message = problem(tiny_model_dir, **{"model.lora.modules_to_save": "[v_proj]"})
+    assert "['v_proj'] both in target_modules" in message
+    # the same model with tied embeddings (only config.json is read: the check loads no weights)
+    tied = AutoConfig.from_pretrained(tiny_model_dir)
+    tied.tie_word_embeddings = True
+    tied.save_pretrained(tmp_path)
+    for name in ("lm_head", "embed_tokens"):
+        message = problem(tmp_path, **{"model.lora.modules_to_save": f"[{name}]"})
+        assert f"['{name}'] is tied to the other embedding" in message
+    check_targets(tiny_model_dir, _cfg(tiny_model_dir, **SAVE_HEAD).model.lora)  # untied: accepted
