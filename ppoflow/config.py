@@ -491,6 +491,16 @@ class TrainConfig(_Section):
         le=65535,
         description="With train.hostfile: the TCP port rank 0 serves the group's rendezvous store on.",
     )
+    rank_agent_join_s: float = Field(
+        30.0,
+        gt=0,
+        description="With train.hostfile: seconds a new group waits for another node's rank agent to join before the stage fails, naming the command to run there.",
+    )
+    rank_heartbeat_lost_s: float = Field(
+        10.0,
+        ge=2.0,
+        description="With train.hostfile: seconds without a heartbeat (one a second) after which another node counts as dead (its agent, network or machine) and the stage fails naming it.",
+    )
 
     @model_validator(mode="after")
     def _check_offload(self) -> "TrainConfig":

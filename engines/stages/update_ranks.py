@@ -142,7 +142,8 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     layout = layout_for(cfg)
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
     check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
-    group = rank_group.group_for(placement_for(cfg.train), ENTRY, cfg.train.rank_timeout_s)
+    liveness = rank_group.Liveness(cfg.train.rank_agent_join_s, cfg.train.rank_heartbeat_lost_s)
+    group = rank_group.group_for(placement_for(cfg.train), ENTRY, cfg.train.rank_timeout_s, liveness)
     try:
         trainer = warm.take(trainer_key(policy.weights_id))
         if trainer is None or group.holds != policy.weights_id:

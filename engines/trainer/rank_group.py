@@ -24,7 +24,7 @@ Several nodes (engines/trainer/hostfile.py): the store listens on train.master_p
 this process, and on every other node a rank agent (engines/trainer/rank_agent.py, `ppoflow rank-agent`)
 stays connected to it. Rank 0 publishes each new group under the key `group`; the agent of node k starts
 that node's ranks, writes `exit/<rank>` (exit code, log tail) when one of them ends, and adds 1 to `beat/<k>`
-every second. A node whose heartbeat stops for _HEARTBEAT_LOST_S is reported dead, naming its ranks.
+every second. A node whose heartbeat stops for train.rank_heartbeat_lost_s is reported dead, naming its ranks.
 
 Commands travel through the store (key cmd/<n>), not through a collective: a rank may wait for the
 next iteration far longer than any collective timeout (rollout and scoring run in between). They are JSON
@@ -45,6 +45,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,8 +64,6 @@ from engines.trainer.rank_wire import (
 )
 
 _BOOT_S = 300.0  # ranks 1..N-1 importing torch / DeepSpeed / transformers on a busy machine
-_HEARTBEAT_LOST_S = 10.0  # a node whose agent has not beaten for this long is dead (10 missed beats)
-_AGENT_JOIN_S = 30.0  # how long a new group waits for a node's agent that has not beaten yet (it polls each 1 s)
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -74,6 +73,16 @@ class RankDiedError(RuntimeError):
     def __init__(self, message: str, rank: int):
         super().__init__(message)
         self.rank = rank
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """How long rank 0 waits on another node's agent (train.rank_agent_join_s, train.rank_heartbeat_lost_s): a
+    node whose agent has not beaten yet gets `join_s` from the group's start (the agent polls for it each 1 s);
+    one that has beaten and then stops for `lost_s` is dead (lost_s / BEAT_S missed beats)."""
+
+    join_s: float = 30.0
+    lost_s: float = 10.0
 
 
 _rendezvous: dict[int, Any] = {}  # port -> the store this process serves there for all its multi-node groups
@@ -124,7 +133,7 @@ class RankGroup:
     """Ranks 1..world-1 (this node's as child processes, other nodes' through their agents) and this process
     as rank 0 of one torch.distributed group."""
 
-    def __init__(self, placement: Placement, entry: str, timeout_s: float):
+    def __init__(self, placement: Placement, entry: str, timeout_s: float, liveness: Liveness = Liveness()):
         import torch
 
         local = placement.nodes[0].slots
@@ -136,6 +145,7 @@ class RankGroup:
         self.placement = placement
         self.world = placement.world
         self.timeout_s = timeout_s
+        self.liveness = liveness
         self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
         if placement.remote:
             base = _shared_rendezvous(placement.master_port, timeout_s)
@@ -219,7 +229,7 @@ class RankGroup:
         if self.heartbeats is not None:
             for node in self.heartbeats.nodes:
                 beaten, silent_s = self.heartbeats.silence(node)
-                if silent_s > (_HEARTBEAT_LOST_S if beaten else _AGENT_JOIN_S):
+                if silent_s > (self.liveness.lost_s if beaten else self.liveness.join_s):
                     raise RankDiedError(self._silence_message(node, beaten, silent_s), self.placement.first_rank(node))
 
     def _reported(self, rank: int) -> str:
@@ -271,7 +281,7 @@ class RankGroup:
         the rank that broke it may still be on its way out; with other nodes, up to a lost heartbeat's time
         for a node that died whole); None when all live."""
         if self.heartbeats is not None:
-            grace_s = max(grace_s, _HEARTBEAT_LOST_S + 2 * BEAT_S)
+            grace_s = max(grace_s, self.liveness.lost_s + 2 * BEAT_S)
         deadline = time.monotonic() + grace_s
         while True:
             try:
@@ -321,7 +331,7 @@ def current() -> Optional[RankGroup]:
     return _group
 
 
-def group_for(placement: Placement, entry: str, timeout_s: float) -> RankGroup:
+def group_for(placement: Placement, entry: str, timeout_s: float, liveness: Liveness = Liveness()) -> RankGroup:
     """The running group with `placement`, else a new one (an old group placed otherwise is stopped first).
 
     A group with a rank that died since the last stage is torn down and RankDiedError names the rank: the stage
@@ -342,7 +352,7 @@ def group_for(placement: Placement, entry: str, timeout_s: float) -> RankGroup:
 
     warm.invalidate(warm.Role.TRAINER)
     leave_process_group()  # a one-rank world of this process (a trainer with num_ranks=1 ran before)
-    group = RankGroup(placement, entry, timeout_s)
+    group = RankGroup(placement, entry, timeout_s, liveness)
     _starts += 1
     try:
         group.join()

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = 4
 RANK1_PROCESS_RNG = ("trainer/rng.rank1.json", "trainer/rng.rank1.safetensors")
+JOIN_S, LOST_S = 6.0, 3.0  # train.rank_agent_join_s, train.rank_heartbeat_lost_s (defaults 30, 10): shorter waits
 
 DRIVER = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
@@ -45,6 +46,7 @@ DRIVER = textwrap.dedent("""
     from tests.integration.pipeline_helpers import small_config
     from tests.integration.test_update_ranks import step
     model, data, root, hostfile, port, agent_log = sys.argv[2:8]
+    JOIN_S, LOST_S = float(sys.argv[8]), float(sys.argv[9])
     out = {}
 
     def config(run, train):
@@ -76,7 +78,16 @@ DRIVER = textwrap.dedent("""
         step(one, i, scored)
 
     agent = start_agent()
-    two = config("two-nodes", {"hostfile": hostfile, "master_addr": "127.0.0.1", "master_port": int(port)})
+    two = config(
+        "two-nodes",
+        {
+            "hostfile": hostfile,
+            "master_addr": "127.0.0.1",
+            "master_port": int(port),
+            "rank_agent_join_s": JOIN_S,
+            "rank_heartbeat_lost_s": LOST_S,
+        },
+    )
     scored = prepare(two)
     out["starts"] = [step(two, i, scored).metrics["ranks/group_starts"] for i in (1, 2)]
     group = rank_group.current()
@@ -95,9 +106,9 @@ DRIVER = textwrap.dedent("""
     out["retry_parent"] = ppid(out["retry_pid"])
 
     # the agent killed (its rank ends with it): the next update names the node whose heartbeat stopped
+    t0 = time.monotonic()  # the silence counts from the agent's last beat, at most 1 s (BEAT_S) before its kill
     agent.kill()
     agent.wait()
-    t0 = time.monotonic()
     out["agent_error"] = attempt(two, 4, scored)
     out["agent_error_s"] = time.monotonic() - t0
     # no agent at all: the group cannot start, and the error says what to run where
@@ -128,12 +139,12 @@ def test_a_second_node_through_its_rank_agent(tiny_model_dir, digits_dataset_dir
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     argv = [sys.executable, "-c", DRIVER, str(REPO), str(tiny_model_dir), str(digits_dataset_dir), str(root)]
-    argv += [str(hostfile), str(port), str(agent_log)]
+    argv += [str(hostfile), str(port), str(agent_log), str(JOIN_S), str(LOST_S)]
     driver = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     agent_output = agent_log.read_text() if agent_log.is_file() else ""
     assert driver.returncode == 0, driver.stderr[-4000:] + "\nagent:\n" + agent_output[-2000:]
     out = json.loads(next(line for line in driver.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    print("seconds to the error: agent killed", out["agent_error_s"], "no agent", out["no_agent_error_s"])
+    print("seconds to the error: agent killed (from its kill)", out["agent_error_s"], "none", out["no_agent_error_s"])
 
     # node 1's rank is the agent's child, not rank 0's: rank 0 started no process of its own
     assert out["rank1_parent"] == out["agent_pid"] and out["local_procs"] == []
@@ -145,15 +156,17 @@ def test_a_second_node_through_its_rank_agent(tiny_model_dir, digits_dataset_dir
     assert f"pid {out['rank1_pid']}) was killed by signal SIGKILL (9)" in out["killed_error"]
     assert out["retry_pid"] != out["rank1_pid"] and out["retry_parent"] == out["agent_pid"]
 
-    # the agent killed: its heartbeat stops, the update names node 1 within the heartbeat's limit (10 s) plus
-    # the failed collective, not after the 1800 s collective timeout
+    # the agent killed: its heartbeat stops, the update names node 1 after train.rank_heartbeat_lost_s plus the
+    # failed collective, not after the 1800 s collective timeout
     assert out["agent_error"] is not None
     assert out["agent_error"].startswith(
         "RankDiedError: update ranks 1..1 of 2 on node 1 (127.0.0.1): its rank agent sent no heartbeat"
     ), out["agent_error"]
-    assert out["agent_error_s"] < 60
-    # no agent: the group does not wait 300 s for a rank that nobody will start; it says what to run
-    assert out["no_agent_error"] is not None and out["no_agent_error_s"] < 60
+    # 1.5: one beat period before the kill, and slack; +5 s: far below the 10 s default, so the setting is the one used
+    assert LOST_S - 1.5 <= out["agent_error_s"] < LOST_S + 5
+    # no agent: the group waits train.rank_agent_join_s, not 300 s, for a rank that nobody will start; it says
+    # what to run
+    assert out["no_agent_error"] is not None and JOIN_S <= out["no_agent_error_s"] < JOIN_S + 8  # default: 30 s
     assert f"run `ppoflow rank-agent --master 127.0.0.1:{port} --node 1` on 127.0.0.1" in out["no_agent_error"]
     assert "node 1" in agent_output and "connected" in agent_output  # the agent says what it does
 
