@@ -45,13 +45,6 @@ def _meta_model(policy_path: str | Path) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def linear_names(policy_path: str | Path) -> list[str]:
-    """Sorted last name components of the nn.Linear modules of the causal LM in `policy_path` (built from its
-    config.json on the meta device: no weights are read, no memory is spent)."""
-    model = _meta_model(policy_path)
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-
-
 def check_targets(policy_path: str | Path, lora_cfg) -> None:
     """ValueError naming the field when a model.lora.target_modules entry is not a Linear of the policy, a
     model.lora.modules_to_save entry is no module of it, a name is in both lists, or modules_to_save names an

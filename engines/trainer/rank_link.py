@@ -24,7 +24,7 @@ class RankLink:
         self.parent = int(os.environ["PPOFLOW_RANK_PARENT"])
         timeout_s = float(os.environ["PPOFLOW_RANK_TIMEOUT_S"])
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        _check_parent()
+        _check_parent(self.parent)
         self.store = group_store(connect(addr, port, timeout_s), os.environ["PPOFLOW_RANK_GROUP"])
         self.store.set(f"booted/{self.rank}", str(os.getpid()))
         from engines.trainer.deepspeed_setup import join_process_group
@@ -64,13 +64,13 @@ class RankLink:
             pass
 
 
-def _check_parent() -> None:
-    """Exit when the parent that started this rank is already gone (it died before the rank came up).
+def _check_parent(parent: int) -> None:
+    """Exit when `parent`, the process that started this rank, is already gone (it died before the rank came up).
 
     Not PR_SET_PDEATHSIG: Linux sends that signal when the THREAD that started the child ends, and rank 0 may
     start the group from a worker thread of a Prefect task runner that ends long before the process does.
     """
-    if os.getppid() != int(os.environ["PPOFLOW_RANK_PARENT"]):
+    if os.getppid() != parent:
         os._exit(3)
 
 
