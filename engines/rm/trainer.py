@@ -43,7 +43,7 @@ from engines.trainer.deepspeed_setup import (
     make_engine,
     setup_distributed,
 )
-from engines.trainer.state import load_nested, rng_state, save_nested, set_rng_state
+from engines.trainer.state import load_nested, rng_state, save_nested, seed_rng, set_rng_state
 
 STATE_FILE = "rm_state.json"
 
@@ -61,7 +61,7 @@ class RMTrainer:
             raise NotImplementedError("reward-model training under train.zero_stage=3 is not supported; use 0, 1 or 2")
         setup_distributed()
         if state_dir is None:
-            torch.manual_seed(cfg.run.seed)  # the new score head's draw depends on the run, not the process
+            seed_rng(cfg.run.seed)  # the new score head's draw (and the states saved) depend on the run alone
         self.cfg, self.rm, self.data = cfg, cfg.rm_train, data
         self.tokenizer = load_tokenizer(model_dir)
         self.pad_token_id = int(self.tokenizer.pad_token_id)

@@ -57,6 +57,7 @@ from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 from engines.trainer.loss_steps import KL_CLAMP, FirstForward, LossSteps, MetricSums
 from engines.trainer.rank_rows import agree_shape, gather_rows, pad_to, rank_rows
+from engines.trainer.state import seed_rng
 
 __all__ = ["KL_CLAMP", "PPOTrainer", "UpdateResult"]
 
@@ -85,9 +86,10 @@ class PPOTrainer(LossSteps):
         setup_distributed()
         if trainer_state_dir is None:
             # A fresh trainer draws new parameters (the critic's value head): seed them from the run, not
-            # from whatever the process did before, so a rebuilt run equals an uninterrupted one. A resumed
-            # trainer restores its RNG states from the checkpoint instead.
-            torch.manual_seed(cfg.run.seed)
+            # from whatever the process did before, so a rebuilt run equals an uninterrupted one; Python's and
+            # numpy's generators too, whose states every checkpoint holds. A resumed trainer restores its RNG
+            # states from the checkpoint instead.
+            seed_rng(cfg.run.seed)
         self.cfg = cfg
         self.policy_dir = str(policy_dir)
         self.tokenizer = load_tokenizer(policy_dir)

@@ -160,6 +160,17 @@ def load_nested(folder: str | Path, stem: str) -> Any:
     return _decode(json.loads((base / f"{stem}.json").read_text()), tensors)
 
 
+def seed_rng(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators (torch's on every device) from `seed`.
+
+    What a fresh trainer does, so that the generator states it checkpoints (rng_state) depend on the run alone,
+    not on what the process drew before: every rank of a group, and a rerun of the same config, then commit the
+    same bytes. numpy takes seeds in [0, 2**32), so `seed` is reduced modulo 2**32 for it."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """Python, numpy and torch RNG states (torch's as a uint8 tensor)."""
     np_state = np.random.get_state()

@@ -176,6 +176,29 @@ def test_resume_then_update_equals_uninterrupted(trained, tiny_model_dir, batche
     assert second.metrics["loss/policy"] == trained["second"].metrics["loss/policy"]
 
 
+def test_a_fresh_trainer_seeds_every_generator_it_checkpoints_from_the_run(tiny_model_dir):
+    """The RNG states a checkpoint holds (Python's, numpy's, torch's) are, right after a fresh trainer is built,
+    a function of run.seed alone: the same after a process drew from all three generators as before, and what a
+    generator seeded by hand with run.seed holds (a rank process that drew nothing commits the same bytes)."""
+    import numpy as np
+
+    from engines.trainer.state import rng_state
+
+    cfg = _cfg(tiny_model_dir, **{"run.seed": 7})
+    states = []
+    for draws in (0, 3):
+        for _ in range(draws):  # some other work of this process in between
+            random.random(), np.random.rand(), torch.rand(1)
+        PPOTrainer(cfg, str(tiny_model_dir))
+        states.append(rng_state())
+    first, second = states
+    assert first["python"] == second["python"] == random.Random(7).getstate()
+    assert torch.equal(first["numpy"]["keys"], second["numpy"]["keys"])
+    assert first["numpy"]["pos"] == second["numpy"]["pos"]
+    assert (first["numpy"]["keys"].numpy() == np.random.RandomState(7).get_state()[1]).all()
+    assert torch.equal(first["torch"], second["torch"])
+
+
 def test_gradient_accumulation_does_not_change_the_step(tiny_model_dir, batches):
     """One optimizer step over 8 samples as 1 micro-batch of 8 or 4 micro-batches of 2."""
     results = []
