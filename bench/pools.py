@@ -38,12 +38,14 @@ equal in-process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from bench.common import emit
 from bench.overhead import bench_config, workload_figures
@@ -62,6 +64,9 @@ from bench.processes import (
     variant_sections,
     workdir_with_server,
 )
+
+if TYPE_CHECKING:
+    from bench.interleave import Side
 
 GOAL = 1.15
 
@@ -88,7 +93,17 @@ def run_variant(variant: str, workdir: str, api_url: str, iterations: int, workl
     return run_driver("bench.pools", args, variant, workdir, child_env(workdir, api_url), tag)
 
 
-def start_side(variant: str, workdir: str, api_url: str, iterations: int, workload: str, tag: str):
+@dataclasses.dataclass(frozen=True)
+class StartedSide:
+    """A side of a measurement in turns with what bench.pools keeps beside it: when its processes were started
+    (the start of its start-up time) and its workers ({stage group: process}, stopped with it)."""
+
+    side: Side
+    t0: float
+    workers: dict
+
+
+def start_side(variant: str, workdir: str, api_url: str, iterations: int, workload: str, tag: str) -> StartedSide:
     """Start `variant`'s workers and driver as one side of a measurement in turns (bench/interleave.py)."""
     from bench.interleave import MetricsEnds, Side
 
@@ -99,32 +114,32 @@ def start_side(variant: str, workdir: str, api_url: str, iterations: int, worklo
     argv += ["--iterations", str(iterations), "--workload", workload]
     ends = MetricsEnds(os.path.join(workdir, "runs", tag, "metrics.jsonl"))
     side = Side(variant, argv, ends, companions=tuple(w.pid for w in workers.values()), cwd=REPO, env=env)
-    side.t0, side.workers = t0, workers
-    return side
+    return StartedSide(side, t0, workers)
 
 
 def run_in_turns_pair(first: str, second: str, workdir: str, api_url: str, a, workload: str, r: int) -> dict:
     """One repeat of two variants in turns; returns {variant: data} as run_variant does, plus `active_s`."""
     from bench.interleave import run_in_turns
 
-    sides: dict = {}
+    started: dict[str, StartedSide] = {}
 
     def starter(variant: str):
         def start():
-            sides[variant] = start_side(variant, workdir, api_url, a.iterations, workload, f"{variant}-{workload}-{r}")
-            return sides[variant]
+            tag = f"{variant}-{workload}-{r}"
+            started[variant] = start_side(variant, workdir, api_url, a.iterations, workload, tag)
+            return started[variant].side
 
         return start
 
     try:
         seconds = run_in_turns(starter(first), starter(second), a.iterations)
     finally:
-        for side in sides.values():
-            stop_workers(list(side.workers.values()))
+        for one in started.values():
+            stop_workers(list(one.workers.values()))
     out = {}
-    for variant, side in sides.items():
-        pids = {g: w.pid for g, w in side.workers.items()}
-        out[variant] = {**side.result("driver"), "t0": side.t0, "pids": pids, "active_s": seconds[variant]}
+    for variant, one in started.items():
+        pids = {g: w.pid for g, w in one.workers.items()}
+        out[variant] = {**one.side.result("driver"), "t0": one.t0, "pids": pids, "active_s": seconds[variant]}
     return out
 
 
