@@ -35,6 +35,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -46,9 +47,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# DeepSpeed 0.19.8's comm layer calls the two collectives torch 2.13 deprecated in favour of *_single, and torch's
+# FutureWarning came back dozens of times per ZeRO-2/3 update on every rank. Nothing for a user to do, and in a rank's
+# log (whose last lines a RankDiedError quotes) they pushed out the lines that explain a failure.
+_DEEPSPEED_DEPRECATED_CALLS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
 def setup_distributed() -> None:
     """Make this process a DeepSpeed rank (rank 0 of 1 when no launcher set the variables). Idempotent."""
     import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", message=_DEEPSPEED_DEPRECATED_CALLS, category=FutureWarning)
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)

@@ -85,6 +85,9 @@ def _two_ranks(model_dir: Path, stage: int, out: Path, ckpt: str = "-") -> tuple
     outputs = [p.communicate(timeout=300) for p in procs]
     for rank, (p, (stdout, stderr)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+        # DeepSpeed's calls of the collectives torch deprecated are not repeated in every rank's output
+        assert "`torch.distributed.all_gather_into_tensor` is deprecated" not in stderr, stderr[-3000:]
+        assert "`torch.distributed.reduce_scatter_tensor` is deprecated" not in stderr, stderr[-3000:]
     line = next(x for x in outputs[0][0].splitlines() if x.startswith("LOSS "))
     return [float(v) for v in line.split()[1:]], outputs[0][0]
 
