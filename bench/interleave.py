@@ -47,6 +47,7 @@ class Side:
         self._ends = ends
         self.stopped: list[tuple[float, float]] = []  # (stop, cont) unix times
         self._stopped_at: Optional[float] = None
+        self.started_at = time.time()  # unix time the side's process was started (its start-up begins)
         self.proc = subprocess.Popen(
             argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
         )

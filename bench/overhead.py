@@ -23,6 +23,9 @@ Baseline: the bare engine loop. Figures:
 - tiny_ratio: the same on the demo's workload (32 prompts x 4 samples, ~0.5 s of compute per
   iteration), where that fixed cost dominates.
 - overhead_s_per_iter: pipeline minus bare seconds per iteration, per workload.
+- to_first_iteration_s (per side, median over rounds) and startup_extra_s (pipeline minus bare): what a user
+  waits from starting the process to the end of iteration 1 (imports, Prefect's temporary server, the
+  engines' builds, the first iteration), each side run alone then (the other stopped or not yet started).
 """
 
 from __future__ import annotations
@@ -144,6 +147,7 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
     from bench.interleave import run_in_turns
 
     times: dict[str, list[float]] = {"pipeline": [], "bare": []}
+    first: dict[str, list[float]] = {"pipeline": [], "bare": []}  # process start -> end of iteration 1, alone
     rewards: dict[str, list] = {}
     for r in range(rounds):
         order = ("pipeline", "bare") if r % 2 == 0 else ("bare", "pipeline")
@@ -162,6 +166,7 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
         for variant in order:
             times[variant] += seconds[variant]
             rewards[variant] = started[variant].result("variant")["rewards"]
+            first[variant].append(started[variant].ends()[0] - started[variant].started_at)
     pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
     # pairs: iteration k of both sides (the same samples, so the same work), measured seconds apart
     pairs = [p / b for p, b in zip(times["pipeline"], times["bare"])]
@@ -173,6 +178,8 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
         "pair_ratio_median": round(statistics.median(pairs), 3),
         "pair_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(pairs, n=4)[::2]],
         "overhead_s_per_iter": round(pipeline - bare, 3),
+        "to_first_iteration_s": {v: round(statistics.median(t), 3) for v, t in first.items()},
+        "startup_extra_s": round(statistics.median(first["pipeline"]) - statistics.median(first["bare"]), 3),
         "same_rewards": rewards["pipeline"] == rewards["bare"],
         "rewards_pipeline": rewards["pipeline"],
         "pipeline_s": [round(t, 3) for t in times["pipeline"]],

@@ -24,12 +24,14 @@ for _ in range({ITERATIONS}):
 """
 
 
-def _side(name):
+def _side(name, sides=None):
     def start():
         def ends():
             return [line["end"] for line in side.printed("end")]
 
         side = Side(name, [sys.executable, "-c", SIDE], ends)
+        if sides is not None:
+            sides[name] = side
         return side
 
     return start
@@ -37,8 +39,12 @@ def _side(name):
 
 def test_sides_take_turns_and_stopped_time_is_left_out():
     started = time.time()
-    seconds = run_in_turns(_side("a"), _side("b"), ITERATIONS, timeout_s=60)
+    sides = {}
+    seconds = run_in_turns(_side("a", sides), _side("b", sides), ITERATIONS, timeout_s=60)
     wall = time.time() - started
+    for name, side in sides.items():
+        # start-up + first iteration, run alone: the interpreter's start, then SPIN_S of CPU (never less in wall)
+        assert started <= side.started_at and SPIN_S <= side.ends()[0] - side.started_at < SPIN_S + 10, name
     assert set(seconds) == {"a", "b"}
     for name, per_iteration in seconds.items():
         assert len(per_iteration) == ITERATIONS - 1, name
