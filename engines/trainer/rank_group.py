@@ -4,8 +4,8 @@ This process is rank 0. The other ranks of its node are child processes (`python
 once, at the first update, and kept until the process ends, a rank dies, or another placement is asked for;
 then they are torn down and a new group is started. Between iterations they wait for a command:
 
-    group = rank_group.group_for(placement, entry, timeout_s)  the running group, or a new one (RankDiedError
-                                                               naming a rank that died since the last stage)
+    group = rank_group.group_for(placement, entry, timeout_s, liveness)  the running group, or a new one
+                                        (RankDiedError naming a rank that died since the last stage)
     group.send({"op": ...})             one small JSON command to every rank
     rank_group.failed(exc)              after an exception: the error to raise; the group is torn down
     rank_group.shutdown()               stop the ranks (also at interpreter exit)
@@ -77,12 +77,13 @@ class RankDiedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Liveness:
-    """How long rank 0 waits on another node's agent (train.rank_agent_join_s, train.rank_heartbeat_lost_s): a
-    node whose agent has not beaten yet gets `join_s` from the group's start (the agent polls for it each 1 s);
-    one that has beaten and then stops for `lost_s` is dead (lost_s / BEAT_S missed beats)."""
+    """How long rank 0 waits on another node's agent, from the config (train.rank_agent_join_s,
+    train.rank_heartbeat_lost_s, whose defaults live there): a node whose agent has not beaten yet gets `join_s`
+    from the group's start (the agent polls for it each 1 s); one that has beaten and then stops for `lost_s` is
+    dead (lost_s / BEAT_S missed beats)."""
 
-    join_s: float = 30.0
-    lost_s: float = 10.0
+    join_s: float
+    lost_s: float
 
 
 _rendezvous: dict[int, Any] = {}  # port -> the store this process serves there for all its multi-node groups
@@ -133,7 +134,7 @@ class RankGroup:
     """Ranks 1..world-1 (this node's as child processes, other nodes' through their agents) and this process
     as rank 0 of one torch.distributed group."""
 
-    def __init__(self, placement: Placement, entry: str, timeout_s: float, liveness: Liveness = Liveness()):
+    def __init__(self, placement: Placement, entry: str, timeout_s: float, liveness: Liveness):
         import torch
 
         local = placement.nodes[0].slots
@@ -331,7 +332,7 @@ def current() -> Optional[RankGroup]:
     return _group
 
 
-def group_for(placement: Placement, entry: str, timeout_s: float, liveness: Liveness = Liveness()) -> RankGroup:
+def group_for(placement: Placement, entry: str, timeout_s: float, liveness: Liveness) -> RankGroup:
     """The running group with `placement`, else a new one (an old group placed otherwise is stopped first).
 
     A group with a rank that died since the last stage is torn down and RankDiedError names the rank: the stage
