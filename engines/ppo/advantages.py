@@ -143,6 +143,8 @@ def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator 
         dr_grpo:               s_i - mean_g (Dr. GRPO drops the std: it biases towards easy prompts)
         rloo:                  s_i - mean of the other G - 1 scores = G / (G - 1) * (s_i - mean_g)
         reinforce_pp_baseline: s_i - mean_g (the caller whitens over the batch afterwards)
+    A group whose scores are all equal gets exactly 0 under every estimator, whatever the score's value.
+    Computed in float64, returned as float32.
 
     Raises:
         ValueError when B % group_size != 0, group_size < 2 (no baseline exists for one sample), or
@@ -158,7 +160,7 @@ def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator 
             f"scores has {scores.shape[0]} rows, not a multiple of group_size={group_size}; "
             f"rows must come in whole groups of samples of the same prompt"
         )
-    grouped = scores.float().view(-1, group_size)
+    grouped = scores.double().view(-1, group_size)  # float64: float32's rounding of the mean is ~1e-7 of it
     mean = grouped.mean(dim=-1, keepdim=True)
     if estimator == "grpo":
         shaped = (grouped - mean) / (grouped.std(dim=-1, keepdim=True) + eps)
@@ -167,7 +169,10 @@ def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator 
         shaped = grouped - leave_one_out_mean
     else:
         shaped = grouped - mean
-    return shaped.reshape(-1)
+    # A group of equal scores carries no signal: exactly 0, not the rounding error of its mean (8 x 0.7
+    # gives deviations ~1e-8 in float32, which grpo's division by a std of the same size makes O(0.1)).
+    flat = grouped.amax(dim=-1, keepdim=True) == grouped.amin(dim=-1, keepdim=True)
+    return torch.where(flat, 0.0, shaped).float().reshape(-1)
 
 
 def _place_at_last_token(per_row: Tensor, response_mask: Tensor) -> Tensor:

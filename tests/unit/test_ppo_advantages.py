@@ -110,6 +110,33 @@ class TestGroupAdvantages:
     def test_equal_scores_give_zero_not_nan(self):
         assert torch.equal(group_advantages(torch.ones(4), 2, "grpo"), torch.zeros(4))
 
+    @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+    @pytest.mark.parametrize("group_size", [2, 4, 8])
+    @pytest.mark.parametrize("value", [0.7, 3.3, 9.9, 1e6 + 0.1])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    def test_flat_group_is_exactly_zero_for_inexact_values(self, estimator, group_size, value, dtype):
+        # none of these values is exact in binary; every score equals the group's mean, so each deviation
+        # (and the leave-one-out difference) is 0 by definition, and grpo's 0 / (0 + eps) is 0 too
+        scores = torch.full((group_size,), value, dtype=dtype)
+        assert torch.equal(group_advantages(scores, group_size, estimator), torch.zeros(group_size))
+
+    @settings(max_examples=80, deadline=None)
+    @given(
+        st.integers(2, 8),
+        st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=4),
+        seeds,
+        st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]),
+    )
+    def test_flat_groups_are_exactly_zero_beside_varied_ones(self, group_size, flat_values, seed, estimator):
+        # each flat group is one arbitrary value repeated G times; a varied group (random scores) sits after each
+        generator = torch.Generator().manual_seed(seed)
+        groups = []
+        for value in flat_values:
+            groups += [torch.full((group_size,), value), torch.randn(group_size, generator=generator)]
+        advantages = group_advantages(torch.cat(groups), group_size, estimator).view(-1, group_size)
+        assert torch.equal(advantages[0::2], torch.zeros(len(flat_values), group_size))
+        assert bool((advantages[1::2] != 0).any(dim=-1).all())  # distinct random scores keep their signal
+
     @settings(max_examples=40, deadline=None)
     @given(st.integers(2, 5), st.integers(1, 4), seeds, st.sampled_from(["grpo", "dr_grpo", "rloo"]))
     def test_sum_to_zero_within_each_group(self, group_size, groups, seed, estimator):
