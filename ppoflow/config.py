@@ -186,7 +186,10 @@ class DynamicSamplingConfig(_Section):
         False,
         description=(
             "DAPO dynamic sampling: drop groups whose rollout.n_samples rewards are all equal (zero advantage) and "
-            "sample more prompts until prompts_per_iteration groups with variance are collected."
+            "sample more prompts until prompts_per_iteration groups with variance are collected. With "
+            "reward.overlong, equal rewards with different overlong penalties count as variance (the advantages "
+            "see reward + penalty), where DAPO's accuracy filter drops them; the KL of algo.kl_in_reward is not "
+            "looked at."
         ),
     )
     max_rounds: int = Field(

@@ -6,6 +6,10 @@ groups and samples more prompts, round after round, until the batch holds `targe
 reward variance or `max_rounds` rounds have run; then it trains on what there is (cut to whole optimizer
 steps) and says so in the metrics.
 
+With reward.overlong on, the advantages see reward + overlong penalty, so a group is flat only when its
+penalties are equal too (SampledGroup.has_signal); DAPO's accuracy filter also drops equal rewards of
+different lengths.
+
 Everything is a function of (run seed, iteration, round) and the rewards, never of wall time or of which
 worker ran a round, so a retried or resumed iteration draws exactly the same extra prompts:
 - `extra_prompt_rows`: the dataset rows of round r >= 1, from a stream of its own (the main data order of
@@ -26,12 +30,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SampledGroup:
-    """One prompt's group: its dataset row, the round that drew it (0 = the iteration's own prompts) and its
-    samples' scalar rewards, in sample order."""
+    """One prompt's group: its dataset row, the round that drew it (0 = the iteration's own prompts), its
+    samples' scalar rewards (the reward sources', raw) and, when reward.overlong is on, their overlong
+    penalties (engines.ppo.rewards.overlong_penalty), in sample order; penalties = () when it is off."""
 
     prompt_row: int
     round: int
     rewards: tuple[float, ...]
+    penalties: tuple[float, ...] = ()
+
+    def has_signal(self) -> bool:
+        """False only when the update will give this group zero advantage whatever its running statistics:
+        equal raw rewards (reward.normalize maps them to equal ones) and equal overlong penalties.
+
+        A group of equal raw rewards but different lengths inside the penalty's ramp has a signal (shorter is
+        better) and is kept. Not seen here: the KL in the reward (algo.kl_in_reward), known only in the update.
+        """
+        return has_reward_variance(self.rewards) or (bool(self.penalties) and has_reward_variance(self.penalties))
 
 
 def has_reward_variance(rewards: Sequence[float], tol: float = 0.0) -> bool:
@@ -99,6 +114,8 @@ def select_groups(
 ) -> GroupSelection:
     """The groups an update trains on.
 
+    A group "has variance" when SampledGroup.has_signal: its raw rewards, or its overlong penalties, differ.
+
     enabled: the first `target_groups` groups with reward variance, in draw order (round, then order within
     the round); when fewer exist (the rounds ran out) as many as fill whole optimizer steps of
     `groups_per_step` groups (train_batch_size / n_samples). When not even one step's worth has variance,
@@ -122,7 +139,7 @@ def select_groups(
             f"groups_per_step={groups_per_step}"
         )
     ordered = sorted(groups, key=lambda g: g.round)  # stable: keeps the order within a round
-    varied = [has_reward_variance(g.rewards) for g in ordered]
+    varied = [g.has_signal() for g in ordered]
     if enabled:
         positions = [i for i, v in enumerate(varied) if v][:target_groups]
         if len(positions) < target_groups:

@@ -1,5 +1,10 @@
 """DAPO dynamic sampling inside the rollout stage: sample in rounds, keep only groups with reward variance.
 
+"Reward variance" is on what the advantages will see, as far as the rollout stage can know it: the raw
+rewards, and with reward.overlong the overlong penalty of each response's length (`overlong_penalties`, the
+update's own formula on the same response_ids). A group of equal raw rewards but different penalties is
+kept (SampledGroup.has_signal). reward.normalize is affine, so it keeps equal rewards equal.
+
     sample_dynamic(sample, source, cfg, iteration, rewards_of) -> (rollout rows, metrics)
     stage_rewards(cfg) -> rewards_of                 the score stage's scorer (and score cache) as a callable
 
@@ -29,15 +34,12 @@ from __future__ import annotations
 from typing import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import torch
 
 from engines.data import PromptRecord, PromptSource
-from engines.ppo.dynamic_sampling import (
-    SampledGroup,
-    extra_prompt_rows,
-    has_reward_variance,
-    prompts_to_draw,
-    select_groups,
-)
+from engines.ppo.dynamic_sampling import SampledGroup, extra_prompt_rows, prompts_to_draw, select_groups
+from engines.ppo.rewards import overlong_penalty
 
 Sampler = Callable[[list[PromptRecord]], pa.Table]  # prompts -> rollout rows, n per prompt, by (prompt, sample)
 RewardsOf = Callable[[pa.Table], list[float]]  # rollout rows -> the scalar reward of each row, row for row
@@ -57,6 +59,16 @@ def stage_rewards(cfg) -> RewardsOf:
         return scored.column("reward").to_pylist()
 
     return rewards_of
+
+
+def overlong_penalties(table: pa.Table, cfg) -> list[float]:
+    """reward.overlong's penalty of each rollout row, row for row, as the update adds it to the reward (the
+    length is the row's response_ids count, as in its response_mask); [] when reward.overlong is off."""
+    overlong = cfg.reward.overlong
+    if overlong is None:
+        return []
+    lengths = torch.tensor(pc.list_value_length(table.column("response_ids")).to_pylist())
+    return overlong_penalty(lengths, cfg.rollout.max_new_tokens, overlong.buffer, overlong.penalty).tolist()
 
 
 def sample_dynamic(
@@ -84,6 +96,7 @@ def sample_dynamic(
             records = source.records(rows)
         table = sample(records)
         rewards = rewards_of(table)
+        penalties = overlong_penalties(table, cfg)
         if table.num_rows != len(records) * n or len(rewards) != table.num_rows:
             raise ValueError(
                 f"dynamic sampling round {round_index} of iteration {iteration}: {len(records)} prompts x "
@@ -93,9 +106,10 @@ def sample_dynamic(
             first_round_mean = sum(rewards) / len(rewards)
         tables.append(table)
         for j, record in enumerate(records):
-            groups.append(SampledGroup(record.index, round_index, tuple(rewards[j * n : (j + 1) * n])))
+            rows = slice(j * n, (j + 1) * n)
+            groups.append(SampledGroup(record.index, round_index, tuple(rewards[rows]), tuple(penalties[rows])))
         drawn.update(r.index for r in records)
-        kept = min(target, sum(1 for g in groups if has_reward_variance(g.rewards)))
+        kept = min(target, sum(1 for g in groups if g.has_signal()))
         if kept >= target:
             break
     selection = select_groups(groups, target, groups_per_step)

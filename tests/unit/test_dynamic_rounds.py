@@ -92,3 +92,49 @@ def test_same_inputs_same_rows(setup):
     first, _ = sample_dynamic(_sampler([]), source, cfg, 7, _rewards(varied))
     again, _ = sample_dynamic(_sampler([]), source, cfg, 7, _rewards(varied))
     assert first.equals(again)
+
+
+def test_overlong_penalty_differences_are_a_signal(setup, tiny_model_dir, digits_dataset_dir, tmp_path):
+    # every row's raw reward is 1.0; max_new_tokens 8, buffer 4, penalty 1: a 3-token response gets 0 and a
+    # 6-token one -(6 - 4) / 4 = -0.5 (engines.ppo.rewards.overlong_penalty), so a (3, 6) group has advantages
+    # in the update and a (6, 6) group has none
+    _, source = setup
+    cfg = small_config(
+        str(tmp_path),
+        "overlong",
+        tiny_model_dir,
+        digits_dataset_dir,
+        rollout={
+            "prompts_per_iteration": 4,
+            "n_samples": N,
+            "max_new_tokens": 8,
+            "dynamic_sampling": {"enabled": True, "max_rounds": 3},
+        },
+        train={"train_batch_size": 4, "micro_batch_size": 4},
+        reward={"overlong": {"buffer": 4, "penalty": 1.0}},
+    )
+    iteration = 2
+    round0 = source.row_indices(iteration, 4, cfg.run.seed)
+    # round 0 keeps 3 -> round 1 draws ceil(1 x 4 / 3) = 2 rows, as in test_stops_when_the_batch_is_full
+    round1 = extra_prompt_rows(len(source), cfg.run.seed, iteration, 1, 2, exclude=round0)
+    same_length = {round0[2]}
+
+    def sample(records):
+        log.append([r.index for r in records])
+        rows = [(r.index, s) for r in records for s in range(N)]
+        lengths = [6 if p in same_length or s == 1 else 3 for p, s in rows]
+        return pa.table(
+            {
+                "prompt_index": [p for p, _ in rows],
+                "sample_index": [s for _, s in rows],
+                "response_ids": [[7] * length for length in lengths],
+            }
+        )
+
+    log = []
+    table, metrics = sample_dynamic(sample, source, cfg, iteration, lambda t: [1.0] * t.num_rows)
+    assert log == [round0, round1]
+    assert table.column("prompt_index").to_pylist()[::N] == [round0[0], round0[1], round0[3], round1[0]]
+    assert metrics["rollout/batch_filled"] == 1.0
+    assert metrics["rollout/zero_variance_sampled_fraction"] == 1 / 6  # round0[2] alone: equal penalties
+    assert metrics["rollout/groups_dropped"] == 2.0  # round0[2] (flat) and round1[1] (varied, not needed)

@@ -59,6 +59,13 @@ class TestSelectGroups:
         shuffled = [self.groups[4], self.groups[1], self.groups[3]]  # round 1 listed first
         assert [g.prompt_row for g in select_groups(shuffled, 3, 3).groups] == [11, 13, 20]
 
+    def test_equal_rewards_with_different_overlong_penalties_are_kept(self):
+        # rewards (1, 1) everywhere; penalties (0, -0.5) differ (a signal: shorter is better), (-0.5, -0.5) do not
+        groups = [SampledGroup(1, 0, (1.0, 1.0), (-0.5, -0.5)), SampledGroup(2, 0, (1.0, 1.0), (0.0, -0.5))]
+        sel = select_groups(groups, target_groups=1, groups_per_step=1)
+        assert [g.prompt_row for g in sel.groups] == [2]
+        assert sel.metrics["rollout/zero_variance_sampled_fraction"] == 0.5
+
     def test_errors(self):
         with pytest.raises(ValueError, match="target_groups=3 must be a positive multiple of groups_per_step=2"):
             select_groups(self.groups, 3, 2)
