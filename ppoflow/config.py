@@ -402,6 +402,19 @@ class AlgoConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_kl_loss_estimator(self) -> "AlgoConfig":
+        # In the loss, k1 = log pi - log pi_ref has gradient grad log pi, whose expectation under the sampling
+        # policy is 0: the term adds noise, not a pull towards the reference. In the reward k1 is the usual choice.
+        kl_on = self.kl_coef > 0 or self.kl_target is not None
+        if kl_on and not self.kl_in_reward and self.kl_estimator == "k1":
+            raise ValueError(
+                "algo.kl_estimator='k1' with algo.kl_in_reward=false: as a loss term k1 has zero expected "
+                "gradient (only noise); use algo.kl_estimator=k3 (the GRPO paper's) or k2 for the KL in the "
+                "loss, or algo.kl_in_reward=true to keep k1 in the reward"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_loss_agg_norm(self) -> "AlgoConfig":
         if self.loss_agg_norm is not None and self.resolved_loss_agg != "seq_mean_token_sum_norm":
             raise ValueError(

@@ -28,11 +28,12 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 LR = 1e-3  # test_trainer._cfg's actor_lr
-# GRPO (no critic), the KL in the loss (so the advantages are the group-normalised scores alone); 8 rows in ONE group;
-# a step of 8 rows, 2 epochs; micro-batches of 2 rows (train.zero_stage is the test's parameter)
+# GRPO (no critic), the KL in the loss with k3 (so the advantages are the group-normalised scores alone); 8 rows in
+# ONE group; a step of 8 rows, 2 epochs; micro-batches of 2 rows (train.zero_stage is the test's parameter)
 SETTINGS = {
     "algo.name": "grpo",
     "algo.kl_in_reward": "false",
+    "algo.kl_estimator": "k3",  # k1 in the loss is refused (zero expected gradient)
     "rollout.prompts_per_iteration": 1,
     "rollout.n_samples": 8,
     "train.micro_batch_size": 2,

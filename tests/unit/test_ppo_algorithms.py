@@ -64,6 +64,20 @@ def test_loss_agg_defaults_and_norm():
         load_config(None, ["algo.name=grpo", "algo.loss_agg_norm=100"])
 
 
+def test_k1_in_the_loss_is_refused_while_the_kl_is_on():
+    # k1 = log pi - log pi_ref has gradient grad log pi, and E_pi[grad log pi] = sum_y grad pi(y) = grad 1 = 0
+    refusal = r"algo.kl_estimator='k1' with algo.kl_in_reward=false.*use algo.kl_estimator=k3.*or k2"
+    grpo_kl_in_loss = ["algo.name=grpo", "algo.kl_in_reward=false"]
+    with pytest.raises(ConfigError, match=refusal):
+        load_config(None, grpo_kl_in_loss)  # kl_estimator defaults to k1, kl_coef to 0.01
+    with pytest.raises(ConfigError, match=refusal):
+        load_config(None, [*grpo_kl_in_loss, "algo.kl_coef=0", "algo.kl_target=0.1"])  # adaptive: the KL is on
+    for estimator in ("k2", "k3"):
+        assert load_config(None, [*grpo_kl_in_loss, f"algo.kl_estimator={estimator}"]).algo.kl_estimator == estimator
+    assert load_config(None, [*grpo_kl_in_loss, "algo.kl_coef=0"]).algo.kl_coef == 0.0  # no KL term at all
+    assert load_config(None, ["algo.name=grpo", "algo.kl_in_reward=true"]).algo.kl_estimator == "k1"  # k1 in reward
+
+
 def test_removed_and_bounded_fields_name_themselves():
     with pytest.raises(ConfigError, match="algo.vf_coef was removed"):
         load_config(None, ["algo.vf_coef=0.5"])
