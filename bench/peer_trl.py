@@ -18,8 +18,9 @@ reason and left out of the ratios, never silently.
 
 Same work on both sides: the model folder built here (engines/toy/model.py), the digits prompts
 (engines/toy/task.py make_rows), 8 new tokens, temperature 1, the digits reward ended at EOS or pad.
-ppoflow runs with its CPU settings (bench/ppoflow_side.py CPU_SETTINGS: bfloat16 autocast, eager
-attention, ZeRO stage 0, HF generate); TRL as it runs by default (float32, SDPA) for the peer number,
+ppoflow runs with its CPU settings (bench/ppoflow_side.py CPU_SETTINGS: bfloat16 autocast where the CPU has
+bfloat16 matmul kernels, float32 where it has not, eager attention, ZeRO stage 0, HF generate); TRL as it
+runs by default (float32, SDPA) for the peer number,
 and once more with bfloat16 autocast and eager attention (trl_ppo_bf16).
 Figures: `ratio` = ppoflow full pipeline / TRL PPO (frozen gc) seconds per iteration in steady state
 (per run the median over the iterations after the first, then the mean over seeds; goal <= 0.5),

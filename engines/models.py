@@ -39,7 +39,8 @@ def autocast(dtype_name: Optional[str], device: torch.device | str):
     Wraps model calls only: matmuls run in bfloat16, while parameters, gradients and optimizer state keep
     their own dtype (float32), and ppoflow's log-softmax / value outputs are float32 (they cast).
     On CPU this uses AVX512-BF16 / AMX kernels where the CPU has them (measured 1.9x per forward+backward
-    of a 10M-parameter Llama on one AMD EPYC core); without them it is slower, not wrong.
+    of a 10M-parameter Llama on one AMD EPYC core); without them it is emulated, ~16x slower, not wrong
+    (preflight refuses it there: engines/precision.py).
     """
     if dtype_name is None:
         return contextlib.nullcontext()

@@ -19,8 +19,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from engines.precision import cpu_autocast_problem
 from flows.records import read_metrics, record_metrics
 from ppoflow.config import PPOFlowConfig, as_config
+from ppoflow.preflight import PreflightError, format_problems
 from storage.checkpoints import latest_iteration, read_commit_marker
 from storage.layout import layout_for
 from tasks.results import result_storage_for
@@ -58,6 +60,8 @@ def _artifact_key(cfg: PPOFlowConfig) -> str:
 def rm_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the reward model described by `config` (PPOFlowConfig as JSON); returns the export manifest."""
     cfg = as_config(config)
+    if problem := cpu_autocast_problem(cfg.model.autocast_dtype):  # bf16 emulated on this CPU: ~16x slower
+        raise PreflightError(format_problems(cfg, [problem]))
     layout = layout_for(cfg)
     layout.write_config_once(cfg.to_yaml())
     logger = get_run_logger()

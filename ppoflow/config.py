@@ -154,7 +154,7 @@ class ModelConfig(_Section):
     )
     autocast_dtype: Optional[Literal["bfloat16"]] = Field(
         None,
-        description="Mixed precision for the trainer's and the reference's forward/backward and for HF-generate rollouts: matmuls in bfloat16 under torch.autocast while weights, gradients and optimizer state stay in `dtype` (float32). Pays on CPUs with AVX512-BF16 or AMX and on GPUs; None = off. (vLLM rollouts follow `dtype`.)",
+        description="Mixed precision for the trainer's and the reference's forward/backward and for HF-generate rollouts: matmuls in bfloat16 under torch.autocast while weights, gradients and optimizer state stay in `dtype` (float32). Pays on GPUs and on CPUs with bfloat16 matmul kernels (AVX-512; natively AVX512-BF16 or AMX); on a CPU without them (AVX2 only) bfloat16 is emulated, an update ~16x slower, and preflight refuses the setting. None = off (the default; bfloat16 is never picked for you). (vLLM rollouts follow `dtype`.)",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel passed to from_pretrained."

@@ -10,7 +10,9 @@ What is checked (`static_problems`), in the order a run would meet it:
   and each safetensors file's header is read and checked against the file's size (a truncated download
   names the file). Headers only: the 8-byte length, the JSON header and the file size; never the tensors;
 - `rollout.stop_token_ids` inside the policy's vocabulary;
-- function reward sources: the file exists, or the module can be found (nothing is imported or run).
+- function reward sources: the file exists, or the module can be found (nothing is imported or run);
+- `model.autocast_dtype=bfloat16` where this process's models would run on a CPU without bfloat16 matmul
+  kernels (engines/precision.py): ~16x slower updates, refused with the fix.
 
 Nothing here writes, so a refused start leaves an existing run's files as they were. The Prefect part
 (deployments named in `pipeline.stage_pools`) and the tokenised prompt lengths are in flows/preflight.py.
@@ -207,6 +209,18 @@ def lora_target_problem(cfg: PPOFlowConfig) -> str | None:
     return None
 
 
+def precision_problem(cfg: PPOFlowConfig) -> str | None:
+    """model.autocast_dtype=bfloat16 refused on a CPU without bfloat16 matmul kernels (engines/precision.py),
+    when a stage whose models take the setting runs in this process. Stages that all run on pools or task
+    workers (pipeline.stage_pools / stage_workers) compute on their own machines: not judged from here."""
+    remote = set(cfg.pipeline.stage_pools or {}) | set(cfg.pipeline.stage_workers)
+    if cfg.model.autocast_dtype is None or remote >= {"rollout", "score", "update", "eval"}:
+        return None
+    from engines.precision import cpu_autocast_problem
+
+    return cpu_autocast_problem(cfg.model.autocast_dtype)
+
+
 def static_problems(cfg: PPOFlowConfig) -> list[str]:
     """Every problem of the storage root, the data, the model folders and the reward sources (see module doc)."""
     from engines.data import DataError, check_dataset
@@ -223,6 +237,7 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
             problems.append(f"eval.data_path: {e}")
     problems += model_folder_problems(cfg.model.policy_path, "model.policy_path")
     problems += [p for p in [stop_token_problem(cfg), lora_target_problem(cfg), hostfile_problem(cfg)] if p]
+    problems += [p for p in [precision_problem(cfg)] if p]
     if cfg.algo.uses_critic and cfg.model.critic_path:
         problems += model_folder_problems(cfg.model.critic_path, "model.critic_path", need_tokenizer=False)
     for i, source in enumerate(cfg.reward.sources):
