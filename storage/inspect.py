@@ -22,6 +22,8 @@ from storage.schema import check_columns
 from storage.shards import MANIFEST_NAME, Manifest, read_manifest, read_part, require_manifest
 
 _WIDE_COLUMNS = 6  # more columns than this are shown one row per block
+_CELL_WIDTH = 48  # the widest a cell gets side by side
+_MIN_CELL_WIDTH = 16  # side by side only when each column gets this much (or its name's width, or all it needs)
 
 
 def find_stage_dirs(fs, path: str) -> dict[str, Optional[Manifest]]:
@@ -121,15 +123,17 @@ def describe_metadata(schema: pa.Schema) -> str:
     return ", ".join(f"{k[len('ppoflow.') :]}={v}" for k, v in meta.items())
 
 
-def _cell(value: Any, width: int = 48) -> str:
+def _cell(value: Any, width: int = _CELL_WIDTH) -> str:
+    """`value` on one line of at most `width` characters: a list as its length and first elements, a newline
+    as ⏎ and a tab as a space (a chat-template prompt has many lines), the rest cut with …."""
     if isinstance(value, list):
         head = ", ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in value[:8])
         text = f"[{len(value)}] {head}{', …' if len(value) > 8 else ''}"
     elif isinstance(value, float):
         text = f"{value:.4g}"
     else:
-        text = str(value)
-    return text if len(text) <= width else text[: width - 1] + "…"
+        text = str(value).replace("\r\n", "⏎").replace("\n", "⏎").replace("\r", "⏎").replace("\t", " ")
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 def shards_show(
@@ -137,8 +141,9 @@ def shards_show(
 ):
     """The first `rows` rows of one committed stage folder (only `columns` when given), as a rich renderable.
 
-    Lists show their length then the first elements ("[12] 5, 9, …"). Raises ValueError listing the
-    stage folders when `uri` holds several, NotCommittedError when it is not committed.
+    Lists show their length then the first elements ("[12] 5, 9, …"), newlines show as ⏎; the layout follows
+    the console's width (ShardRows). Raises ValueError listing the stage folders when `uri` holds several,
+    NotCommittedError when it is not committed.
     """
     fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
     if len(found) > 1:
@@ -158,33 +163,64 @@ def shards_show(
     data = pa.concat_tables(pieces) if pieces else None
     title = f"{fsutil.url_of(fs, folder)} ({manifest.kind}, first {taken} of {manifest.rows:,} rows)"
     caption = describe_metadata(pieces[0].schema) if pieces else ""
-    names = selected or (data.column_names if data is not None else [])
+    names = list(selected or (data.column_names if data is not None else []))
     records = data.to_pylist() if data is not None else []
-    if len(names) <= _WIDE_COLUMNS:
-        table = Table(title=title)
-        for name in names:
-            table.add_column(name, no_wrap=True, overflow="ellipsis")
-        for row in records:
-            table.add_row(*(_cell(row[name]) for name in names))
-        return _with_caption(table, caption)
-    # Many columns do not fit side by side: one block per row, a line per column (like psql's \x).
-    table = Table(title=title)
-    table.add_column("row", justify="right")
-    table.add_column("column")
-    table.add_column("value", overflow="ellipsis", no_wrap=True)
-    for index, row in enumerate(records):
-        for position, name in enumerate(names):
-            table.add_row(str(index) if position == 0 else "", name, _cell(row[name], width=100))
-        table.add_section()
-    return _with_caption(table, caption)
+    return ShardRows(title, names, records, caption)
 
 
-def _with_caption(table: Table, caption: str):
-    """The table, then the parts' ppoflow.* metadata on a line of its own (a table caption would wrap at
-    the table's width, one word per line for a narrow selection)."""
-    if not caption:
+class ShardRows:
+    """Rows of a stage folder laid out for the width they are printed at (a rich renderable).
+
+    Side by side when there are at most _WIDE_COLUMNS columns and each gets at least its name's width and
+    _MIN_CELL_WIDTH (less when all its cells are narrower), cells cut with …; otherwise one block per row, a
+    `name  value` line per column (like psql's \\x). Either way every column's name is shown whole and no line
+    is wider than the console (an 80-column terminal, or a pipe, which rich takes as 80).
+    """
+
+    def __init__(self, title: str, names: list[str], records: list[dict[str, Any]], caption: str):
+        self.title, self.names, self.records, self.caption = title, names, records, caption
+
+    def __rich_console__(self, console, options):
+        widths = self._column_widths(options.max_width) if len(self.names) <= _WIDE_COLUMNS else None
+        yield self._table(widths) if widths else self._blocks(options.max_width)
+        if self.caption:  # on a line of its own: a table caption would wrap at a narrow table's width
+            yield Text(f"part metadata: {self.caption}", style="dim")
+
+    def _column_widths(self, width: int) -> Optional[list[int]]:
+        """Each column's cell width when they fit side by side in `width`, else None."""
+        budget = width - (3 * len(self.names) + 1)  # rich's box: a border and a space either side, one edge
+        natural = [max([len(n)] + [len(_cell(row[n])) for row in self.records]) for n in self.names]
+        widths = [max(len(n), min(need, _MIN_CELL_WIDTH)) for n, need in zip(self.names, natural)]
+        spare = budget - sum(widths)
+        if spare < 0:
+            return None
+        # Share what is left among the columns whose cells are still cut, evenly.
+        while spare > 0 and (cut := [i for i, w in enumerate(widths) if w < natural[i]]):
+            for i in cut:
+                grow = min(max(spare // len(cut), 1), natural[i] - widths[i], spare)
+                widths[i] += grow
+                spare -= grow
+        return widths
+
+    def _table(self, widths: list[int]) -> Table:
+        table = Table(title=self.title)
+        for name, width in zip(self.names, widths):
+            table.add_column(name, width=width, no_wrap=True, overflow="ellipsis")
+        for row in self.records:
+            table.add_row(*(_cell(row[name], width) for name, width in zip(self.names, widths)))
         return table
-    return Group(table, Text(f"part metadata: {caption}", style="dim"))
+
+    def _blocks(self, width: int) -> Group:
+        name_width = max(map(len, self.names), default=0)
+        value_width = max(width - name_width - 4, 1)  # "  name  value"
+        lines = [Text(self.title, style="bold")]
+        for index, row in enumerate(self.records):
+            lines.append(Text(f"row {index}", style="bold"))
+            lines += [
+                Text(f"  {name:<{name_width}}  {_cell(row[name], value_width)}", no_wrap=True, overflow="ellipsis")
+                for name in self.names
+            ]
+        return Group(*lines)
 
 
 def stage_stats(fs, folder: str) -> dict[str, Any]:
