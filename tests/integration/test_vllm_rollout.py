@@ -169,6 +169,23 @@ def test_same_seed_same_samples_other_seed_differs(engine, tiny_model_dir):
     assert len({tuple(s.response_ids) for s in first[:3]}) > 1
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget(engine, tiny_model_dir):
+    """64 seeded prompts of 200 tokens (12,800 prompt tokens, more than any step's budget): vLLM 0.32 on CPU
+    prefilled the last one in chunks and its engine core died ("CPU Generator does not use offset"), as the
+    eval of SmolLM2's 200 chat prompts did. Each prompt must also sample what it samples alone (seeds fix
+    the samples whatever the batch holds)."""
+    engine.load_weights(str(tiny_model_dir), 0)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [[1] + torch.randint(4, 64, (199,), generator=generator).tolist() for _ in range(64)]
+    sampling = SamplingSettings(n=1, max_new_tokens=4)
+    seeds = list(range(100, 164))
+    batch = engine.generate(prompts, sampling, seeds=seeds)
+    assert len(batch) == 64 and all(len(s.response_ids) >= 1 for s in batch)
+    for i in (0, 31, 63):
+        alone = engine.generate([prompts[i]], sampling, seeds=[seeds[i]])
+        assert alone[0].response_ids == batch[i].response_ids
+
+
 def test_weight_refresh_from_another_folder(engine, tiny_model_dir, tmp_path):
     certain_seven = _certain_token_checkpoint(tiny_model_dir, tmp_path / "iter-1-policy", DIGIT_7)
     engine.load_weights(str(certain_seven), 1)
