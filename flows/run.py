@@ -28,6 +28,7 @@ _COLUMNS = [
     ("timing/update", "update s", 9, "{:.1f}"),
     ("timing/checkpoint", "ckpt s", 7, "{:.1f}"),
     ("eval/reward_mean", "eval", 6, "{:.3f}"),  # "-" in iterations without an eval (eval.every)
+    ("eval/accuracy", "acc", 5, "{:.2f}"),  # rewards in [0, 1]: the share scored 1.0
     ("timing/eval", "eval s", 7, "{:.1f}"),
     ("timing/iteration", "iter s", 7, "{:.1f}"),
 ]
@@ -73,14 +74,16 @@ class IterationTable:
         with self._lock:
             for row in rows:
                 iteration = int(row["iteration"])
-                if iteration <= self.committed or iteration in self.printed_iterations:
+                # Row 0 (eval.before_training) is printed by the start that ran it; it is no iteration of the bar.
+                earlier_start = iteration <= self.committed and (iteration > 0 or self.committed > 0)
+                if iteration in self.printed_iterations or earlier_start:
                     continue
                 if not self.header_printed:
                     self.progress.console.print(table_header(), style="bold", highlight=False)
                     self.header_printed = True
                 self.printed_iterations.add(iteration)
                 self.progress.console.print(table_row(row), highlight=False)
-            done = self.committed + len(self.printed_iterations)
+            done = self.committed + len(self.printed_iterations - {0})
             self.progress.update(self.task_id, completed=done)
 
 
@@ -112,11 +115,13 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
 
     The flow run is a run of the `ppoflow-train` deployment (flows/deployment.py), so it can be retried from
     the UI and with `prefect flow-run retry ID`."""
+    from engines.reasoning_tasks import materialize
     from flows.deployment import train_through_deployment
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
 
     console = console or Console()
+    cfg = materialize(cfg)  # data.reasoning_gym: write its files here, so the paths printed below are its
     layout = layout_for(cfg)
     already = min(latest_iteration(layout) or 0, cfg.run.iterations) if layout.fs.exists(layout.run_dir) else 0
     if already:

@@ -12,8 +12,9 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from engines.reasoning_tasks import materialize as materialize_generated_data
 from flows.artifacts import start_progress, update_progress
-from flows.iteration import ppo_iteration, recover_missing_rows, rerun_missing_evals
+from flows.iteration import evaluate_initial_policy, ppo_iteration, recover_missing_rows, rerun_missing_evals
 from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
@@ -30,13 +31,15 @@ from storage.layout import layout_for
 )
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""
-    cfg = as_config(config)
+    cfg = materialize_generated_data(as_config(config))  # data.reasoning_gym: the .jsonl files, written once
     preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
     layout.write_config_once(cfg.to_yaml(), defaults=type(cfg)().model_dump(mode="json"))
     start = (latest_iteration(layout) or 0) + 1
     logger = get_run_logger()
     _crash_stale_run(cfg, layout, logger)
+    if start == 1 and cfg.eval.before_training and cfg.eval.data_path:
+        evaluate_initial_policy(cfg, layout)
     for iteration in rerun_missing_evals(cfg, layout, start - 1):
         logger.warning(
             "iteration %d was committed but its eval was lost (the process died in between): ran it again", iteration

@@ -169,8 +169,46 @@ class ModelConfig(_Section):
     )
 
 
+class ReasoningGymConfig(_Section):
+    task: str = Field(
+        description="A reasoning-gym task name (reasoning_gym.factory.DATASETS), e.g. chain_sum, basic_arithmetic, gsm_symbolic."
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The task's own config fields (its *Config dataclass), e.g. {min_terms: 2, max_terms: 2}; checked by reasoning-gym.",
+    )
+    size: int = Field(4000, ge=1, description="Training rows (entries seed .. seed + size - 1 of the task).")
+    seed: int = Field(1, ge=0, description="The task's seed: entry i is drawn from Random(seed + i).")
+    eval_size: int = Field(
+        0,
+        ge=0,
+        description="Held-out rows for the eval stage (eval.data_path is set to them): drawn from eval_seed on, none whose question is among the training rows; 0 = no held-out set.",
+    )
+    eval_seed: Optional[int] = Field(
+        None, ge=0, description="Seed of the held-out rows; None = seed + size (no shared draws)."
+    )
+    prompt_template: str = Field(
+        "{question}",
+        description="The prompt text around the task's question ({question}); the chat template comes after, from model.apply_chat_template.",
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_question(cls, template: str) -> str:
+        if "{question}" not in template:
+            raise ValueError("must contain {question} (where the task's question goes)")
+        try:
+            template.format(question="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"is not a format string with only {{question}} in it: {e}") from None
+        return template
+
+
 class DataConfig(_Section):
-    path: str = Field("./runs/_data/digits", description="A datasets folder (save_to_disk), or a .jsonl/.parquet file.")
+    path: str = Field(
+        "./runs/_data/digits",
+        description="A datasets folder (save_to_disk), or a .jsonl/.parquet file; set by ppoflow when data.reasoning_gym is given.",
+    )
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: Optional[str] = Field(
         "label", description="Column passed to reward functions as the label / ground truth."
@@ -179,6 +217,10 @@ class DataConfig(_Section):
         None, description="Column passed to veRL-style compute_score as data_source."
     )
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are an error naming the row.")
+    reasoning_gym: Optional[ReasoningGymConfig] = Field(
+        None,
+        description="Generate the prompts with a reasoning-gym task instead of reading a file: {task, config, size, seed, eval_size, eval_seed, prompt_template}; written once as .jsonl under <root>/_data/reasoning-gym/ (data.path and, with eval_size, eval.data_path point there; columns prompt, label = the task's entry as JSON, data_source = the task). Score with engines.rewards.reasoning_tasks (the task's own score_answer). None = data.path.",
+    )
 
 
 class DynamicSamplingConfig(_Section):
@@ -546,6 +588,10 @@ class EvalConfig(_Section):
         0.0, ge=0, description="Sampling temperature of the eval; 0 = greedy (top-k 1, as vLLM and HF both honour)."
     )
     max_new_tokens: Optional[int] = Field(None, ge=1, description="Response length cap; None = rollout.max_new_tokens.")
+    before_training: bool = Field(
+        False,
+        description="Also evaluate the initial policy when a run starts (before iteration 1): its metrics are the row of iteration 0 in metrics.jsonl, the table and the plot, its shards iter-000000/eval/.",
+    )
 
 
 class PipelineConfig(_Section):

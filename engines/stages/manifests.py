@@ -97,11 +97,13 @@ class RolloutPartManifest(ShardsManifest):
 
 
 class EvalManifest(ShardsManifest):
-    """The eval stage's shards (scored rows of the held-out prompts) and its metrics (eval/reward_mean, eval/pass@k).
+    """The eval stage's shards (scored rows of the held-out prompts) and its metrics (eval/reward_mean, eval/accuracy,
+    eval/pass@k).
 
     Identity: the shards' content hash, like the other shard stages (the metrics are a function of the rows)."""
 
     stage: Literal["eval"] = "eval"
+    iteration: int = Field(ge=0, description="0 = the initial policy's eval (eval.before_training)")
     policy_version: int
     engine: str
     metrics: dict[str, float]

@@ -122,8 +122,12 @@ class TestEval:
     def test_eval_metrics(self):
         # prompts: [1, 0, 0, 0] (c=1), [1, 1, 0, 0] (c=2); pass@2 = ((1 - 3/6) + (1 - 1/6)) / 2 = 2/3
         got = eval_metrics([1, 0, 0, 0, 1, 1, 0, 0], group_size=4, ks=(1, 2))
-        assert got == pytest.approx({"eval/reward_mean": 3 / 8, "eval/pass@1": 3 / 8, "eval/pass@2": 2 / 3})
-        assert eval_metrics([0.5, 1.0], group_size=2, ks=(1,)) == {"eval/reward_mean": 0.75}  # no pass@k
+        expected = {"eval/reward_mean": 3 / 8, "eval/accuracy": 3 / 8, "eval/pass@1": 3 / 8, "eval/pass@2": 2 / 3}
+        assert got == pytest.approx(expected)
+        # partial credit (a reasoning-gym scorer's 0.5): no pass@k, accuracy counts only the 1.0 of the four
+        got = eval_metrics([0.5, 1.0, 0.25, 0.0], group_size=2, ks=(1,))
+        assert got == pytest.approx({"eval/reward_mean": 1.75 / 4, "eval/accuracy": 1 / 4})
+        assert eval_metrics([2.5, -1.0], group_size=2, ks=(1,)) == {"eval/reward_mean": 0.75}  # not a [0, 1] score
         with pytest.raises(ValueError, match=r"k \[3\] outside"):
             eval_metrics([1, 0], 2, ks=(3,))
         with pytest.raises(ValueError, match="3 rewards is not a non-empty multiple of group_size=2"):
