@@ -43,8 +43,9 @@ def machine() -> dict:
     return {"cores": os.cpu_count(), "mem_gib": mem_gib, "cpu_model": model}
 
 
-def emit(name: str, figures: dict) -> dict:
-    """Add bench, date (UTC ISO), commit and machine to `figures`; append as one JSON line; print it."""
+def emit(name: str, figures: dict, results_dir: Path | None = None) -> dict:
+    """Add bench, date (UTC ISO), commit and machine to `figures`; append as one JSON line to
+    <results_dir>/<name>.jsonl (default bench/results; a smoke run passes another folder); print it."""
     line = {
         "bench": name,
         **figures,
@@ -53,9 +54,10 @@ def emit(name: str, figures: dict) -> dict:
         "cpu_count": os.cpu_count(),
         "machine": machine(),
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    folder = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
     text = json.dumps(line, sort_keys=False)
-    with open(RESULTS_DIR / f"{name}.jsonl", "a") as f:
+    with open(folder / f"{name}.jsonl", "a") as f:
         f.write(text + "\n")
     print(text, flush=True)
     return line
