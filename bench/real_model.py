@@ -1,11 +1,11 @@
-"""A real pretrained model on the real recipe: rollout, update and pipeline figures of SmolLM2-135M on chain_sum.
+"""A real pretrained model on the real recipe: rollout, update and pipeline figures of SmolLM2-135M on basic_arithmetic.
 
     python -m bench.real_model                       # the whole bench (~10 min on 2 idle cores)
     python -m bench.real_model --prompts 8 --rounds 1 --update-prompts 2 --updates 1 --skip-pipeline \
         --results-dir /tmp/smoke                     # a smoke run of the same code, its line kept elsewhere
 
 The model is `ppoflow models fetch`'s SmolLM2-135M-Instruct (float32, engines/pretrained.py), the recipe is
-configs/real_chain_sum.yaml (GRPO, 16 prompts x 4 samples x 16 new tokens, chat template, vLLM rollouts); the
+configs/real_arithmetic.yaml (GRPO, 16 prompts x 4 samples x 16 new tokens, chat template, vLLM rollouts); the
 prompts are the recipe's own (data.reasoning_gym through engines/reasoning_tasks.py and engines/data.py's
 PromptSource, iteration 1's rows, each seeded as the rollout stage seeds it). Four parts, each with its baseline:
 
@@ -30,7 +30,7 @@ PromptSource, iteration 1's rows, each seeded as the rollout stage seeds it). Fo
    start to the end of iteration 1 (what a user waits); the peak RSS of its process tree (sum over processes,
    polled every 0.5 s: shared pages count once per process).
 4. Accuracy before/after: eval/accuracy of row 0 and of the last row holding it in a finished recipe run's
-   metrics.jsonl (--run-dir, default ./runs/real-chain-sum); keys absent when the run or its rows are.
+   metrics.jsonl (--run-dir, default ./runs/real-arithmetic); keys absent when the run or its rows are.
 
 Threads: torch.set_num_threads(--threads, default every core this process may use); vLLM's CPU worker is bound
 to the same cores (VLLM_CPU_OMP_THREADS_BIND, none reserved). The pipeline subprocess gets the environment this
@@ -57,7 +57,7 @@ from typing import Optional
 from bench.common import emit
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPE = REPO / "configs" / "real_chain_sum.yaml"
+RECIPE = REPO / "configs" / "real_arithmetic.yaml"
 MODEL_NAME = "smollm2-135m-instruct"
 # (in, out) of the model's matmuls: MLP gate/up, attention q/o, the tied LM head (hidden 576, vocab 49,152)
 MATMUL_SHAPES = {"mlp_576x1536": (576, 1536), "attn_576x576": (576, 576), "head_576x49152": (576, 49152)}
@@ -413,7 +413,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--skip-rollout", action="store_true")
     p.add_argument("--skip-update", action="store_true")
     p.add_argument("--skip-pipeline", action="store_true")
-    p.add_argument("--run-dir", default=None, help="a finished recipe run (default ./runs/real-chain-sum)")
+    p.add_argument("--run-dir", default=None, help="a finished recipe run (default ./runs/real-arithmetic)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core allowed)")
     p.add_argument("--results-dir", default=None, help="where the line is appended (default bench/results)")
     return p.parse_args(argv)
@@ -452,7 +452,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         steady_update = figures.get("pipeline_steady_s", {}).get("update")
         if steady_update and "update_steady_s" in figures and not a.update_prompts and not a.pipeline_set:
             figures["pipeline_update_over_bare_update"] = round(steady_update / figures["update_steady_s"], 2)
-    run_dir = Path(a.run_dir) if a.run_dir else REPO / "runs" / "real-chain-sum"
+    run_dir = Path(a.run_dir) if a.run_dir else REPO / "runs" / "real-arithmetic"
     if (run_dir / "metrics.jsonl").is_file():
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         accuracy = accuracy_figures(rows)

@@ -1,0 +1,51 @@
+"""The terminal's iteration table (flows/run.py IterationTable): the before-training eval row (iteration 0) is
+printed by the start that ran it and is no step of the progress bar; a resumed start prints only new rows."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+from rich.progress import Progress
+
+from flows.run import IterationTable
+from ppoflow.config import load_config
+from storage.layout import layout_for
+
+
+def _table(tmp_path, rows, already):
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=t", "run.iterations=3"])
+    layout = layout_for(cfg)
+    layout.fs.makedirs(layout.run_dir, exist_ok=True)
+    with open(layout.metrics_path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = io.StringIO()
+    progress = Progress(console=Console(file=out, width=120))
+    task = progress.add_task("run t", total=3, completed=already)
+    table = IterationTable(cfg, progress, task, already)
+    table.poll()
+    table.poll()  # a second poll prints nothing again
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    return lines, progress.tasks[0].completed
+
+
+ROWS = [
+    {"iteration": 0, "eval/reward_mean": 0.25, "eval/accuracy": 0.25},
+    {"iteration": 1, "reward/mean": 0.5},
+    {"iteration": 2, "reward/mean": 0.75, "eval/reward_mean": 0.5, "eval/accuracy": 0.5},
+]
+
+
+def test_a_fresh_start_prints_row_zero_and_counts_only_iterations(tmp_path):
+    lines, completed = _table(tmp_path, ROWS, already=0)
+    assert lines[0].split()[:3] == ["iter", "reward", "kl"]
+    assert [line.split()[0] for line in lines[1:]] == ["0", "1", "2"]
+    assert lines[1].split()[-4:-2] == ["0.250", "0.25"]  # eval, acc of the initial policy
+    assert completed == 2  # iterations 1 and 2, not row 0
+
+
+def test_a_resumed_start_prints_only_the_new_iterations(tmp_path):
+    lines, completed = _table(tmp_path, ROWS, already=1)
+    assert [line.split()[0] for line in lines[1:]] == ["2"]
+    assert completed == 2
