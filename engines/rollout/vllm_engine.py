@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 from engines.rollout.base import RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
 from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
+from engines.rollout.vllm_tied_head import allow_function_rpc, retie_lm_head, ties_embeddings
 
 log = logging.getLogger("ppoflow.rollout")
 
@@ -155,6 +156,9 @@ class VLLMRolloutEngine:
         llm_kwargs = self.settings.llm_kwargs()
         if not on_gpu:
             llm_kwargs.update(whole_prefill_kwargs(path, self.settings.max_model_len))
+        self._tied_head = ties_embeddings(path)
+        if self._tied_head:  # the reload must re-tie the head (engines/rollout/vllm_tied_head.py)
+            allow_function_rpc()
         self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
         model_config = self._llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
@@ -283,6 +287,8 @@ class VLLMRolloutEngine:
             raise ValueError(f"checkpoint {policy_dir} does not match the served model (served, new): {diff}")
         started = time.perf_counter()
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+        if self._tied_head:
+            self._llm.collective_rpc(retie_lm_head)
         self._llm.reset_prefix_cache()
         self.policy_dir, self.policy_version = str(path), int(version)
         log.info("vllm: loaded policy version %d from %s in %.3f s", version, path, time.perf_counter() - started)
