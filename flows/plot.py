@@ -47,10 +47,11 @@ def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> str:
         if x:
             kl_ax.plot(x, y, marker=".", label=key)
     kl_ax.set_ylabel("KL (nats)")
-    present = [key for key in STAGE_TIMINGS if _series(rows, key)[0]]
+    trained = [r for r in rows if int(r["iteration"]) > 0]  # row 0 is the initial policy's eval: no stages ran
+    present = [key for key in STAGE_TIMINGS if _series(trained, key)[0]]
     if present:
-        iterations = [int(r["iteration"]) for r in rows]
-        stacks = [[float(r.get(key) or 0.0) for r in rows] for key in present]
+        iterations = [int(r["iteration"]) for r in trained]
+        stacks = [[float(r.get(key) or 0.0) for r in trained] for key in present]
         time_ax.stackplot(iterations, *stacks, labels=[k.split("/", 1)[1] for k in present], alpha=0.8)
     time_ax.set_ylabel("seconds per stage")
     time_ax.set_xlabel("iteration")
