@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set up, then run the demo on the embedded default (CPU, local storage, local Prefect)
 #   make test   set up, then lint (ruff check + format check) and run the test suite
-#   make demo-real  a real model learns a real task: SmolLM2-135M-Instruct on reasoning-gym's basic_arithmetic (~30 min on 2 cores)
+#   make demo-real  a real model learns a real task: SmolLM2-135M-Instruct on reasoning-gym's basic_arithmetic (~15 min on 2 cores)
 #   make demo-rm  the reward-model chain: toy preference pairs -> ppoflow train-rm -> PPO on the learned model alone
 .PHONY: setup demo demo-real demo-rm lint test bench-docs
 VENV := .venv
