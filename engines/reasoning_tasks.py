@@ -19,7 +19,7 @@ repeat questions) are left out of the held-out set and more are drawn, up to 8x 
 distinct questions is an error naming data.reasoning_gym.
 
 Files: <root>/_data/reasoning-gym/<task>-<hash of the spec>/{train,eval}.jsonl when run.root is a local
-folder, else under $PPOFLOW_CACHE (or ~/.cache/ppoflow)/data/; written to a temporary name and renamed, so
+folder, else under <local cache>/data/ (storage.fs.local_cache_root); written to a temporary name and renamed, so
 a reader never sees half a file; an existing file is reused (same spec, same bytes).
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 
 from ppoflow.config import ConfigError, PPOFlowConfig, ReasoningGymConfig
 from ppoflow.fingerprint import json_hash
+from storage.fs import is_local, local_cache_root, resolve
 
 _EVAL_DRAWS = 8  # held-out draws per wanted row at most, before giving up on a small task space
 
@@ -85,11 +86,8 @@ def generate_rows(spec: ReasoningGymConfig) -> tuple[list[dict], list[dict]]:
 
 def data_dir(cfg: PPOFlowConfig) -> Path:
     """Where generated datasets live: <root>/_data/reasoning-gym for a local root, else the local cache."""
-    root = cfg.run.root
-    if "://" in root and not root.startswith("file://"):
-        base = Path(os.environ.get("PPOFLOW_CACHE") or Path.home() / ".cache" / "ppoflow") / "data"
-    else:
-        base = Path(root.removeprefix("file://")).expanduser() / "_data"
+    fs, root = resolve(cfg.run.root, cfg.storage)
+    base = Path(root) / "_data" if is_local(fs) else Path(local_cache_root(cfg.storage.local_cache_dir)) / "data"
     return base.resolve() / "reasoning-gym"
 
 

@@ -38,15 +38,9 @@ import time
 from typing import Optional, TextIO
 
 from ppoflow.config import PPOFlowConfig
+from storage.fs import local_cache_root
 
 log = logging.getLogger("ppoflow.cli")
-
-
-def local_cache_root(local_cache_dir: Optional[str] = None) -> str:
-    """storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow (as storage/checkpoints.py)."""
-    return (
-        local_cache_dir or os.environ.get("PPOFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow")
-    )
 
 
 def mirror_dir(root_url: str, run_name: str, local_cache_dir: Optional[str] = None) -> str:

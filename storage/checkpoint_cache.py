@@ -9,6 +9,7 @@ import re
 import shutil
 import time
 
+from storage.fs import local_cache_root
 from storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -17,12 +18,7 @@ log = logging.getLogger(__name__)
 def checkpoint_cache_dir(layout: RunLayout) -> str:
     """The local folder holding this run's copies of remote checkpoints, one subfolder per commit marker:
     storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow; then checkpoints/<run name>."""
-    base = (
-        layout.storage_cfg.local_cache_dir
-        or os.environ.get("PPOFLOW_CACHE")
-        or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow")
-    )
-    return os.path.join(base, "checkpoints", layout.run_name)
+    return os.path.join(local_cache_root(layout.storage_cfg.local_cache_dir), "checkpoints", layout.run_name)
 
 
 _COPY_NAME = re.compile(r"[0-9a-f]{16}")  # a cached copy's folder: the marker digest of load_checkpoint

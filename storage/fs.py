@@ -56,6 +56,14 @@ def resolve(url: str, storage_cfg: Optional[StorageConfig] = None) -> tuple[fssp
     return fs, path.rstrip("/") or "/"
 
 
+def local_cache_root(local_cache_dir: Optional[str] = None) -> str:
+    """This machine's folder for local copies (checkpoints, log mirrors, generated datasets of remote runs):
+    storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow."""
+    return (
+        local_cache_dir or os.environ.get("PPOFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ppoflow")
+    )
+
+
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 

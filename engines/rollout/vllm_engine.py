@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 from engines.rollout.base import RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
 from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
-from engines.rollout.vllm_tied_head import allow_function_rpc, retie_lm_head, ties_embeddings
+from engines.rollout.vllm_tied_head import allow_function_rpc, retie_lm_head
 
 log = logging.getLogger("ppoflow.rollout")
 
@@ -81,11 +81,14 @@ class VLLMSettings:
         return kwargs
 
 
-def _architecture(policy_dir: Path) -> dict:
+def _read_config(policy_dir: Path) -> dict:
     cfg_file = policy_dir / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"policy folder {policy_dir} has no config.json (not a Hugging Face model folder)")
-    cfg = _read_config(policy_dir)
+    return json.loads(cfg_file.read_text())
+
+
+def _architecture(cfg: dict) -> dict:
     return {k: cfg.get(k) for k in _ARCH_KEYS}
 
 
@@ -94,7 +97,7 @@ def _architecture(policy_dir: Path) -> dict:
 _MIN_BATCHED_TOKENS = 8192
 
 
-def whole_prefill_kwargs(policy_dir: Path, max_model_len: Optional[int]) -> dict:
+def whole_prefill_kwargs(context_len: int) -> dict:
     """vLLM keywords that make every prompt be prefilled in one engine step (no chunked prefill) on CPU.
 
     Why: vLLM prefills a prompt in chunks when the step's token budget runs out part-way through it, and after
@@ -105,12 +108,7 @@ def whole_prefill_kwargs(policy_dir: Path, max_model_len: Optional[int]) -> dict
     a prompt that does not fit in what is left of the step's budget waits for the next step, whole; the budget
     must then hold the longest prompt, so it is at least the context length.
     """
-    context = max_model_len or int(_read_config(policy_dir).get("max_position_embeddings") or 0)
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_MIN_BATCHED_TOKENS, context)}
-
-
-def _read_config(policy_dir: Path) -> dict:
-    return json.loads((policy_dir / "config.json").read_text())
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_MIN_BATCHED_TOKENS, context_len)}
 
 
 def _check_policy_dir(policy_dir: str) -> Path:
@@ -144,7 +142,8 @@ class VLLMRolloutEngine:
                 "enable_sleep_mode=True needs a GPU: vLLM's sleep/wake frees CUDA memory, "
                 "there is nothing to free on CPU (set rollout.sleep_between_iterations=false)"
             )
-        self._architecture = _architecture(path)
+        model_config = _read_config(path)
+        self._architecture = _architecture(model_config)
         self.logprobs_mode = self.settings.logprobs_mode
         self.enable_sleep_mode = self.settings.enable_sleep_mode
         self.policy_dir = str(path)
@@ -155,9 +154,9 @@ class VLLMRolloutEngine:
         started = time.perf_counter()
         llm_kwargs = self.settings.llm_kwargs()
         if not on_gpu:
-            llm_kwargs.update(whole_prefill_kwargs(path, self.settings.max_model_len))
-        self._tied_head = ties_embeddings(path)
-        if self._tied_head:  # the reload must re-tie the head (engines/rollout/vllm_tied_head.py)
+            context = self.settings.max_model_len or int(model_config.get("max_position_embeddings") or 0)
+            llm_kwargs.update(whole_prefill_kwargs(context))
+        if self._tied_head:
             allow_function_rpc()
         self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
         model_config = self._llm.llm_engine.model_config
@@ -175,6 +174,11 @@ class VLLMRolloutEngine:
             s.logprobs_mode,
             time.perf_counter() - started,
         )
+
+    @property
+    def _tied_head(self) -> bool:
+        """The LM head is the input embedding: each reload must re-tie it (engines/rollout/vllm_tied_head.py)."""
+        return bool(self._architecture["tie_word_embeddings"])
 
     # ---- generation -------------------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -281,7 +285,7 @@ class VLLMRolloutEngine:
         config.json's architecture differs from the served model's.
         """
         path = _check_policy_dir(policy_dir)
-        arch = _architecture(path)
+        arch = _architecture(_read_config(path))
         if arch != self._architecture:
             diff = {k: (self._architecture[k], arch[k]) for k in arch if arch[k] != self._architecture[k]}
             raise ValueError(f"checkpoint {policy_dir} does not match the served model (served, new): {diff}")

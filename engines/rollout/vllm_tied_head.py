@@ -20,16 +20,9 @@ log-probs against a transformers forward of the new folder (fails without this).
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 ALLOW_FUNCTION_RPC = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-
-
-def ties_embeddings(policy_dir: str | Path) -> bool:
-    """True when the model folder's config.json ties the LM head to the input embedding."""
-    return bool(json.loads((Path(policy_dir) / "config.json").read_text()).get("tie_word_embeddings"))
 
 
 def allow_function_rpc() -> None:
