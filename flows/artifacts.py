@@ -16,12 +16,18 @@ def _key(cfg: PPOFlowConfig, what: str) -> str:
     return f"{safe}-{what}"
 
 
-def publish_iteration_artifacts(
-    cfg: PPOFlowConfig, iteration: int, row: dict[str, Any], manifests: dict[str, dict]
-) -> None:
-    """One markdown artifact per iteration (key `<run>-iteration`, a new version each iteration): its metrics row
-    as a table, then where its shards and checkpoint are. One artifact, not a table and a list: each is a
-    request on the iteration's path (~10 ms here)."""
+def publish_iteration_artifacts(cfg: PPOFlowConfig, row: dict[str, Any]) -> None:
+    """One markdown artifact per iteration (key `<run>-iteration`, a new version each iteration), created by the
+    training flow so that its run's Artifacts tab lists every iteration: the metrics row as a table, then where
+    its shards and checkpoint are (read back from the iteration's stage records). One artifact, not a table and
+    a list: each is a request on the iteration's path (~10 ms here)."""
+    from flows.records import read_stage_record
+    from storage.layout import layout_for
+
+    iteration = row["iteration"]
+    layout = layout_for(cfg)
+    stages = ("rollout", "score", "update", "checkpoint", "eval")
+    manifests = {s: m for s in stages if (m := read_stage_record(layout, iteration, s)) is not None}
     create_markdown_artifact(
         markdown=iteration_markdown(cfg, iteration, row, manifests),
         key=_key(cfg, "iteration"),

@@ -27,6 +27,27 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MAX_MESSAGE_LINES = 12
 
 
+class StageError(RuntimeError):
+    """A stage of an iteration failed: raised by the iteration flow from the stage's own error (its __cause__), so
+    that Prefect's state message on the iteration and training runs reads "update stage of iteration 3 failed:
+    RewardError: ..." (Prefect writes `<type>: <str>` of the exception a flow raised, nothing of its cause)."""
+
+    def __init__(self, stage: str, iteration: int, cause: BaseException):
+        self.stage, self.iteration = stage, iteration
+        first = (str(cause).strip() or "(no message)").splitlines()[0]
+        super().__init__(f"{stage} stage of iteration {iteration} failed: {type(cause).__name__}: {first}")
+
+    def __reduce__(self):  # picklable without its cause (Prefect may pickle a failed state's exception)
+        return (_stage_error, (self.stage, self.iteration, str(self)))
+
+
+def _stage_error(stage: str, iteration: int, text: str) -> StageError:
+    error = StageError.__new__(StageError)
+    error.stage, error.iteration = stage, iteration
+    RuntimeError.__init__(error, text)
+    return error
+
+
 class Terminated(KeyboardInterrupt):
     """The process was sent SIGTERM (a batch scheduler's stop, `kill`): raised in the main thread so that it
     unwinds as Ctrl-C does. Prefect marks the run, `finally` blocks and atexit hooks run (Prefect's temporary
@@ -86,8 +107,10 @@ def describe_failure(
     exc: BaseException, cfg: Optional[PPOFlowConfig], log_path: Optional[str], argv: Optional[list[str]] = None
 ) -> str:
     """The message block printed on the terminal (see the module docstring); no traceback."""
-    lines = [f"ppoflow: error: {_message(exc)}"]
     stage, iteration = failed_stage(exc.__traceback__)
+    if isinstance(exc, StageError) and exc.__cause__ is not None:  # the stage's own error, its place known
+        stage, iteration, exc = exc.stage, exc.iteration, exc.__cause__
+    lines = [f"ppoflow: error: {_message(exc)}"]
     if cfg is not None:
         where = [f"stage {stage}"] if stage else []
         if iteration is not None:

@@ -1,8 +1,8 @@
 """One PPO iteration as a Prefect flow run: rollout -> score -> update -> checkpoint (-> eval when due).
 
 Each stage is timed under `timing/<stage>` (wall time seen by the flow, orchestration included), the
-iteration's metrics go to `<root>/<run>/metrics.jsonl` and to a table artifact, and the shard URIs to a
-markdown artifact.
+iteration's metrics go to `<root>/<run>/metrics.jsonl` (the training flow publishes them, with the shard URIs,
+as an artifact of the training run). A stage's error is raised as StageError naming the stage and iteration.
 
 The metrics row is written after the commit (it holds the checkpoint's timing), so a process killed
 between the two leaves a committed iteration without its row; the next start of the run rebuilds that row
@@ -19,7 +19,7 @@ from prefect import flow
 from engines.stages.evaluate import eval_due
 from engines.stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
 from engines.stages.policy import behaviour_policy_ref, policy_ref
-from flows.artifacts import publish_iteration_artifacts
+from flows.failure import StageError
 from flows.in_flight import mark_committed, wait_for_previous
 from flows.records import read_metrics, read_stage_record, record_metrics
 from flows.stages import run_stage
@@ -112,7 +112,7 @@ def _trained_policy(cfg, iteration: int) -> PolicyRef:
     return policy_ref(cfg, iteration)
 
 
-@flow(name="ppo-iteration", flow_run_name="ppo-iter-{iteration:04d}")
+@flow(name="ppo-iteration", flow_run_name="{config[run][name]}/iter-{iteration:04d}")
 def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
     """Run iteration `iteration` (1-based) of the run described by `config`; returns its metrics row."""
     cfg = as_config(config)
@@ -126,16 +126,17 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
         "update": lambda: {"policy": _trained_policy(cfg, iteration), "scored": manifests["score"]},
         "checkpoint": lambda: {"update": manifests["update"]},
     }
+    if eval_due(cfg, iteration):  # the held-out prompts, after the commit, with its policy
+        stage_inputs["eval"] = lambda: {"policy": policy_ref(cfg, iteration + 1)}
     for stage, inputs in stage_inputs.items():
         started = time.perf_counter()
-        manifests[stage] = run_stage(cfg, stage, iteration, **inputs())
+        try:
+            manifests[stage] = run_stage(cfg, stage, iteration, **inputs())
+        except Exception as error:  # the flow's state message names the stage and iteration (flows/failure.py)
+            raise StageError(stage, iteration, error) from error
         timings[stage] = time.perf_counter() - started
-    mark_committed(cfg, iteration)  # pipelined iterations: the next update may start (flows/in_flight.py)
-    if eval_due(cfg, iteration):  # the held-out prompts, with the policy this iteration just committed
-        started = time.perf_counter()
-        manifests["eval"] = run_stage(cfg, "eval", iteration, policy=policy_ref(cfg, iteration + 1))
-        timings["eval"] = time.perf_counter() - started
+        if stage == "checkpoint":
+            mark_committed(cfg, iteration)  # pipelined iterations: the next update may start (flows/in_flight.py)
     row = iteration_metrics(iteration, manifests, timings)
     record_metrics(layout_for(cfg), row)
-    publish_iteration_artifacts(cfg, iteration, row, {k: m.model_dump(mode="json") for k, m in manifests.items()})
     return row

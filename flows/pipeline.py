@@ -11,7 +11,7 @@ Every input of every stage is thus a function of the iteration alone: the stage 
 retried or resumed run samples and trains exactly what an uninterrupted one did, and the rows sampled by an
 older policy carry the off-policy correction of engines/ppo/off_policy.py.
 
-How they run: each iteration is still its own subflow run (`ppo-iter-NNNN`, flows/iteration.py) with its stage
+How they run: each iteration is still its own subflow run (`<run>/iter-NNNN`, flows/iteration.py) with its stage
 task runs; the training flow submits each as a task run `iteration-NNNN` to Prefect's thread-pool task runner
 (Prefect's concurrent submission, so the UI shows which stage of which iteration is running). Stages on
 warm workers or pools run in their processes; in-process stages share one process (engines/warm.py: one

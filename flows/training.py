@@ -1,4 +1,4 @@
-"""The training flow: iterations LATEST + 1 .. run.iterations, each a subflow run `ppo-iter-NNNN`.
+"""The training flow: iterations LATEST + 1 .. run.iterations, each a subflow run `<run>/iter-NNNN`.
 
 Starting at LATEST + 1 makes a new flow run with the same run name a resume, and a Retry of a failed
 flow run (UI, `prefect flow-run retry`) skips committed iterations entirely and, inside the failed one,
@@ -13,11 +13,12 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from engines.reasoning_tasks import materialize as materialize_generated_data
-from flows.artifacts import start_progress, update_progress
+from flows.artifacts import publish_iteration_artifacts, start_progress, update_progress
 from flows.iteration import evaluate_initial_policy, ppo_iteration, recover_missing_rows, rerun_missing_evals
 from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
+from flows.subflow_identity import keyed_by
 from ppoflow.config import MAX_STALENESS, as_config
 from storage.checkpoints import latest_iteration
 from storage.layout import layout_for
@@ -54,6 +55,7 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     progress = start_progress(cfg, start - 1)
 
     def report(row: dict[str, Any]) -> None:
+        publish_iteration_artifacts(cfg, row)  # on the training run itself: no subflow to open
         update_progress(progress, cfg, row["iteration"])
         kl = row.get("kl/mean")
         logger.info(
@@ -70,6 +72,7 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
         rows = []
         cfg_json = cfg.model_dump(mode="json")
         for iteration in range(start, cfg.run.iterations + 1):
+            keyed_by(ppo_iteration, iteration)  # a Retry finds iteration i's subflow run again, not call i's
             with subflow_settings():
                 row = ppo_iteration(cfg_json, iteration)
             rows.append(row)

@@ -103,7 +103,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
                 fr
                 for fr in client.read_flow_runs(limit=200)
                 if fr.parent_task_run_id is not None
-                and fr.name.startswith("ppo-iter-")
+                and fr.name.startswith("crashy/iter-")
                 and fr.state.type.value == "RUNNING"
             ]
             assert subflows == [], [(fr.name, fr.state) for fr in subflows]  # start 1's iteration subflow too

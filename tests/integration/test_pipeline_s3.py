@@ -56,9 +56,9 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
         runs = client.read_flow_runs(limit=200)
         children = [r for r in runs if r.parent_task_run_id in parent_tasks]
         by_name = {r.name: r for r in children}
-        assert {"ppo-iter-0001", "ppo-iter-0002"} <= set(by_name), sorted(by_name)
+        assert {"s3run/iter-0001", "s3run/iter-0002"} <= set(by_name), sorted(by_name)
         for i in (1, 2):
-            sub = by_name[f"ppo-iter-{i:04d}"]
+            sub = by_name[f"s3run/iter-{i:04d}"]
             assert sub.state.is_completed(), (sub.name, sub.state)
             tasks = client.read_task_runs(
                 task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[sub.id]))
@@ -67,13 +67,17 @@ def test_training_on_prefect_and_s3(prefect_api, s3_bucket, tiny_model_dir, digi
             for stage in STAGES:
                 task = names[f"{stage}-iter-{i}"]
                 assert task.state.is_completed(), (task.name, task.state)
-            # one artifact per iteration, in the iteration's subflow run: its metrics and its shards' S3 URIs
-            artifacts = client.read_artifacts(
-                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sub.id]))
-            )
-            assert [a.key for a in artifacts] == ["s3run-iteration"], [a.key for a in artifacts]
-            assert f"`s3://{bucket}/runs/s3run/iter-{i:06d}/rollout` (16 rows)" in artifacts[0].data
-            assert f"| iteration | {i} |" in artifacts[0].data
+        # one artifact per iteration, on the training run itself (its Artifacts tab, no subflow to open): the
+        # iteration's metrics and its shards' S3 URIs, a version of the key `s3run-iteration` each
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[parent_id]))
+        )
+        texts = sorted(a.data for a in artifacts if a.key == "s3run-iteration")
+        assert len(texts) == 2, [a.key for a in artifacts]
+        for i, text in zip((1, 2), texts):
+            assert f"# s3run, iteration {i}" in text, text
+            assert f"`s3://{bucket}/runs/s3run/iter-{i:06d}/rollout` (16 rows)" in text
+            assert f"| iteration | {i} |" in text
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": storage_cfg.endpoint_url}, skip_instance_cache=True)
     expected_rows = cfg.rollout.prompts_per_iteration * cfg.rollout.n_samples  # 8 prompts x 2 samples
