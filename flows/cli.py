@@ -41,9 +41,8 @@ def _run_with_capture(cfg: PPOFlowConfig, command: str, args, body) -> int:
     from rich.console import Console
 
     from flows.failure import Terminated, describe_failure, log_traceback, raise_on_sigterm
-    from flows.logs import capture_output, quiet_libraries, terminal_width
+    from flows.logs import capture_output, terminal_width
 
-    quiet_libraries()
     width = terminal_width(1)
     capture = capture_output(cfg, command, verbose=args.verbose)
     console = Console(file=capture.terminal, width=width)
@@ -331,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     import os
 
+    from flows.logs import quiet_libraries
+
+    # Before Prefect is imported (its settings are read once, at import): every command, the servers it starts
+    # (`prefect-server`, the temporary one of `train`, `serve`, `worker`) included.
+    quiet_libraries()
     # Without PREFECT_API_URL, Prefect starts a local server for the run; its 20 s default start-up
     # timeout is too short on a busy 2-core machine (first start runs the database migrations).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

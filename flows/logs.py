@@ -195,8 +195,9 @@ def quiet_libraries() -> None:
       SQLITE_BUSY (busy_timeout does not apply): "database is locked" (prefect/server/services/
       telemetry.py, `_fetch_or_set_telemetry_session`). The row is never written, so every start
       repeats it; and the heartbeat it prepares is a POST to a Prefect host that an offline machine cannot
-      reach anyway. Off by default here (PREFECT_SERVER_ANALYTICS_ENABLED=false), as our test server does;
-      a value the user set is kept.
+      reach anyway (`ERROR | prefect.server.services.telemetry - Failed to send telemetry`). Off by default
+      for every `ppoflow` command (PREFECT_SERVER_ANALYTICS_ENABLED=false, set by flows/cli.py `main` before
+      Prefect is imported); a value the user set is kept.
     - Python warnings from libraries still reach the log file (stderr); nothing is filtered.
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -184,3 +184,59 @@ def test_with_an_api_url_nothing_is_changed_and_prefects_server_module_is_not_lo
     out = _python(code, tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+# --- `ppoflow prefect-server` as a user starts it: no telemetry ---------------------------------------------
+
+WATCH_S = 30.0  # Prefect's telemetry service sends its first heartbeat at start-up (measured: ~6 s in)
+
+
+def test_ppoflow_prefect_server_starts_without_a_telemetry_error(tmp_path):
+    """The user's environment, less PREFECT_API_URL and any PREFECT_SERVER_ANALYTICS_ENABLED (the test server
+    of tests/fixtures sets it, which hid this). HTTPS_PROXY points at a closed port, so a heartbeat fails here
+    as it does offline, whatever this machine's network: before the fix the server logged
+    `ERROR | prefect.server.services.telemetry - Failed to send telemetry: ...`."""
+    import socket
+    import threading
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED")}
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        HTTPS_PROXY="http://127.0.0.1:9",
+        HTTP_PROXY="http://127.0.0.1:9",
+        NO_PROXY="127.0.0.1,localhost",
+    )
+    ppoflow = Path(sys.executable).parent / "ppoflow"
+    proc = subprocess.Popen(
+        [str(ppoflow), "prefect-server", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    started, healthy_after = time.time(), None
+    try:
+        while time.time() - started < max(WATCH_S, (healthy_after or 0) + 5) and proc.poll() is None:
+            if healthy_after is None:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                        healthy_after = time.time() - started
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+    assert healthy_after is not None, "".join(lines)[-3000:]
+    assert any("Uvicorn running on" in line for line in lines), lines  # the output was read
+    noise = [line for line in lines if "ERROR" in line or "telemetry" in line.lower()]
+    assert noise == [], "".join(lines)[-3000:]
