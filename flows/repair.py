@@ -2,9 +2,10 @@
 
 The check reads every file of the latest committed checkpoint against its commit marker (size, sha256).
 A checkpoint that passes is left alone. One that fails moves to `<run>/quarantine/` (storage/repair.py),
-and the persisted Prefect results of its update and checkpoint stages are forgotten, so the next
-`ppoflow train` recomputes that iteration from the one before it (rollout and score come back from cache:
-their shards are intact) instead of being handed the manifest of a checkpoint that is gone.
+and the run's persisted Prefect results are disowned (its results epoch moves on, storage/run_identity.py:
+the stage cache keys hold it), wherever they persist (the run's folder, or Prefect's shared storage on warm
+workers), so the next `ppoflow train` recomputes that iteration from the one before it instead of being
+handed the manifest of a checkpoint that is gone (its rollout and score run again too).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from ppoflow.config import StorageConfig
 from storage.layout import RunLayout
 from storage.repair import check_latest, quarantine
-from tasks.cache_keys import forget_stage_results
+from storage.run_identity import disown_results
 
 
 def repair_run(root: str, run: str, storage_cfg: StorageConfig | None = None) -> str:
@@ -27,7 +28,7 @@ def repair_run(root: str, run: str, storage_cfg: StorageConfig | None = None) ->
     if error is None:
         return f"run {run}: checkpoint {latest} verifies (every file's size and sha256): nothing to repair"
     where = quarantine(layout, latest)
-    forget_stage_results(layout, latest, ("update", "checkpoint"))
+    disown_results(layout)  # no persisted stage result answers again, in-process or on a warm worker
     return (
         f"run {run}: checkpoint {latest} is corrupt ({error}); moved to {where}. Start the run again "
         f"(the same `ppoflow train` command) to recompute iteration {latest} from checkpoint {latest - 1}."

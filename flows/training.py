@@ -17,6 +17,7 @@ from flows.artifacts import publish_iteration_artifacts, start_progress, update_
 from flows.iteration import evaluate_initial_policy, ppo_iteration, recover_missing_rows, rerun_missing_evals
 from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
+from flows.run_inputs import start_run
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
 from flows.subflow_identity import keyed_by
 from ppoflow.config import MAX_STALENESS, as_config
@@ -36,6 +37,7 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
     layout.write_config_once(cfg.to_yaml(), defaults=type(cfg)().model_dump(mode="json"))
+    start_run(cfg, layout)  # run.json: a run id at the first start; later starts refuse changed input contents
     start = (latest_iteration(layout) or 0) + 1
     logger = get_run_logger()
     _crash_stale_run(cfg, layout, logger)

@@ -3,7 +3,9 @@
 A retried flow run recomputes the same keys, finds the persisted results of the stages that completed,
 and resumes at the first stage without one. A changed input or setting changes the key, so a stale result
 is never reused. An input hand-off (engines/stages/manifests.py) counts by its `identity()` (a content
-hash), a list of them item by item, any other parameter by its JSON form.
+hash), a list of them item by item, any other parameter by its JSON form. The key also holds the run's
+identity (`<run>/run.json`: run id and results epoch), read at each key: `ppoflow runs repair` disowns every
+result persisted before it by moving the epoch on, wherever those results are.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 from engines.stages.manifests import HandOff
 from ppoflow.config import PPOFlowConfig, as_config
 from ppoflow.fingerprint import json_hash
+from storage.layout import layout_for
+from storage.run_identity import results_identity
 
 # The config sections each stage's output depends on (besides its input hand-offs).
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -40,10 +44,12 @@ def stage_sections(cfg: PPOFlowConfig, stage: str) -> tuple[str, ...]:
 def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict[str, Any]) -> str:
     """The key under which a stage's result is persisted; see the module docstring."""
     identities = {k: _identity(v) for k, v in inputs.items()}
-    # Not the storage root: results persist under the run's own folder, so a run moved to another root or
-    # bucket finds its completed stages again (the root is where the run is, not what it computes).
+    # The run's identity (its run id and results epoch, storage/run_identity.py), not its storage root: two runs
+    # of one name (two roots, or one deleted and started again) never share a result, on any worker, while a
+    # run moved to another root or bucket finds its completed stages again (its run.json moves with it).
     config_hash = cfg.section_hash(*stage_sections(cfg, stage))
-    digest = json_hash({"inputs": identities, "config": config_hash, "seed": cfg.run.seed})
+    run = results_identity(layout_for(cfg))
+    digest = json_hash({"inputs": identities, "config": config_hash, "seed": cfg.run.seed, "run": run})
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
 
 
@@ -62,14 +68,3 @@ def cache_key_fn(stage: str):
         return stage_cache_key(as_config(parameters["config"]), stage, int(parameters["iteration"]), inputs)
 
     return _key
-
-
-def forget_stage_results(layout, iteration: int, stages: tuple[str, ...]) -> list[str]:
-    """Remove the persisted results of these stages of `iteration` (named by `stage_cache_key`), so the next
-    run computes them again instead of returning a manifest whose output is gone. Returns the removed names."""
-    from storage import fs as fsutil
-
-    prefixes = tuple(f"{layout.run_name}-iter-{iteration:06d}-{stage}-" for stage in stages)
-    names = [name for name in fsutil.list_files(layout.fs, layout.results_dir) if name.startswith(prefixes)]
-    fsutil.remove_files(layout.fs, [fsutil.join(layout.results_dir, name) for name in names])
-    return names

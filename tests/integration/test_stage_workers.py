@@ -107,6 +107,24 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
         first, second = (layout_for(configs[k]) for k in (0, 1))
         evaluated = EvalManifest.model_validate(read_stage_record(second, ITERATIONS, "eval"))
         assert evaluated.worker == f"{host}:{workers['rollout'].pid}"  # eval goes where rollout goes
+
+        # Issue 40: the same run name under another root, then the first run deleted and started again. The warm
+        # workers persist results in Prefect's shared storage; keyed by name, iteration and inputs alone, these
+        # runs were answered warm-k0's results ("cannot commit iteration 1: nothing staged"). Keyed by the run's
+        # id (run.json), each computes its own.
+        import shutil
+
+        elsewhere = _worker_config(tmp_path / "elsewhere", "warm-k0", tiny_model_dir, digits_dataset_dir, 0, 2)
+        layout = layout_for(elsewhere)
+        assert layout.run_dir != first.run_dir
+        for attempt in ("under another root", "deleted and started again"):
+            if attempt == "deleted and started again":
+                shutil.rmtree(layout.run_dir)
+            state = ppo_training(config=elsewhere.model_dump(mode="json"), return_state=True)
+            assert state.is_completed(), (attempt, state)
+            assert [r["iteration"] for r in read_metrics(layout)] == [1, 2], attempt
+            assert all(m.uri.startswith(layout.url(layout.run_dir)) for m in _manifests(layout, "rollout", 2))
+
         # The rollout engine (prompt set + sampler) and the scorer were built once, in the k = 0 run's iteration
         # 1; the k = 1 run reused them (the sampler loaded its weights in place). The trainer is rebuilt once per
         # run: it holds one run's optimizer state.
