@@ -8,6 +8,7 @@ time and an ETA, and at the end where the shards, checkpoints, metrics, TensorBo
 from __future__ import annotations
 
 import os
+import shlex
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -156,8 +157,12 @@ def _print_where(cfg: PPOFlowConfig, console: Console) -> None:
     console.print(f"checkpoints: {layout.url(layout.checkpoints_dir)}/", highlight=False)
     console.print(f"metrics:     {layout.url(layout.metrics_path)}", highlight=False)
     console.print(f"tensorboard: tensorboard --logdir {tensorboard_dir_for(layout)}", highlight=False)
-    console.print(f"plot:        ppoflow runs plot {cfg.run.name} --root {cfg.run.root}", highlight=False)
-    console.print(f"inspect:     ppoflow shards stats {layout.url(layout.stage_dir(last, 'scored'))}", highlight=False)
+    # Commands that work as printed: on MinIO/moto/Ceph without --endpoint-url they would ask AWS.
+    endpoint = ["--endpoint-url", cfg.storage.endpoint_url] if cfg.storage.endpoint_url else []
+    plot = ["ppoflow", "runs", "plot", cfg.run.name, "--root", cfg.run.root, *endpoint]
+    stats = ["ppoflow", "shards", "stats", layout.url(layout.stage_dir(last, "scored")), *endpoint]
+    console.print(f"plot:        {shlex.join(plot)}", highlight=False)
+    console.print(f"inspect:     {shlex.join(stats)}", highlight=False)
 
 
 def demo_config(overrides: list[str], root: str = "./runs") -> PPOFlowConfig:

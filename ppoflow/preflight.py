@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from ppoflow.config import ConfigError, PPOFlowConfig
+from ppoflow.config import ConfigError, PPOFlowConfig, StorageConfig
 
 # The largest safetensors header we accept (the format's own reader refuses more than 100 MB).
 _MAX_HEADER_BYTES = 100 * 2**20
@@ -172,27 +172,39 @@ def storage_problem(cfg: PPOFlowConfig) -> Optional[str]:
         fs, root = fsutil.resolve(cfg.run.root, cfg.storage)
     except (ValueError, ImportError) as e:
         return f"run.root={cfg.run.root!r}: {e}"
+    if not fsutil.is_local(fs):
+        problem = bucket_problem(cfg.run.root, cfg.storage, missing_hint=" (create it first)")
+        return problem and f"run.root={cfg.run.root!r}: {problem}"
+    existing = Path(root)
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"run.root={cfg.run.root!r}: {existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"run.root={cfg.run.root!r}: {existing} is not writable by this user"
+    return None
+
+
+def bucket_problem(url: str, storage_cfg: StorageConfig, missing_hint: str = "") -> Optional[str]:
+    """Why the bucket of the S3 URL `url` cannot be used: it does not exist (+ `missing_hint`), access is denied,
+    or it cannot be reached (each naming the bucket and the endpoint); None when it answers, and for a local path."""
+    from storage import fs as fsutil
+
+    fs, path = fsutil.resolve(url, storage_cfg)
     if fsutil.is_local(fs):
-        existing = Path(root)
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir():
-            return f"run.root={cfg.run.root!r}: {existing} is a file, not a folder"
-        if not os.access(existing, os.W_OK | os.X_OK):
-            return f"run.root={cfg.run.root!r}: {existing} is not writable by this user"
         return None
-    bucket = root.split("/", 1)[0]
-    endpoint = cfg.storage.endpoint_url or "AWS"
+    bucket = path.split("/", 1)[0]
+    endpoint = storage_cfg.endpoint_url or "AWS"
     # HEAD on the bucket, not fs.exists: s3fs's exists answers False for an endpoint that does not answer too.
     try:
         fs.call_s3("head_bucket", Bucket=bucket)
         return None
     except FileNotFoundError:
-        return f"run.root={cfg.run.root!r}: bucket {bucket!r} does not exist at {endpoint} (create it first)"
+        return f"bucket {bucket!r} does not exist at {endpoint}{missing_hint}"
     except PermissionError as e:
-        return f"run.root={cfg.run.root!r}: access to bucket {bucket!r} at {endpoint} denied ({e}); check credentials"
+        return f"access to bucket {bucket!r} at {endpoint} denied ({e}); check credentials"
     except Exception as e:  # an endpoint that does not answer, bad credentials: say which bucket and endpoint
-        return f"run.root={cfg.run.root!r}: cannot reach bucket {bucket!r} at {endpoint}: {type(e).__name__}: {e}"
+        return f"cannot reach bucket {bucket!r} at {endpoint}: {type(e).__name__}: {e}"
 
 
 def lora_target_problem(cfg: PPOFlowConfig) -> str | None:
