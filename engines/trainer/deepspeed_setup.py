@@ -178,11 +178,21 @@ def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str) -> Callabl
     return factor
 
 
-def deepspeed_config(train_cfg, dtype: str, train_batch_size: int, lr: float) -> dict[str, Any]:
+def deepspeed_config(
+    train_cfg, dtype: str, train_batch_size: int, lr: float, autocast_dtype: str | None = None
+) -> dict[str, Any]:
     """The DeepSpeed config dict for one engine (actor or critic).
 
     gradient accumulation = train_batch_size / (micro_batch_size * world size). Raises ValueError naming
     train.micro_batch_size when it does not divide the per-rank train batch.
+
+    `autocast_dtype` (model.autocast_dtype, e.g. "bfloat16"): the engine's forward runs under torch.autocast
+    to it. DeepSpeed 0.19's engine.forward switches off an autocast the caller entered unless the config's
+    `torch_autocast` section enables it (runtime/torch_autocast.py: autocast_if_enabled), so without this
+    section the trainer's `with torch.autocast(...)` ran every actor/critic matmul in float32 (seen on an
+    H200: fp32 sgemm kernels, 4% MFU). `lower_precision_safe_modules: []` keeps every gradient's
+    reduction in its own dtype (float32), as without autocast; DeepSpeed's default would all-reduce
+    nn.Linear gradients in the autocast dtype.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = min(train_cfg.micro_batch_size, train_batch_size // world)
@@ -210,6 +220,11 @@ def deepspeed_config(train_cfg, dtype: str, train_batch_size: int, lr: float) ->
         "zero_optimization": zero_config(train_cfg.zero_stage, train_cfg.offload),
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
+        **(
+            {"torch_autocast": {"enabled": True, "dtype": autocast_dtype, "lower_precision_safe_modules": []}}
+            if autocast_dtype is not None
+            else {}
+        ),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }

@@ -98,7 +98,11 @@ class PPOTrainer(LossSteps):
         factor = lr_multiplier(cfg.train.warmup_steps, cfg.run.iterations * steps_per_update, cfg.train.lr_schedule)
         policy = lora.load_actor(cfg, policy_dir)  # with gradient checkpointing / LoRA as configured
         self.actor = make_engine(
-            policy, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.actor_lr), factor
+            policy,
+            deepspeed_config(
+                cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.actor_lr, cfg.model.autocast_dtype
+            ),
+            factor,
         )
         self.critic = None
         if cfg.algo.uses_critic:
@@ -108,7 +112,11 @@ class PPOTrainer(LossSteps):
             if cfg.model.gradient_checkpointing:
                 critic.gradient_checkpointing_enable()
             self.critic = make_engine(
-                critic, deepspeed_config(cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.critic_lr), factor
+                critic,
+                deepspeed_config(
+                    cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.critic_lr, cfg.model.autocast_dtype
+                ),
+                factor,
             )
         self.kl_controller = make_kl_controller(cfg.algo)
         self.loss_agg = cfg.algo.resolved_loss_agg
