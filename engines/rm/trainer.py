@@ -74,7 +74,10 @@ class RMTrainer:
         train_cfg = cfg.train.model_copy(update={"micro_batch_size": self.rm.micro_batch_size})
         factor = lr_multiplier(cfg.train.warmup_steps, self.total_steps, cfg.train.lr_schedule)
         self.engine = make_engine(
-            model, deepspeed_config(train_cfg, cfg.model.dtype, self.rm.batch_size, self.rm.lr), factor
+            model,
+            # autocast_dtype: DeepSpeed turns the caller's autocast off in its engine unless told (deepspeed_config)
+            deepspeed_config(train_cfg, cfg.model.dtype, self.rm.batch_size, self.rm.lr, cfg.model.autocast_dtype),
+            factor,
         )
         self.step = 0
         if state_dir is not None:
