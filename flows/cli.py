@@ -2,6 +2,7 @@
 
     ppoflow demo [--iterations N] [--verbose]   tiny model + digits task, trained on the embedded default
     ppoflow train CONFIG.yaml [--set section.field=value ...] [--verbose]
+    ppoflow deploy-run CONFIG.yaml [--set ...] [--deployment FLOW/NAME]   the same config as a run of a deployment
     ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...] [--verbose]   reward model from preference pairs
     ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
     ppoflow rank-agent --master HOST:PORT --node K   start node K's update ranks (train.hostfile)
@@ -69,6 +70,16 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.set)
     return _run_with_capture(cfg, "train", args, lambda console: train(cfg, console))
+
+
+def cmd_deploy_run(args) -> int:
+    from flows.deployment import schedule_deployment_run
+
+    cfg = load_config(args.config, args.set)  # validated as `ppoflow train` validates it
+    flow_run = schedule_deployment_run(cfg.model_dump(mode="json"), args.deployment)
+    runner = f"a worker of work pool {flow_run.work_pool_name}" if flow_run.work_pool_name else "its runner"
+    print(f"flow run {flow_run.name} ({flow_run.id}) of {args.deployment}: Scheduled; {runner} runs it")
+    return 0
 
 
 def cmd_train_rm(args) -> int:
@@ -281,6 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     train.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     train.set_defaults(func=cmd_train)
+
+    deploy_run = sub.add_parser(
+        "deploy-run",
+        help="run a deployment of the training flow (prefect.yaml's, on its work pool) with a YAML config, "
+        "validated here as `train` validates it; relative paths resolve in the flow run's working folder",
+    )
+    deploy_run.add_argument("config")
+    deploy_run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    deploy_run.add_argument(
+        "--deployment", default="ppo-training/ppo-training", help="FLOW/DEPLOYMENT (default ppo-training/ppo-training)"
+    )
+    deploy_run.set_defaults(func=cmd_deploy_run)
 
     train_rm = sub.add_parser("train-rm", help="train a Bradley-Terry reward model (the rm_train section)")
     train_rm.add_argument("config")

@@ -12,6 +12,9 @@ in its own process:
                                              UI's "Run" puts in Scheduled, each in a subprocess
     ensure_crash_automation(heartbeat_s)     Prefect's own zombie detection: an automation that sets a run of
                                              the deployment Crashed when its heartbeats stop (SIGKILL, lost host)
+    schedule_deployment_run(config_json, name)   `ppoflow deploy-run`: a Scheduled flow run of any deployment of the
+                                             training flow (prefect.yaml's `ppo-training/ppo-training` on its
+                                             pool) with a config validated here; a worker of its pool runs it
 
 Why a served deployment (no work pool): the training flow already runs where `ppoflow train` starts it; a
 work pool would need a worker to run it and an image or a path to pull the code from. A served deployment
@@ -145,3 +148,30 @@ def serve_deployment() -> None:
     from prefect import serve
 
     serve(_served_deployment())
+
+
+def schedule_deployment_run(config_json: dict[str, Any], name: str):
+    """Create a flow run of deployment `name` (FLOW/DEPLOYMENT) with `config_json` as its `config` parameter, as
+    `ppoflow train` passes it, and return it (a FlowRun, Scheduled: a worker of the deployment's pool runs it).
+    Relative paths in the config stay relative: they resolve in the folder the flow run runs in. ConfigError,
+    with nothing created, when no PREFECT_API_URL is set or the server does not know the deployment."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import get_current_settings
+
+    from flows.preflight import unknown_deployments
+    from ppoflow.config import ConfigError
+
+    if not get_current_settings().api.url:
+        raise ConfigError(
+            "deploy-run needs PREFECT_API_URL: the Prefect server where `prefect deploy` created the deployment "
+            "and its workers poll (e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api)"
+        )
+    if problems := unknown_deployments({"--deployment": name}):
+        raise ConfigError("\n".join(problems))
+    flow_name = name.split("/", 1)[0]  # the training flows name their runs <flow>-<run.name> (flows/run_names.py)
+    return run_deployment(
+        name=name,
+        parameters={"config": config_json},
+        flow_run_name=f"{flow_name}-{config_json['run']['name']}",
+        timeout=0,  # return once created: the worker runs it
+    )

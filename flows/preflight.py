@@ -26,18 +26,24 @@ from ppoflow.preflight import PreflightError, format_problems, static_problems
 def deployment_problems(cfg: PPOFlowConfig) -> list[str]:
     """One problem per deployment of `pipeline.stage_pools` that the Prefect server does not know."""
     pools = cfg.pipeline.stage_pools or {}
-    if not pools:
+    return unknown_deployments({f"pipeline.stage_pools.{stage}": name for stage, name in pools.items()})
+
+
+def unknown_deployments(named: dict[str, str]) -> list[str]:
+    """One problem per `{where it is named: FLOW/DEPLOYMENT}` that the Prefect server does not know, listing the
+    deployments it does know."""
+    if not named:
         return []
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     missing = []
     with get_client(sync_client=True) as client:
-        for stage, name in pools.items():
+        for where, name in named.items():
             try:
                 client.read_deployment_by_name(name)
             except ObjectNotFound:
-                missing.append((stage, name))
+                missing.append((where, name))
         if not missing:
             return []
         flows = {f.id: f.name for f in client.read_flows()}
@@ -45,9 +51,9 @@ def deployment_problems(cfg: PPOFlowConfig) -> list[str]:
         api = client.api_url
     known = ", ".join(existing) if existing else "none"
     return [
-        f"pipeline.stage_pools.{stage}: deployment {name!r} does not exist on the Prefect server at {api} "
+        f"{where}: deployment {name!r} does not exist on the Prefect server at {api} "
         f"(deployments there: {known}; `prefect deploy --all` creates ppoflow's)"
-        for stage, name in missing
+        for where, name in missing
     ]
 
 

@@ -21,6 +21,7 @@ from prefect.artifacts import create_table_artifact
 
 from engines.precision import cpu_autocast_problem
 from flows.records import read_metrics, record_metrics
+from flows.run_names import named_after_run
 from ppoflow.config import PPOFlowConfig, as_config
 from ppoflow.preflight import PreflightError, format_problems
 from storage.checkpoints import latest_iteration, read_commit_marker
@@ -56,7 +57,7 @@ def _artifact_key(cfg: PPOFlowConfig) -> str:
     return "".join(c if c.isalnum() else "-" for c in cfg.run.name.lower()) + "-rm-metrics"
 
 
-@flow(name="rm-training", flow_run_name="rm-training-{config[run][name]}")
+@flow(name="rm-training", flow_run_name=named_after_run("rm-training"))
 def rm_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the reward model described by `config` (PPOFlowConfig as JSON); returns the export manifest."""
     cfg = as_config(config)

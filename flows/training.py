@@ -18,6 +18,7 @@ from flows.iteration import evaluate_initial_policy, ppo_iteration, recover_miss
 from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.run_inputs import start_run
+from flows.run_names import named_after_run
 from flows.stale_runs import claim_run, is_dead_here, mark_crashed
 from flows.subflow_identity import keyed_by
 from ppoflow.config import MAX_STALENESS, as_config
@@ -28,7 +29,7 @@ from storage.layout import layout_for
 # Pipelined iterations (pipeline.max_staleness = k) run as up to k+1 task runs at once in this task runner.
 @flow(
     name="ppo-training",
-    flow_run_name="ppo-training-{config[run][name]}",
+    flow_run_name=named_after_run("ppo-training"),
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_STALENESS + 1),
 )
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:

@@ -844,5 +844,6 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 
 def as_config(config: PPOFlowConfig | dict[str, Any]) -> PPOFlowConfig:
-    """Flows receive the config as a model or as its JSON form (deployments, run_deployment): validate the latter."""
-    return config if isinstance(config, PPOFlowConfig) else PPOFlowConfig.model_validate(config)
+    """Flows receive the config as a model or as its JSON form (deployments, run_deployment): validate the latter.
+    ConfigError with the CLI's message (one line per problem, naming the field), which becomes the run's state."""
+    return config if isinstance(config, PPOFlowConfig) else build_config(config, "the flow run's config parameter")
