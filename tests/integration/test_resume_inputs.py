@@ -3,7 +3,7 @@ trained the committed checkpoint against the new folder's weights (a new referen
 
 Train one iteration, swap the policy folder for a tiny Llama of another seed (same shapes, other weights), and
 start the run again for a second iteration: the flow fails before any stage runs, naming model.policy_path,
-and nothing is committed. `accept_inputs` (what `ppoflow runs accept-inputs` calls) then lets it continue."""
+and nothing is committed. `ppoflow runs accept-inputs` then lets it continue."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_swapped_model_folder_stops_the_resume_until_accepted(
-    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, capsys
 ):
     from engines import warm
     from engines.toy.model import build_tiny_llama
@@ -44,6 +44,11 @@ def test_a_swapped_model_folder_stops_the_resume_until_accepted(
     assert latest_iteration(layout) == 1 and [r["iteration"] for r in read_metrics(layout)] == [1]
     assert not layout.fs.exists(layout.iteration_dir(2))  # refused before any stage ran
 
-    assert accept_inputs(two, layout) == ["model.policy_path"]
+    # `ppoflow runs accept-inputs RUN --root ROOT`, the command the refusal names
+    from flows.cli import main
+
+    assert main(["runs", "accept-inputs", "swapped", "--root", str(tmp_path / "runs")]) == 0
+    assert "accepted the current contents of model.policy_path" in capsys.readouterr().out
+    assert accept_inputs(two, layout) == []  # recorded: nothing left to accept
     assert ppo_training(config=two.model_dump(mode="json"), return_state=True).is_completed()
     assert latest_iteration(layout) == 2
