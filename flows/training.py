@@ -7,7 +7,7 @@ the stages whose results are cached.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -19,11 +19,11 @@ from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.run_inputs import start_run
 from flows.run_names import named_after_run
-from flows.stale_runs import claim_run, is_dead_here, mark_crashed
+from flows.stale_runs import claimed_run, is_dead_here, mark_crashed
 from flows.subflow_identity import keyed_by
-from ppoflow.config import MAX_STALENESS, as_config
+from ppoflow.config import MAX_STALENESS, PPOFlowConfig, as_config
 from storage.checkpoints import latest_iteration
-from storage.layout import layout_for
+from storage.layout import RunLayout, layout_for
 
 
 # Pipelined iterations (pipeline.max_staleness = k) run as up to k+1 task runs at once in this task runner.
@@ -37,11 +37,18 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     cfg = materialize_generated_data(as_config(config))  # data.reasoning_gym: the .jsonl files, written once
     preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
+    with claimed_run(layout) as previous:  # refused here, before any work, while another process trains the run
+        return _train_claimed(cfg, layout, previous)
+
+
+def _train_claimed(cfg: PPOFlowConfig, layout: RunLayout, previous: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The training flow's work while its process holds the run (flows/stale_runs.py); `previous`: the record of
+    the process that held it before (None if none)."""
     layout.write_config_once(cfg.to_yaml(), defaults=type(cfg)().model_dump(mode="json"))
     start_run(cfg, layout)  # run.json: a run id at the first start; later starts refuse changed input contents
     start = (latest_iteration(layout) or 0) + 1
     logger = get_run_logger()
-    _crash_stale_run(cfg, layout, logger)
+    _crash_stale_run(cfg, previous, logger)
     if start == 1 and cfg.eval.before_training and cfg.eval.data_path:
         evaluate_initial_policy(cfg, layout)
     for iteration in rerun_missing_evals(cfg, layout, start - 1):
@@ -88,13 +95,12 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _crash_stale_run(cfg, layout, logger) -> None:
+def _crash_stale_run(cfg: PPOFlowConfig, previous: Optional[dict[str, Any]], logger) -> None:
     """Mark what this run's previous start left Running in Prefect Crashed when its process died
     (flows/stale_runs.py): that flow run, or, when this is a retry of it, the subflow and task runs it left."""
     from prefect.runtime import flow_run
 
     current = str(flow_run.id) if flow_run.id else None
-    previous = claim_run(layout, current)
     if not previous or not previous.get("flow_run_id") or not is_dead_here(previous):
         return
     retry = previous["flow_run_id"] == current
