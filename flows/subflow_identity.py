@@ -25,10 +25,11 @@ from prefect.tasks import _generate_task_key
 def keyed_by(flow_obj: Flow, key: int) -> None:
     """Make the next call of subflow `flow_obj` from the current flow run use dynamic key `key` (>= 0).
 
-    No-op outside a flow run (a subflow called bare is its own flow run and has no tracking task)."""
+    No-op outside a flow run (a subflow called bare is its own flow run and has no tracking task), and for an
+    object that is not a Flow."""
     context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
-        return
+    if context is None or context.flow_run is None or not isinstance(flow_obj, Flow):
+        return  # not a flow (a plain function standing in for one): no tracking task to key
     # the tracking task is Task(name=flow.name, fn=flow.fn): its key is the flow function's (flow_engine.py)
     task_key = _generate_task_key(flow_obj.fn)
     if key == 0:
