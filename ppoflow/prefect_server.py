@@ -45,19 +45,35 @@ rounds: 0.992, 1.074 and 1.037 (all 90 pairs pooled: 1.002; ratio of totals 1.02
 iteration over the bare loop against 0.36. Pipelined (max_staleness 1) tiny runs, outside the bench: 0.76 and
 0.72 s per iteration at 19 against 0.73 and 0.70 at 0, noise-level. Only the temporary server is lowered: a
 server other processes share (`ppoflow prefect-server`, `prefect server start`) is left as it is.
+
+The temporary server also dies with the process that started it, however that process dies. Prefect stops it
+from an atexit hook, which SIGKILL (the OOM killer) never runs: the server went on running, holding its port
+and the database, with nobody to stop it. So the command that starts it passes its own pid
+(PARENT_PID_VARIABLE), and `create_replaying_app` starts a daemon thread that checks every
+PARENT_POLL_S whether the server's parent is still that pid (a dead parent's children are handed to init or a
+subreaper). When it is not, the server stops itself as on SIGTERM (uvicorn's shutdown, Prefect's lifespan),
+and exits at once if that has not ended it within SHUTDOWN_GRACE_S. Not prctl(PR_SET_PDEATHSIG): it fires
+when the *thread* that started the child exits, and Prefect may start the server from a worker thread (its
+events worker does) that ends long before the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
-from typing import Any, Awaitable, Callable
+import threading
+import time
+from typing import Any, Awaitable, Callable, Optional
 
 from ppoflow.stand_in import install_stand_in
 
 REPLAY_DELAYS_S = (0.01, 0.02, 0.04, 0.08, 0.16)
 TEMPORARY_SERVER_NICENESS = 19  # the lowest priority: the server runs when the run's compute leaves a core idle
+PARENT_PID_VARIABLE = "PPOFLOW_SERVER_PARENT_PID"  # set for the temporary server only: the pid it dies with
+PARENT_POLL_S = 0.5
+SHUTDOWN_GRACE_S = 10.0
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -147,7 +163,26 @@ def create_replaying_app() -> App:
     when uvicorn calls it directly."""
     from prefect.server.api.server import create_app
 
+    parent = os.environ.get(PARENT_PID_VARIABLE)
+    if parent:
+        watch_parent(int(parent))
     return ReplayOnConflict(create_app())
+
+
+def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Stop this process once `parent_pid` is no longer its parent (see the module docstring): SIGTERM to itself,
+    then, SHUTDOWN_GRACE_S later, os._exit if that did not end it. Returns the watching (daemon) thread."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(SHUTDOWN_GRACE_S)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="ppoflow-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 PREFECT_FACTORY = "prefect.server.api.server:create_app"
@@ -156,13 +191,14 @@ REPLAYING_FACTORY = f"{__name__}:{create_replaying_app.__name__}"
 
 class _ReplayingPopen:
     """Stands in for the `subprocess` module inside prefect.server.api.server: a command that names Prefect's app
-    factory is started with `create_replaying_app` in its place, at nice 19 (`yield_to_compute`); everything
-    else is the real module's."""
+    factory is started with `create_replaying_app` in its place, at nice 19 (`yield_to_compute`), told to die
+    with this process (PARENT_PID_VARIABLE); everything else is the real module's."""
 
     def Popen(self, args, *rest, **kwargs):  # noqa: N802 (the name subprocess has)
         serves_prefect = isinstance(args, list) and PREFECT_FACTORY in args
         if serves_prefect:
             args = [REPLAYING_FACTORY if a == PREFECT_FACTORY else a for a in args]
+            kwargs["env"] = _with_parent_pid(kwargs.get("env"))
         process = subprocess.Popen(args, *rest, **kwargs)
         if serves_prefect:
             yield_to_compute(process.pid)
@@ -170,6 +206,10 @@ class _ReplayingPopen:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
+
+
+def _with_parent_pid(env: Optional[dict[str, str]]) -> dict[str, str]:
+    return {**(os.environ if env is None else env), PARENT_PID_VARIABLE: str(os.getpid())}
 
 
 def yield_to_compute(pid: int) -> None:
@@ -184,10 +224,10 @@ def yield_to_compute(pid: int) -> None:
 def replay_on_temporary_server() -> bool:
     """Make Prefect's temporary server run `create_replaying_app` (idempotent). Its command is Prefect's own
     (`SubprocessASGIServer._run_uvicorn_command`: uvicorn, loopback, the UI off, the process's settings in its
-    environment) with only the factory named differently, started at nice 19. False, changing nothing, when this
-    process has an API URL (importing Prefect's server module costs ~1.6 s, which a process that starts the
-    temporary server pays anyway), or when Prefect's module does not look as expected (its server then conflicts
-    as before)."""
+    environment) with only the factory named differently, started at nice 19, dying with this process. False,
+    changing nothing, when this process has an API URL (importing Prefect's server module costs ~1.6 s, which a
+    process that starts the temporary server pays anyway), or when Prefect's module does not look as expected
+    (its server then conflicts as before, and outlives a SIGKILL of this process)."""
     from prefect.settings import get_current_settings
 
     if get_current_settings().api.url:
