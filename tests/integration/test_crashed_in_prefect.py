@@ -71,6 +71,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
     from flows.records import read_metrics
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
+    from tests.integration.test_retry_history import STAGES, _iteration_runs
 
     cfg = small_config(str(tmp_path / "runs"), "crashy", tiny_model_dir, digits_dataset_dir, iterations=2)
     config_path = tmp_path / "crashy.yaml"
@@ -125,6 +126,21 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
             assert run_1.state.type.value == "COMPLETED", (run_1.state, (tmp_path / "serve.log").read_text()[-3000:])
             assert latest_iteration(layout) == 2
             assert [row["iteration"] for row in read_metrics(layout)] == [1, 2]
+            # What the UI shows of the retried run (issue 34): each iteration once under its own name, with its
+            # own stage task runs; the killed attempt of iteration 1 stays Crashed beside its new run.
+            runs = _iteration_runs(client, run_1.id)
+            completed = sorted(sub.name for sub, _ in runs if sub.state.is_completed())
+            assert completed == ["crashy/iter-0001", "crashy/iter-0002"], [
+                (r.name, r.state.type.value) for r, _ in runs
+            ]
+            for sub, tasks in runs:
+                stage_runs = sorted(t.name for t in tasks if t.name.split("-iter-")[0] in STAGES)
+                i = sub.parameters["iteration"]
+                assert sub.name == f"crashy/iter-{i:04d}", (sub.name, i)
+                if sub.state.is_completed():
+                    assert stage_runs == sorted(f"{stage}-iter-{i}" for stage in STAGES), (sub.name, stage_runs)
+            others = sorted((sub.name, sub.state.type.value) for sub, _ in runs if not sub.state.is_completed())
+            assert others == [("crashy/iter-0001", "CRASHED")], others
 
         # Step 5: Prefect's CLI retry of a deployment run: no --entrypoint.
         retry = prefect_cli("flow-run", "retry", str(run_2.id), env=_env(), timeout_s=120)
