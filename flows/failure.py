@@ -52,7 +52,8 @@ class Terminated(KeyboardInterrupt):
     """The process was sent SIGTERM (a batch scheduler's stop, `kill`): raised in the main thread so that it
     unwinds as Ctrl-C does. Prefect marks the run, `finally` blocks and atexit hooks run (Prefect's temporary
     server is stopped by one), and the command prints the one failure message with the resume command. Without
-    it Python dies at once on SIGTERM and leaves that server process running with nobody to stop it."""
+    it Python dies at once on SIGTERM: no message, no `finally` (the server would still go: it watches its parent,
+    ppoflow/prefect_server.py)."""
 
 
 def raise_on_sigterm():
