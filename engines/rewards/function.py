@@ -15,7 +15,11 @@ A function is named by a spec: `path/to/file.py:fn` (a file, imported under a pr
 - "process": a worker process (engines/rewards/isolated.py), killed on a timeout and replaced at the next
   call; for functions that may hang (running generated code, say).
 A wrong number of rewards, a non-finite reward, an exception or a timeout is a RewardError naming the
-source and the sample, never a silent zero.
+source and the sample, never a silent zero. So is a function that tries to end the run (`sys.exit(3)`,
+`os._exit(7)`, both caught in the worker thread) or whose worker process dies (a segfault, a signal, an
+exit): the stage fails with that message and the run can be resumed; nothing committed is touched. In a
+thread, a crash in native code or a signal still ends the whole process without a word: such code needs
+isolation "process".
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, Callable, Literal, Optional
 
 from engines.rewards.base import RewardBatch, RewardError
 from engines.rewards.isolated import FunctionRaised, ProcessCaller, WorkerFailed, WorkerTimeout
-from engines.rewards.threaded import CallTimedOut, ThreadCaller
+from engines.rewards.threaded import CallTimedOut, FunctionExited, ThreadCaller, guard_os_exit
 
 Contract = Literal["openrlhf", "verl"]
 
@@ -122,6 +126,8 @@ class FunctionRewardSource:
         if isolation not in ("thread", "process"):
             raise ValueError(f"reward function {spec!r}: isolation must be 'thread' or 'process', got {isolation!r}")
         self.spec = spec
+        if isolation == "thread":
+            guard_os_exit()  # before the import: a module that binds `from os import _exit` gets the guard
         self.fn = load_reward_function(spec)
         self.contract = detect_contract(self.fn, spec)
         self.timeout_s = timeout_s
@@ -164,6 +170,11 @@ class FunctionRewardSource:
                 f"on {what} (the call was abandoned and may still run in a thread: "
                 f"isolation: process kills it instead)"
             ) from None
+        except FunctionExited as e:
+            raise RewardError(
+                f"reward source {self.name!r} ({self.spec}) {e} on {what} (stopped in its worker thread "
+                f"before it ended the run; a reward function returns its rewards or raises)"
+            ) from None
         except Exception as e:
             raise RewardError(
                 f"reward source {self.name!r} ({self.spec}) raised {type(e).__name__}: {e} on {what}"
@@ -180,6 +191,8 @@ class FunctionRewardSource:
             raise RewardError(
                 f"reward source {self.name!r} ({self.spec}) raised {e.type_name}: {e.message} on {what}"
             ) from None
+        except FunctionExited as e:
+            raise RewardError(f"reward source {self.name!r} ({self.spec}) {e} on {what}") from None
         except WorkerFailed as e:
             raise RewardError(f"reward source {self.name!r} ({self.spec}): {e} on {what}") from None
 

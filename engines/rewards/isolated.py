@@ -9,7 +9,8 @@ starts a new one.
 Protocol (between our own two processes, over the worker's stdin and stdout; nothing is stored): frames of
 an 8-byte little-endian length and a pickle. The first frame is the init {"spec", "sys_path"}; the worker
 answers ("ready", None) or ("error", type name, message). Each call frame is (args, kwargs); the answer is
-("ok", result) or ("error", type name, message). The worker writes frames on a duplicate of its stdout and
+("ok", result), ("error", type name, message) or ("exited", "called sys.exit(3)") (SystemExit is answered
+and the worker serves on). The worker writes frames on a duplicate of its stdout and
 points fd 1 at stderr, so a function that prints cannot corrupt the protocol. It exits when its stdin
 closes, and on Linux also when the thread that started it dies (PR_SET_PDEATHSIG), so a worker stuck in a
 loop does not outlive its trainer.
@@ -27,8 +28,12 @@ import sys
 import time
 from typing import Any, BinaryIO, Optional
 
+from engines.rewards.threaded import FunctionExited, describe_exit_request
+from engines.trainer.rank_wire import describe_exit
+
 _LENGTH = struct.Struct("<Q")
 START_TIMEOUT_S = 120.0  # interpreter start and the reward module's imports (torch, say) on a loaded machine
+EXIT_WAIT_S = 5.0  # a worker whose pipe closed mid-call is exiting: its exit code says how it died
 
 
 class WorkerTimeout(TimeoutError):
@@ -36,7 +41,8 @@ class WorkerTimeout(TimeoutError):
 
 
 class WorkerFailed(RuntimeError):
-    """The worker could not start, could not import the function, or died during a call."""
+    """The worker could not start, could not import the function, or died during a call (os._exit, a signal,
+    a segfault: the message gives its exit code or signal)."""
 
 
 class FunctionRaised(RuntimeError):
@@ -77,8 +83,9 @@ class ProcessCaller:
     """Calls the function named by `spec` in a worker process; see the module docstring.
 
     `call(timeout_s, *args, **kwargs)` returns the function's result (`.tolist()` of a tensor or array),
-    raises FunctionRaised when the function raised, WorkerTimeout after killing a worker that did not
-    answer in time, WorkerFailed when the worker cannot start or import the function, or died.
+    raises FunctionRaised when the function raised, FunctionExited when it called sys.exit, WorkerTimeout
+    after killing a worker that did not answer in time, WorkerFailed when the worker cannot start or import
+    the function, or died.
     """
 
     def __init__(self, spec: str):
@@ -124,13 +131,19 @@ class ProcessCaller:
             self._proc = None
             raise WorkerTimeout(f"no answer in {timeout_s} s; worker {proc.pid} killed") from None
         except (EOFError, BrokenPipeError):
+            try:  # its pipe closes as it exits: wait for the exit code rather than kill it and report our signal
+                proc.wait(timeout=EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
             _kill(proc)
             self._proc = None
             raise WorkerFailed(
-                f"the reward worker {proc.pid} died during the call (exit code {proc.returncode})"
+                f"the reward worker {proc.pid} {describe_exit(proc.returncode)} during the call"
             ) from None
         if answer[0] == "ok":
             return answer[1]
+        if answer[0] == "exited":
+            raise FunctionExited(answer[1])
         raise FunctionRaised(answer[1], answer[2])
 
     def close(self) -> None:
@@ -205,6 +218,8 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
             elif hasattr(result, "tolist"):
                 result = result.tolist()
             _answer(out, ("ok", result))
+        except SystemExit as e:  # the function's sys.exit ends its call, not the worker
+            _answer(out, ("exited", describe_exit_request(e)))
         except Exception as e:
             _answer(out, ("error", type(e).__name__, str(e)))
 

@@ -14,7 +14,7 @@ from engines.rewards.base import RewardBatch, RewardError
 from engines.rewards.function import FunctionRewardSource
 
 REWARDS = textwrap.dedent("""
-    import os, time
+    import os, signal, sys, time
 
     def exact(data_source, solution_str, ground_truth, extra_info=None):
         print("printing must not break the protocol")
@@ -38,6 +38,18 @@ REWARDS = textwrap.dedent("""
 
     def exits(data_source, solution_str, ground_truth, extra_info=None):
         os._exit(3)
+
+    def calls_sys_exit(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "exit":
+            sys.exit(4)
+        return float(os.getpid())
+
+    def crashes(data_source, solution_str, ground_truth, extra_info=None):
+        import ctypes
+        ctypes.string_at(0)  # reads address 0: a segfault in native code
+
+    def killed(data_source, solution_str, ground_truth, extra_info=None):
+        os.kill(os.getpid(), signal.SIGKILL)
 
     async def awaits(data_source, solution_str, ground_truth, extra_info=None):
         return 2.0
@@ -104,10 +116,41 @@ def test_a_hanging_call_is_killed_and_the_next_call_gets_a_new_worker(rewards, t
 def test_errors_name_the_source_and_the_sample(rewards):
     with pytest.raises(RewardError, match=r"'code' .* raised KeyError: 'no such test case' on iter 1 prompt 0"):
         FunctionRewardSource(f"{rewards}:raises", name="code", isolation="process").score(_batch(["a"], ["b"]))
-    with pytest.raises(RewardError, match=r"died during the call \(exit code 3\) on iter 1 prompt 0 sample 0"):
+    with pytest.raises(RewardError, match=r"exited with code 3 during the call on iter 1 prompt 0 sample 0"):
         FunctionRewardSource(f"{rewards}:exits", isolation="process").score(_batch(["a"], ["b"]))
     with pytest.raises(ValueError, match="isolation must be 'thread' or 'process'"):
         FunctionRewardSource(f"{rewards}:exact", isolation="fork")
+
+
+@pytest.mark.parametrize(
+    "fn, how",
+    [
+        ("exits", "exited with code 3"),  # os._exit(3)
+        ("crashes", "was killed by signal SIGSEGV (11)"),
+        ("killed", "was killed by signal SIGKILL (9)"),
+    ],
+)
+def test_a_worker_that_dies_is_named_with_how(rewards, fn, how):
+    # Before: "died during the call (exit code N)", and a worker still exiting was killed by us first (-9).
+    source = FunctionRewardSource(f"{rewards}:{fn}", name="code", isolation="process")
+    with pytest.raises(RewardError) as err:
+        source.score(_batch(["a"], ["b"]))
+    message = str(err.value)
+    assert message.startswith(f"reward source 'code' ({rewards}:{fn}): the reward worker ")
+    assert message.endswith(f" {how} during the call on iter 1 prompt 0 sample 0")
+
+
+def test_sys_exit_in_the_worker_is_an_error_and_the_worker_serves_on(rewards):
+    source = FunctionRewardSource(f"{rewards}:calls_sys_exit", name="code", isolation="process")
+    worker = int(source.score(_batch(["fine"], [""]))[0])
+    with pytest.raises(RewardError) as err:
+        source.score(_batch(["fine", "exit"], ["", ""]))
+    assert (
+        str(err.value)
+        == f"reward source 'code' ({rewards}:calls_sys_exit) called sys.exit(4) on iter 1 prompt 1 sample 0"
+    )
+    assert int(source.score(_batch(["fine"], [""]))[0]) == worker  # the same worker answers the next call
+    source.close()
 
 
 def test_the_config_setting_reaches_the_source(rewards):
