@@ -12,6 +12,8 @@
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow runs repair RUN | runs accept-inputs RUN [--root ROOT]   a corrupt checkpoint; inputs changed on purpose
+    ppoflow fork RUN --at N --name NEW [--root ROOT] [--set section.field=value ...] [--no-train]
+                                          a new run from RUN's checkpoint N with a changed config (flows/fork.py)
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
     ppoflow config-reference              the config fields as a Markdown table
 
@@ -101,6 +103,20 @@ def cmd_demo(args) -> int:
         train(cfg, console)
 
     return _run_with_capture(cfg, "demo", args, body)
+
+
+def cmd_fork(args) -> int:
+    """`ppoflow fork`: make the fork (refused before any work when a field cannot change), then train it."""
+    from flows.fork import fork_run
+    from flows.run import train
+    from storage.layout import layout_for
+
+    cfg = fork_run(args.root, args.run, args.at, args.name, args.set, _storage_opts(args))
+    if args.no_train:
+        config = layout_for(cfg).url(layout_for(cfg).config_path)
+        print(f"run {cfg.run.name}: forked from {args.run} at iteration {args.at}; train it: ppoflow train {config}")
+        return 0
+    return _run_with_capture(cfg, "fork", args, lambda console: train(cfg, console))
 
 
 def cmd_models(args) -> int:
@@ -309,6 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--deployment", default="ppo-training/ppo-training", help="FLOW/DEPLOYMENT (default ppo-training/ppo-training)"
     )
     deploy_run.set_defaults(func=cmd_deploy_run)
+
+    fork = sub.add_parser("fork", help="a new run from a run's committed iteration N, sharing 1..N by reference")
+    fork.add_argument("run", help="the run to fork")
+    fork.add_argument("--at", type=int, required=True, help="the committed iteration the fork continues from")
+    fork.add_argument("--name", required=True, help="the fork's run name")
+    fork.add_argument("--root", default="./runs", help="storage root of the run (and of the fork; default ./runs)")
+    fork.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a config field")
+    fork.add_argument("--no-train", action="store_true", help="make the fork only; `ppoflow train` it later")
+    fork.add_argument("--endpoint-url", default=None)
+    fork.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
+    fork.set_defaults(func=cmd_fork)
 
     train_rm = sub.add_parser("train-rm", help="train a Bradley-Terry reward model (the rm_train section)")
     train_rm.add_argument("config")

@@ -26,6 +26,7 @@ from flows.stages import run_stage
 from ppoflow.config import as_config
 from storage.checkpoints import read_commit_marker
 from storage.layout import RunLayout, layout_for
+from storage.lineage import own_first_iteration
 
 
 def iteration_metrics(
@@ -60,7 +61,8 @@ def recover_missing_rows(layout: RunLayout, committed_through: int) -> list[int]
     flow's view of the stage times died with the process) and carries "record/rebuilt": true."""
     have = {row["iteration"] for row in read_metrics(layout)}
     rebuilt = []
-    for iteration in range(1, committed_through + 1):
+    # A fork's iterations up to its fork point are its parent's: their rows are in the parent's metrics.jsonl.
+    for iteration in range(own_first_iteration(layout), committed_through + 1):
         if iteration in have:
             continue
         records = {stage: read_stage_record(layout, iteration, stage) for stage in ("rollout", "score", "update")}
@@ -85,7 +87,7 @@ def rerun_missing_evals(cfg, layout: RunLayout, committed_through: int) -> list[
     """
     have = {row["iteration"] for row in read_metrics(layout)}
     ran = []
-    for iteration in range(1, committed_through + 1):
+    for iteration in range(own_first_iteration(layout), committed_through + 1):
         if iteration in have or not eval_due(cfg, iteration) or read_stage_record(layout, iteration, "eval"):
             continue
         if read_commit_marker(layout, iteration) is None:

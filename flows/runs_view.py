@@ -1,4 +1,5 @@
-"""`ppoflow runs ls` and `ppoflow runs show RUN`: runs under a root, an iteration table, committed checkpoints."""
+"""`ppoflow runs ls` and `ppoflow runs show RUN`: runs under a root, an iteration table, committed checkpoints, and
+a run's lineage (the run it was forked from, the runs forked from it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from ppoflow.config import StorageConfig
 from storage.checkpoints import is_committed, latest_iteration
 from storage.fs import resolve
 from storage.layout import RunLayout
+from storage.lineage import fork_records, parent_of
+from storage.run_identity import read_run_record
 
 
 def runs_ls(root: str, storage_cfg: StorageConfig | None = None) -> Table:
@@ -55,4 +58,28 @@ def runs_show(root: str, run: str, storage_cfg: StorageConfig | None = None) -> 
     info.add_row("metrics", layout.url(layout.metrics_path))
     info.add_row("tensorboard", tensorboard_dir_for(layout))
     info.add_row("logs", layout.url(layout.run_dir) + "/logs/")
+    for label, text in lineage_lines(layout):
+        info.add_row(label, text)
     return Group(info, metrics)
+
+
+def lineage_lines(layout: RunLayout) -> list[tuple[str, str]]:
+    """("forked from", "RUN at iteration N (ROOT)") for a fork, ("fork", "NEW at iteration N ...") per run forked
+    from this one (storage/lineage.py); [] for a run with neither."""
+    lines = []
+    parent = parent_of(read_run_record(layout))
+    if parent is not None:
+        lines.append(
+            (
+                "forked from",
+                f"{parent['run']} at iteration {parent['iteration']} ({parent['root']}); iterations "
+                f"1..{parent['iteration']} are its, by reference",
+            )
+        )
+    for record in fork_records(layout):
+        pinned = record.get("iterations")
+        keeps = f"keeps checkpoints {pinned}" if pinned else "refers to no checkpoint any more"
+        lines.append(
+            ("fork", f"{record.get('run')} at iteration {record.get('forked_at')} ({record.get('root')}): {keeps}")
+        )
+    return lines

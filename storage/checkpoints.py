@@ -15,6 +15,10 @@ LATEST is repaired by `latest_iteration` (it trusts markers, not LATEST) and by 
 which is idempotent. A committed checkpoint is never written into or overwritten. On a local disk every
 write is durable when it returns (storage/fs.py fsyncs file and folder), so the order above also holds
 after a machine crash: files before the marker, the marker before retention deletes an older checkpoint.
+
+A forked run's checkpoints up to its fork point are references to its parent's (`_REFERENCE.json` instead of
+files, storage/lineage.py): they read as committed with the parent's marker and load from the parent's folder;
+retention removes only the reference, and never removes a checkpoint that a fork pinned in `<run>/_forks/`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from storage import fs as fsutil
+from storage import lineage
 from storage.checkpoint_cache import checkpoint_cache_dir, evict_cached_copies
 from storage.layout import RunLayout, parse_iteration_name
 
@@ -63,8 +68,7 @@ def _local_files(local_dir: str) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
-def read_commit_marker(layout: RunLayout, iteration: int) -> Optional[dict[str, Any]]:
-    """The _COMMITTED marker of `iteration`, or None when it is not committed (or the marker is unreadable)."""
+def _own_marker(layout: RunLayout, iteration: int) -> Optional[dict[str, Any]]:
     try:
         marker = fsutil.read_json(layout.fs, fsutil.join(layout.checkpoint_dir(iteration), MARKER_NAME))
     except ValueError:
@@ -72,6 +76,26 @@ def read_commit_marker(layout: RunLayout, iteration: int) -> Optional[dict[str, 
     if not isinstance(marker, dict) or marker.get("iteration") != iteration or "files" not in marker:
         return None
     return marker
+
+
+def checkpoint_owner(layout: RunLayout, iteration: int) -> RunLayout:
+    """The run whose folder holds the files of `layout`'s checkpoint `iteration`: `layout` itself, or, for a
+    fork's checkpoint at or before its fork point, the run its reference names (storage/lineage.py)."""
+    if fsutil.exists(layout.fs, fsutil.join(layout.checkpoint_dir(iteration), MARKER_NAME)):
+        return layout
+    reference = lineage.read_reference(layout, iteration)
+    return layout if reference is None else lineage.referenced_layout(layout, reference)
+
+
+def read_commit_marker(layout: RunLayout, iteration: int) -> Optional[dict[str, Any]]:
+    """The _COMMITTED marker of `iteration`, or None when it is not committed (or the marker is unreadable).
+
+    A fork's referenced checkpoint reads as its owner's marker: None once the owner no longer holds it."""
+    marker = _own_marker(layout, iteration)
+    if marker is not None:
+        return marker
+    owner = checkpoint_owner(layout, iteration)
+    return None if owner is layout else _own_marker(owner, iteration)
 
 
 def is_committed(layout: RunLayout, iteration: int) -> bool:
@@ -214,17 +238,32 @@ def apply_retention(layout: RunLayout, keep_last: int) -> list[int]:
     committed = sorted((i for i, ok in state.items() if ok), reverse=True)
     if not committed:
         return []
-    latest, kept = committed[0], set(committed[:keep_last])
+    pinned = lineage.pinned_iterations(layout)
+    if pinned is None:
+        log.warning("retention of %s skipped: a record under %s/ is unreadable", layout.run_name, lineage.FORKS_DIR)
+        return []
+    latest, kept = committed[0], set(committed[:keep_last]) | pinned
     removed = []
     for number, ok in state.items():
         if number in kept or (not ok and number > latest):
             continue
-        folder = layout.checkpoint_dir(number)
-        if ok:
-            layout.fs.rm_file(fsutil.join(folder, MARKER_NAME))
-        fsutil.remove_tree(layout.fs, folder)
+        _remove_checkpoint(layout, number, ok)
         removed.append(number)
     return removed
+
+
+def _remove_checkpoint(layout: RunLayout, iteration: int, committed: bool) -> None:
+    """Remove a checkpoint folder, its commit first. A fork's reference folder loses its reference, then the
+    owner's pin goes (storage/lineage.py): never the owner's files."""
+    folder = layout.checkpoint_dir(iteration)
+    reference = lineage.read_reference(layout, iteration)
+    if committed and fsutil.exists(layout.fs, fsutil.join(folder, MARKER_NAME)):
+        layout.fs.rm_file(fsutil.join(folder, MARKER_NAME))
+    elif reference is not None:
+        layout.fs.rm_file(lineage.reference_path(layout, iteration))
+    fsutil.remove_tree(layout.fs, folder)
+    if reference is not None:
+        lineage.unpin(lineage.referenced_layout(layout, reference), layout.run_name, iteration)
 
 
 def load_checkpoint(
@@ -245,9 +284,11 @@ def load_checkpoint(
     Raises CheckpointError when not committed or a part is not in it, CheckpointCorruptError naming the file.
     """
     marker = read_commit_marker(layout, iteration)
-    source = layout.checkpoint_dir(iteration)
     if marker is None:
+        source = layout.checkpoint_dir(iteration)
         raise CheckpointError(f"checkpoint {layout.url(source)} is not committed (no valid {MARKER_NAME})")
+    layout = checkpoint_owner(layout, iteration)  # a fork's checkpoint at or before its fork point: the parent's
+    source = layout.checkpoint_dir(iteration)
     files = marker["files"]
     if parts is not None:
         present = sorted({rel.split("/", 1)[0] for rel in files if "/" in rel})

@@ -53,10 +53,17 @@ def build_trainer(cfg, policy: PolicyRef, ckpt: Optional[str] = None) -> PPOTrai
     )
 
 
+_TRAINER_SECTIONS = ("model", "algo", "train", "reward")  # tasks/cache_keys.py: what the update depends on
+
+
 def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
-    """The warm trainer if it holds exactly `policy`'s weights, else one rebuilt from that checkpoint (a warm
-    trainer for other weights is dropped first: two trainers never hold memory at once)."""
+    """The warm trainer if it holds exactly `policy`'s weights and was built for the same update settings, else
+    one rebuilt from that checkpoint (a warm trainer for other weights is dropped first: two trainers never hold
+    memory at once). Same weights under other settings: a fork (flows/fork.py) trained in the process that
+    committed its fork point, e.g. with another algo.kl_coef or train.actor_lr."""
     trainer = warm.take(trainer_key(policy.weights_id))
+    if trainer is not None and trainer.cfg.section_hash(*_TRAINER_SECTIONS) != cfg.section_hash(*_TRAINER_SECTIONS):
+        trainer = None  # dropped: rebuilt below from the committed checkpoint under this run's settings
     if trainer is None:
         trainer = build_trainer(cfg, policy)
         warm.count_build(warm.Role.TRAINER.value)

@@ -226,6 +226,21 @@ def _under(folder: str, digests: dict[str, str]) -> dict[str, str]:
     return {f"{folder}/{name}": digest for name, digest in digests.items()}
 
 
+_KL_SETTINGS = ("kl_coef", "kl_target", "kl_horizon")
+
+
+def _same_kl_settings(folder: Path, cfg) -> bool:
+    """False when the state was saved under other algo.kl_coef / kl_target / kl_horizon than `cfg` holds: a fork
+    that changed them (flows/fork.py) starts its KL controller from its own settings, as a new run would, instead
+    of the coefficient the checkpoint's controller reached. True for a resume (the same config) and for a state
+    saved without its config."""
+    saved = folder / "config.json"
+    if not saved.is_file():
+        return True
+    algo = json.loads(saved.read_text()).get("algo", {})
+    return all(algo.get(name) == getattr(cfg.algo, name) for name in _KL_SETTINGS)
+
+
 def load_trainer_state(trainer, state_dir: str) -> None:
     """Restore optimizer, scheduler, engine counters, KL controller, RNG and extra_state from `state_dir`.
 
@@ -257,7 +272,8 @@ def load_trainer_state(trainer, state_dir: str) -> None:
     if trainer.critic is not None:
         _load_role_optimizer(trainer.critic, folder, "critic_optimizer", saved_world, mode)
         set_engine_counters(trainer.critic, meta["engines"]["critic"])
-    trainer.kl_controller.load_state_dict(meta["kl_controller"])
+    if _same_kl_settings(folder, trainer.cfg):
+        trainer.kl_controller.load_state_dict(meta["kl_controller"])
     if trainer.reward_normalizer is not None and "reward_normalizer" in meta:
         trainer.reward_normalizer.load_state_dict(meta["reward_normalizer"])
     trainer.update_count = int(meta["update_count"])
