@@ -18,7 +18,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def _arrow_rows(path: Path, keys: list[tuple[str, str]]) -> Optional[int]:
     """Rows of a .jsonl file parsed by pyarrow's streaming reader (C++, memory flat; ~1.7 s for 1M rows
     where json.loads per line took ~9 s), or None when anything looks wrong: then `_jsonl_problem` reads it
     line by line to name the line. Looks wrong: a parse error, a column missing or null somewhere, a prompt
-    column that is not text."""
+    column that is not text, a prompt that is empty or only whitespace."""
     import pyarrow as pa
     import pyarrow.json as pj
 
@@ -80,17 +80,22 @@ def _arrow_rows(path: Path, keys: list[tuple[str, str]]) -> Optional[int]:
                     return None
                 if i == 0 and not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
                     return None
+            if keys and _first_blank(batch.column(keys[0][1])) is not None:
+                return None
             rows += batch.num_rows
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError):
         return None
     return rows
 
 
-def _jsonl_problem(path: Path, keys: list[tuple[str, str]]) -> tuple[int, Optional[str]]:
+def _jsonl_problem(
+    path: Path, keys: list[tuple[str, str]], label_readers: Sequence[str] = ()
+) -> tuple[int, Optional[str]]:
     """(rows, the first problem or None) of a .jsonl file, read as a stream (memory stays flat).
 
     A problem names the file and the 1-based line: bytes that are not UTF-8, a line that is not a JSON
-    object, a missing key (`keys` holds (config field, key)), a prompt that is not a string. Blank lines
+    object, a missing key (`keys` holds (config field, key)), a prompt that is not a string or is empty or
+    only whitespace, a null label when `label_readers` (reward sources, named) are passed labels. Blank lines
     are skipped (datasets skips them too). The slow, exact reader: used when a fast check found something.
     """
     rows = 0
@@ -117,8 +122,60 @@ def _jsonl_problem(path: Path, keys: list[tuple[str, str]]) -> tuple[int, Option
                     f"{where}: the prompt ({keys[0][0]}={keys[0][1]!r}) is a "
                     f"{type(record[keys[0][1]]).__name__}, expected text"
                 )
+            if keys and not record[keys[0][1]].strip():
+                return rows, f"{where}: {_blank_prompt(record[keys[0][1]], keys[0][1])}"
+            label_key = dict(keys).get("data.label_key")
+            if label_readers and label_key is not None and record[label_key] is None:
+                return rows, f"{where}: {_null_label(label_key, label_readers)}"
             rows += 1
     return rows, None
+
+
+def _blank_prompt(text: Optional[str], prompt_key: str) -> str:
+    what = "null" if text is None else "empty" if not text else f"only whitespace ({text!r})"
+    return (
+        f"the prompt (data.prompt_key={prompt_key!r}) is {what}: a reward for a response to no question "
+        f"means nothing; drop the row"
+    )
+
+
+def _null_label(label_key: str, label_readers: Sequence[str]) -> str:
+    return (
+        f"the label (data.label_key={label_key!r}) is null, and {', '.join(label_readers)} would be passed it "
+        f"as None; fill it in or drop the row (or set data.label_key: null when no reward source uses labels: "
+        f"every label is then None)"
+    )
+
+
+def _first_blank(prompts) -> Optional[int]:
+    """Index of the first null, empty or whitespace-only string of an Arrow string array, or None."""
+    import pyarrow.compute as pc
+
+    blank = pc.or_kleene(pc.is_null(prompts), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(prompts)), 0))
+    index = pc.index(blank, True).as_py()
+    return None if index < 0 else index
+
+
+def _row_problem(path: Path, data_cfg, label_readers: Sequence[str]) -> Optional[str]:
+    """The first 0-based row of a .parquet file or datasets folder whose prompt is null, empty or only
+    whitespace, or whose label is null while `label_readers` are passed labels. Reads those columns only,
+    as Arrow arrays (no Python objects)."""
+    import pyarrow.compute as pc
+
+    names = [data_cfg.prompt_key] + ([data_cfg.label_key] if label_readers and data_cfg.label_key else [])
+    if path.is_dir():
+        # memory-mapped; taken through the dataset's indices, so row numbers are PromptSource's
+        table = load_rows(str(path)).select_columns(names).with_format("arrow")[:]
+    else:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=names)
+    where = f"dataset {str(path)!r} row"
+    if (row := _first_blank(table.column(data_cfg.prompt_key))) is not None:
+        return f"{where} {row}: {_blank_prompt(table.column(data_cfg.prompt_key)[row].as_py(), data_cfg.prompt_key)}"
+    if len(names) > 1 and (row := pc.index(pc.is_null(table.column(names[1])), True).as_py()) >= 0:
+        return f"{where} {row}: {_null_label(names[1], label_readers)}"
+    return None
 
 
 def _column_keys(data_cfg) -> list[tuple[str, str]]:
@@ -131,19 +188,23 @@ def _column_keys(data_cfg) -> list[tuple[str, str]]:
     return [(role, key) for role, key in keys if key is not None]
 
 
-def check_dataset(data_cfg) -> int:
+def check_dataset(data_cfg, label_readers: Sequence[str] = ()) -> int:
     """Check that `data_cfg.path` can be trained on, without tokenising it; return its row count.
 
     Cheap by format: a .jsonl is checked for UTF-8 in blocks, then parsed by pyarrow's streaming reader
     (keys on every line: datasets fills a key a line lacks with null, which would reach the reward function
     as a missing label); only when that finds something is it read line by line, to name the line (1M
     rows: ~2 s, against ~9 s for json.loads per line). A .parquet file and a datasets folder are checked
-    from their schema and row count (metadata, no rows read). Prompt lengths are PromptSource's job (it
-    tokenises once and names the row).
+    from their schema and row count, then their prompt (and label) column is read as Arrow arrays. Prompt
+    lengths are PromptSource's job (it tokenises once and names the row).
 
-    Raises DataError naming the file, and the line for a .jsonl: missing or unreadable path, unsupported
-    type, bytes that are not UTF-8, a line that is not a JSON object, a missing column, a prompt column
-    that is not text, no rows.
+    `label_readers` names the reward sources that are passed each sample's label ("reward.sources.0
+    (function my.py:fn)"); with any, a null label is refused: it would reach them as None without a word.
+
+    Raises DataError naming the file, and the line for a .jsonl (the 0-based row otherwise): missing or
+    unreadable path, unsupported type, bytes that are not UTF-8, a line that is not a JSON object, a missing
+    column, a prompt column that is not text, a prompt that is empty or only whitespace, a null label (with
+    `label_readers`), no rows.
     """
     path = Path(data_cfg.path).expanduser()
     keys = _column_keys(data_cfg)
@@ -157,7 +218,7 @@ def check_dataset(data_cfg) -> int:
         problem = _utf8_problem(path)
         rows = None if problem else _arrow_rows(path, keys)
         if rows is None and problem is None:
-            rows, problem = _jsonl_problem(path, keys)
+            rows, problem = _jsonl_problem(path, keys, label_readers)
         if problem:
             raise DataError(problem)
         if rows == 0:
@@ -181,6 +242,8 @@ def check_dataset(data_cfg) -> int:
         )
     if rows == 0:
         raise DataError(f"dataset {data_cfg.path!r} has no rows (data.path)")
+    if problem := _row_problem(path, data_cfg, label_readers):
+        raise DataError(problem)
     return rows
 
 
@@ -252,7 +315,7 @@ class PromptSource:
     """Prompts for each iteration, deterministic from (seed, iteration).
 
     Raises (at construction) KeyError naming a missing column and the columns present, ValueError naming
-    the first row whose prompt is empty or longer than data.max_prompt_tokens.
+    the first row whose prompt is empty, only whitespace, or longer than data.max_prompt_tokens.
     """
 
     def __init__(self, data_cfg, tokenizer, apply_chat_template: bool = False):
@@ -270,7 +333,11 @@ class PromptSource:
         if len(rows) == 0:
             raise ValueError(f"dataset {data_cfg.path!r} has no rows")
         self.use_chat_template = bool(apply_chat_template and getattr(tokenizer, "chat_template", None))
-        self.texts: list[str] = [self._render(t) for t in rows[data_cfg.prompt_key]]
+        prompts = rows[data_cfg.prompt_key]
+        for row, text in enumerate(prompts):
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"dataset {data_cfg.path!r} row {row}: {_blank_prompt(text, data_cfg.prompt_key)}")
+        self.texts: list[str] = [self._render(t) for t in prompts]
         self.labels = rows[data_cfg.label_key] if data_cfg.label_key else [None] * len(rows)
         self.data_sources = rows[data_cfg.data_source_key] if data_cfg.data_source_key else [None] * len(rows)
         self.prompt_ids: list[list[int]] = [self._encode(i, t) for i, t in enumerate(self.texts)]

@@ -95,11 +95,29 @@ def _check_model_dir(path: str | Path, what: str) -> Path:
     return folder
 
 
+class TokenizerError(ValueError):
+    """A model folder's tokenizer does not load; the message names the folder and, where it can tell, the file."""
+
+
 def load_tokenizer(path: str | Path):
-    """The tokenizer of a model folder. Left padding: prompts are left-padded everywhere in ppoflow."""
+    """The tokenizer of a model folder. Left padding: prompts are left-padded everywhere in ppoflow.
+
+    Raises FileNotFoundError for a folder without config.json, TokenizerError when the tokenizer does not load
+    (a corrupt tokenizer.json names itself; otherwise transformers' or tokenizers' own error and the files)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(_check_model_dir(path, "tokenizer")))
+    from ppoflow.preflight import tokenizer_json_problem
+
+    folder = _check_model_dir(path, "tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - json, transformers and tokenizers (Rust) raise many types: name the files
+        problem = tokenizer_json_problem(folder)
+        files = ", ".join(sorted(p.name for p in folder.iterdir() if "token" in p.name or p.name.startswith("vocab")))
+        raise TokenizerError(
+            f"the tokenizer in {folder} does not load: "
+            + (problem or f"{type(e).__name__}: {str(e).strip()} (its files: {files or 'none'})")
+        ) from e
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         # Some causal LMs ship no pad token; EOS is the usual stand-in (masks keep it out of the loss).

@@ -58,11 +58,15 @@ def unknown_deployments(named: dict[str, str]) -> list[str]:
 
 
 def check_prompt_lengths(cfg: PPOFlowConfig) -> None:
-    """Tokenise the dataset through the rollout stage's warm PromptSource (see the module docstring)."""
+    """Tokenise the dataset through the rollout stage's warm PromptSource (see the module docstring). A
+    tokenizer that does not load is the policy folder's problem (model.policy_path), not the data's."""
+    from engines.models import TokenizerError
     from engines.stages.held import prompt_source_for
 
     try:
         prompt_source_for(cfg)
+    except TokenizerError as e:
+        raise PreflightError(format_problems(cfg, [f"model.policy_path: {e}"])) from None
     except (KeyError, ValueError) as e:  # PromptSource names the file and the row
         raise PreflightError(format_problems(cfg, [f"data.path: {e.args[0] if e.args else e}"])) from None
 

@@ -108,9 +108,13 @@ def rm_training(config: dict[str, Any]) -> dict[str, Any]:
 
 def train_reward_model(cfg: PPOFlowConfig, console: Any = None) -> dict[str, Any]:
     """Run the flow in this process and print one line per unit and where the model is on `console` (a rich
-    Console; `ppoflow train-rm` passes the one its output capture leaves on the terminal)."""
+    Console; `ppoflow train-rm` passes the one its output capture leaves on the terminal). ConfigError first when
+    PREFECT_API_URL names a server that does not answer (flows/prefect_api.py)."""
     from rich.console import Console
 
+    from flows.prefect_api import check_prefect_api
+
+    check_prefect_api()
     console = console or Console()
     result = rm_training(cfg.model_dump(mode="json"))
     for row in read_metrics(layout_for(cfg)):

@@ -115,12 +115,15 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
     """Run the training flow for `cfg` with a progress bar and the iteration table on `console`.
 
     The flow run is a run of the `ppoflow-train` deployment (flows/deployment.py), so it can be retried from
-    the UI and with `prefect flow-run retry ID`."""
+    the UI and with `prefect flow-run retry ID`. ConfigError before anything else when PREFECT_API_URL names a
+    server that does not answer (flows/prefect_api.py)."""
     from engines.reasoning_tasks import materialize
     from flows.deployment import train_through_deployment
+    from flows.prefect_api import check_prefect_api
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
 
+    check_prefect_api()
     console = console or Console()
     cfg = materialize(cfg)  # data.reasoning_gym: write its files here, so the paths printed below are its
     layout = layout_for(cfg)

@@ -792,10 +792,58 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
     return "\n".join(lines)
 
 
-def _parse_value(text: str) -> Any:
+def _first_duplicate_key(node: yaml.Node, where: str, seen: set[int]) -> Optional[tuple[str, str, int, int]]:
+    """(mapping's dotted path, key, first line, second line) of the first key given twice in one mapping of the
+    composed YAML `node`, or None. Merge keys (`<<: *base`) are not keys of their own: a key beside one
+    overrides the merged value, as YAML means it. Lines are 1-based."""
+    if id(node) in seen:  # an alias of a node already walked
+        return None
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        children = [(f"{where}.{i}" if where else str(i), item) for i, item in enumerate(node.value)]
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        children = []
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key, line = key_node.value, key_node.start_mark.line + 1
+            if key in lines:
+                return where, key, lines[key], line
+            lines[key] = line
+            children.append((f"{where}.{key}" if where else key, value_node))
+    else:
+        return None
+    for path, child in children:
+        if found := _first_duplicate_key(child, path, seen):
+            return found
+    return None
+
+
+def _load_yaml(text: str, origin: str, root: str = "") -> Any:
+    """yaml.safe_load, but a key given twice in one mapping is a ConfigError naming the key, its section
+    (dotted, under `root`) and both lines (PyYAML keeps the last value without a word, so the first one the
+    reader sees would silently not count). Raises yaml.YAMLError for text that is not YAML."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and (duplicate := _first_duplicate_key(node, root, set())):
+            where, key, first, second = duplicate
+            section = f"in {where!r}" if where else "at the top level"
+            lines = (f" line {second}", f" (first on line {first})") if "\n" in text.strip() else ("", "")
+            raise ConfigError(
+                f"{origin}{lines[0]}: key {key!r} is given twice {section}{lines[1]}; "
+                f"YAML would keep only the last value: remove one"
+            )
+        return None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _parse_value(text: str, origin: str = "--set value", key: str = "") -> Any:
     """`--set` values are YAML scalars: 3, 0.1, true, null, [1, 2], or plain strings."""
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text, origin, key)
     except yaml.YAMLError:
         return text
 
@@ -812,7 +860,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = _parse_value(raw)
+        node[parts[-1]] = _parse_value(raw, f"override {item!r}", key.strip())
     return data
 
 
@@ -824,13 +872,16 @@ def build_config(data: dict[str, Any], origin: str = "<dict>") -> PPOFlowConfig:
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> PPOFlowConfig:
-    """Load a YAML config (or defaults when path is None), apply `--set` overrides, validate."""
+    """Load a YAML config (or defaults when path is None), apply `--set` overrides, validate.
+
+    ConfigError for a missing file, text that is not YAML, a key given twice in one mapping (naming the key and
+    both lines), or a value that does not validate (naming the field)."""
     data: dict[str, Any] = {}
     origin = "defaults"
     if path is not None:
         origin = str(path)
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = _load_yaml(Path(path).read_text(), f"config file {path}") or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except yaml.YAMLError as e:

@@ -4,9 +4,11 @@ What is checked (`static_problems`), in the order a run would meet it:
 - storage: a local `run.root` is (or can become) a folder; an S3 root's bucket exists (named, with the
   endpoint);
 - data: engines.data.check_dataset (path, readable, UTF-8 and JSON line by line for .jsonl, columns,
-  non-empty) -- not the prompt lengths, which need the tokenizer (flows/preflight.py);
+  non-empty, no empty or whitespace-only prompt, no null label when a reward source is passed labels) --
+  not the prompt lengths, which need the tokenizer (flows/preflight.py);
 - model folders: the policy, the critic backbone (algorithms with a critic) and every reward-model source:
-  config.json parses, tokenizer files are there (policy and reward models), every weights file is listed
+  config.json parses, tokenizer files are there and their JSON files parse (policy and reward models; a
+  tokenizer that still does not load is named at its load, flows/preflight.py), every weights file is listed
   and each safetensors file's header is read and checked against the file's size (a truncated download
   names the file). Headers only: the 8-byte length, the JSON header and the file size; never the tensors;
 - `rollout.stop_token_ids` inside the policy's vocabulary;
@@ -31,6 +33,14 @@ from ppoflow.config import ConfigError, PPOFlowConfig, StorageConfig
 # The largest safetensors header we accept (the format's own reader refuses more than 100 MB).
 _MAX_HEADER_BYTES = 100 * 2**20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# The JSON files a tokenizer is loaded from (transformers reads each that is there).
+_TOKENIZER_JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
 
 
 class PreflightError(ConfigError):
@@ -61,6 +71,22 @@ def safetensors_problem(path: str) -> Optional[str]:
     if expected != size:
         what = "truncated" if size < expected else "longer than its header says"
         return f"{path}: {size} bytes but its header describes {expected} bytes ({what})"
+    return None
+
+
+def tokenizer_json_problem(folder: str | Path) -> Optional[str]:
+    """The first tokenizer JSON file of a model folder that is not a JSON object (a truncated or corrupt
+    download), named with the parser's line and column; None when each present one parses. The whole file is
+    parsed (tokenizer.json: a few MB, ~0.1 s)."""
+    for name in _TOKENIZER_JSON_FILES:
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                return f"{path}: not a JSON object, so the tokenizer cannot load"
+        except (ValueError, UnicodeDecodeError) as e:
+            return f"{path}: not valid JSON ({e}), so the tokenizer cannot load"
     return None
 
 
@@ -99,6 +125,8 @@ def model_folder_problems(path: str, field: str, need_tokenizer: bool = True) ->
         problems.append(f"{config}: not valid JSON ({e})")
     if need_tokenizer and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         problems.append(f"{folder}: no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
+    elif need_tokenizer and (problem := tokenizer_json_problem(folder)):
+        problems.append(problem)
     files, problem = _weight_files(folder)
     problems += [problem] if problem else []
     problems += [p for p in map(safetensors_problem, map(str, files)) if p]
@@ -233,18 +261,34 @@ def precision_problem(cfg: PPOFlowConfig) -> str | None:
     return cpu_autocast_problem(cfg.model.autocast_dtype)
 
 
+def label_readers(cfg: PPOFlowConfig) -> list[str]:
+    """The reward sources that are passed each sample's label ("reward.sources.0 (function my.py:fn)"), from
+    each kind's `reward_inputs`: function and remote sources are, a reward model reads the text only."""
+    from engines.rewards.function import FunctionRewardSource
+    from engines.rewards.model import RewardModelSource
+    from engines.rewards.remote import RemoteRewardSource
+
+    kinds = {"function": FunctionRewardSource, "model": RewardModelSource, "remote": RemoteRewardSource}
+    return [
+        f"reward.sources.{i} ({source.kind} {source.target})"
+        for i, source in enumerate(cfg.reward.sources)
+        if "label" in kinds[source.kind].reward_inputs
+    ]
+
+
 def static_problems(cfg: PPOFlowConfig) -> list[str]:
     """Every problem of the storage root, the data, the model folders and the reward sources (see module doc)."""
     from engines.data import DataError, check_dataset
 
     problems = [p for p in [storage_problem(cfg)] if p]
+    readers = label_readers(cfg)
     try:
-        check_dataset(cfg.data)
+        check_dataset(cfg.data, readers)
     except DataError as e:
         problems.append(f"data.path: {e}")
     if cfg.eval.data_path:  # the held-out set, read with data's columns (its message says data.path: name eval's)
         try:
-            check_dataset(cfg.data.model_copy(update={"path": cfg.eval.data_path}))
+            check_dataset(cfg.data.model_copy(update={"path": cfg.eval.data_path}), readers)
         except DataError as e:
             problems.append(f"eval.data_path: {e}")
     problems += model_folder_problems(cfg.model.policy_path, "model.policy_path")

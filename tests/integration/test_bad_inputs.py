@@ -9,7 +9,8 @@ One run ("kept") is trained for one iteration first; every bad input below is th
 
 Most cases go through the config loader and flows.preflight.preflight in this process (what ppo_training
 calls first); five go through the real CLI (`python -m flows.cli train CONFIG --set ...`) in a subprocess
-and also assert its exit code.
+and also assert its exit code, as do a config file with a key given twice and a PREFECT_API_URL that does
+not answer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.integration.pipeline_helpers import small_config
@@ -78,6 +81,14 @@ def _bad_files(folder: Path, model_dir: Path) -> Path:
     (no_config / "config.json").unlink()
     no_tokenizer = shutil.copytree(model_dir, folder / "no-tokenizer-model")
     (no_tokenizer / "tokenizer.json").unlink()
+    (folder / "blank.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": " \\t ", "label": "2"}\n')
+    (folder / "nulllabel.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": null}\n')
+    pq.write_table(pa.table({"prompt": ["a", "", "c"], "label": ["1", "2", "3"]}), folder / "empty-prompt.parquet")
+    cut_tokenizer = shutil.copytree(model_dir, folder / "cut-tokenizer-model")
+    text = (cut_tokenizer / "tokenizer.json").read_text()
+    (cut_tokenizer / "tokenizer.json").write_text(text[: len(text) // 2])  # a download cut off half-way
+    odd_tokenizer = shutil.copytree(model_dir, folder / "odd-tokenizer-model")  # JSON, but not a tokenizer
+    (odd_tokenizer / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
     return folder
 
 
@@ -132,6 +143,25 @@ PREFLIGHT_CASES = [
         ["nolabel.jsonl' line 2: no key 'label' (data.label_key)"],
     ),
     ("data-csv", ["data.path={bad}/data.csv"], ["data.csv", "unsupported file type '.csv'"]),
+    (
+        "prompt-whitespace",
+        ["data.path={bad}/blank.jsonl"],
+        ["data.path", "blank.jsonl' line 2: the prompt (data.prompt_key='prompt') is only whitespace"],
+    ),
+    (
+        "prompt-empty-parquet",
+        ["data.path={bad}/empty-prompt.parquet"],
+        ["data.path", "empty-prompt.parquet' row 1: the prompt (data.prompt_key='prompt') is empty"],
+    ),
+    (
+        "label-null",  # the kept run's reward, engines.toy.task:reward_func, is passed labels
+        ["data.path={bad}/nulllabel.jsonl"],
+        [
+            "data.path",
+            "nulllabel.jsonl' line 2: the label (data.label_key='label') is null, and "
+            "reward.sources.0 (function engines.toy.task:reward_func) would be passed it as None",
+        ],
+    ),
     ("prompt-too-long", ["data.max_prompt_tokens=2"], ["data.path", "row ", "max_prompt_tokens=2"]),
     ("policy-missing", ["model.policy_path={bad}/no-model"], ["model.policy_path", "no-model' not found"]),
     (
@@ -148,6 +178,16 @@ PREFLIGHT_CASES = [
         "policy-no-tokenizer",
         ["model.policy_path={bad}/no-tokenizer-model"],
         ["model.policy_path", "no-tokenizer-model: no tokenizer files"],
+    ),
+    (
+        "policy-tokenizer-cut",
+        ["model.policy_path={bad}/cut-tokenizer-model"],
+        ["model.policy_path", "cut-tokenizer-model/tokenizer.json: not valid JSON"],
+    ),
+    (
+        "policy-tokenizer-does-not-load",  # before: "data.path: ..." (the tokenizer loads with the prompts)
+        ["model.policy_path={bad}/odd-tokenizer-model"],
+        ["model.policy_path: the tokenizer in {bad}/odd-tokenizer-model does not load"],
     ),
     (
         "stop-token-outside-vocab",
@@ -240,3 +280,50 @@ def test_cli_refuses_with_an_exit_code(kept_run, prefect_api, case, overrides, f
     _check_refusal(done.stdout + done.stderr, [f.replace("{bad}", str(bad)) for f in fragments], run_dir, digest)
     # Interpreter start, imports and the flow run's start on a loaded 2-core machine; no model is loaded.
     assert elapsed < 90, f"{case} took {elapsed:.1f} s to fail"
+
+
+def _cli(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        env={**os.environ, "PYTHONPATH": os.getcwd(), **env},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_a_config_key_given_twice_is_named_with_both_lines(kept_run, tmp_path):
+    # Before: YAML kept the last value without a word (a new run would have trained with kl_coef 0.5; this resume
+    # was refused as a changed setting, naming a key the file seems to set right).
+    config_path, run_dir, digest, _bad = kept_run
+    lines = config_path.read_text().splitlines()
+    algo = lines.index("algo:")
+    kl = next(i for i in range(algo + 1, len(lines)) if lines[i].startswith("  kl_coef:"))  # 0-based
+    doubled = tmp_path / "doubled.yaml"
+    doubled.write_text("\n".join(lines[: kl + 1] + ["  kl_coef: 0.5"] + lines[kl + 1 :]) + "\n")
+    done = _cli(["train", str(doubled)])
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    message = f"config file {doubled} line {kl + 2}: key 'kl_coef' is given twice in 'algo' (first on line {kl + 1})"
+    _check_refusal(done.stdout + done.stderr, [message], run_dir, digest)
+
+
+def test_an_unreachable_prefect_api_is_named_with_the_way_out(kept_run):
+    import socket
+
+    config_path, run_dir, digest, _bad = kept_run
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/api"
+    start = time.monotonic()
+    done = _cli(["train", str(config_path)], PREFECT_API_URL=url)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    output = done.stdout + done.stderr
+    assert output.count("ppoflow: error:") == 1, output
+    fragments = [
+        f"ppoflow: error: ConfigError: PREFECT_API_URL={url} (set in the environment) does not answer: ConnectError",
+        "unset it (`unset PREFECT_API_URL`) to run on a temporary local Prefect server",
+    ]
+    _check_refusal(output, fragments, run_dir, digest)
+    assert elapsed < 60, f"took {elapsed:.1f} s to fail"

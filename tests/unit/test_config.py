@@ -157,3 +157,59 @@ def test_every_error_of_a_config_is_listed_at_once():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollout.top_k=-7", "algo.dual_clip=0.5"])
     assert "rollout.top_k" in str(err.value) and "algo.dual_clip" in str(err.value)
+
+
+def _line_of(text: str, line: str) -> int:
+    """1-based number of the line of `text` equal to `line`."""
+    return text.splitlines().index(line) + 1
+
+
+@pytest.mark.parametrize(
+    "text, key, section, first, second",
+    [
+        (
+            "run: {name: r1}\nalgo:\n  name: ppo\n  kl_coef: 0.1\n  kl_coef: 0.5\n",
+            "kl_coef",
+            "in 'algo'",
+            "  kl_coef: 0.1",
+            "  kl_coef: 0.5",
+        ),
+        (
+            "algo: {name: ppo}\nrun: {name: r1}\nalgo: {name: grpo}\n",
+            "algo",
+            "at the top level",
+            "algo: {name: ppo}",
+            "algo: {name: grpo}",
+        ),
+        (
+            "reward:\n  sources:\n  - kind: function\n    target: a.py:f\n    weight: 1\n    weight: 2\n",
+            "weight",
+            "in 'reward.sources.0'",
+            "    weight: 1",
+            "    weight: 2",
+        ),
+    ],
+    ids=["in-a-section", "at-the-top", "in-a-list-item"],
+)
+def test_a_key_given_twice_names_the_key_and_both_lines(tmp_path, text, key, section, first, second):
+    # PyYAML keeps the last value without a word: before, the first of each pair was silently dropped.
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"config file {path} line {_line_of(text, second)}: key {key!r} is given twice {section} "
+        f"(first on line {_line_of(text, first)}); YAML would keep only the last value: remove one"
+    )
+
+
+def test_a_merge_key_is_not_a_duplicate_and_an_override_is_checked_too(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  <<: {name: ppo, kl_coef: 0.1}\n  kl_coef: 0.5\n")  # YAML's merge: the key beside it wins
+    assert load_config(path).algo.kl_coef == 0.5
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["reward.sources=[{kind: model, target: m, kind: model}]"])
+    assert str(err.value) == (
+        "override 'reward.sources=[{kind: model, target: m, kind: model}]': key 'kind' is given twice in "
+        "'reward.sources.0'; YAML would keep only the last value: remove one"
+    )

@@ -10,7 +10,14 @@ import pytest
 from engines.data import DataError, PromptSource, check_dataset
 from engines.models import load_tokenizer
 from ppoflow.config import DataConfig, load_config
-from ppoflow.preflight import PreflightError, check_static, model_folder_problems, safetensors_problem, static_problems
+from ppoflow.preflight import (
+    PreflightError,
+    check_static,
+    label_readers,
+    model_folder_problems,
+    safetensors_problem,
+    static_problems,
+)
 
 
 def _data(path, **kw) -> DataConfig:
@@ -83,6 +90,54 @@ class TestCheckDataset:
             check_dataset(_data(digits_dataset_dir, label_key="answer"))
         with pytest.raises(DataError, match=r"nope.jsonl' not found"):
             check_dataset(_data(tmp_path / "nope.jsonl"))
+
+    @pytest.mark.parametrize("prompt, what", [('""', "empty"), ('"  \\t "', "only whitespace ('  \\t ')")])
+    def test_a_blank_prompt_is_named_by_its_line(self, tmp_path, prompt, what):
+        # Before: trained on (a tokenizer's BOS made the empty prompt one token long, so no length check caught it).
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"prompt": "a", "label": "1"}\n\n{"prompt": ' + prompt + ', "label": "2"}\n')
+        with pytest.raises(DataError) as err:
+            check_dataset(_data(path))
+        # The file's third line holds it (the blank line 2 is skipped).
+        assert str(err.value).startswith(
+            f"dataset {str(path)!r} line 3: the prompt (data.prompt_key='prompt') is {what}:"
+        )
+
+    def test_a_null_label_is_refused_only_when_a_reward_source_is_passed_labels(self, tmp_path):
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": null}\n')
+        assert check_dataset(_data(path)) == 2  # no reader of labels: nobody would get the None
+        readers = ["reward.sources.1 (function my.py:fn)"]
+        with pytest.raises(DataError) as err:
+            check_dataset(_data(path), readers)
+        assert str(err.value).startswith(
+            f"dataset {str(path)!r} line 2: the label (data.label_key='label') is null, and "
+            "reward.sources.1 (function my.py:fn) would be passed it as None;"
+        )
+        assert check_dataset(_data(path, label_key=None), readers) == 2  # labels not read from the data at all
+
+    def test_parquet_and_folder_rows_are_read_for_blank_prompts_and_null_labels(self, tmp_path):
+        import datasets
+
+        readers = ["reward.sources.0 (remote http://127.0.0.1:1/score)"]
+        path = tmp_path / "d.parquet"
+        pq.write_table(pa.table({"prompt": ["a", "b", "c", " "], "label": ["1", "2", "3", "4"]}), path)
+        with pytest.raises(DataError, match=r"d.parquet' row 3: the prompt \(data.prompt_key='prompt'\) is only"):
+            check_dataset(_data(path))
+        folder = tmp_path / "ds"
+        datasets.Dataset.from_dict({"prompt": ["a", "b", "c"], "label": ["1", None, "3"]}).save_to_disk(str(folder))
+        assert check_dataset(_data(folder)) == 3
+        with pytest.raises(DataError, match=r"ds' row 1: the label \(data.label_key='label'\) is null, and reward"):
+            check_dataset(_data(folder), readers)
+
+    def test_prompt_source_refuses_a_blank_prompt_by_row(self, tmp_path, tiny_model_dir):
+        # A pool worker builds PromptSource without preflight; rows count from 0, as its other errors do.
+        import datasets
+
+        folder = tmp_path / "ds"
+        datasets.Dataset.from_dict({"prompt": ["a", "b", "\n"], "label": ["1", "2", "3"]}).save_to_disk(str(folder))
+        with pytest.raises(ValueError, match=r"ds' row 2: the prompt \(data.prompt_key='prompt'\) is only whitespace"):
+            PromptSource(_data(folder), load_tokenizer(tiny_model_dir))
 
     def test_prompt_source_names_the_line_of_a_bad_jsonl_too(self, tmp_path, tiny_model_dir):
         # A pool worker builds PromptSource without preflight: datasets' own error names no line, ours does.
@@ -157,3 +212,44 @@ def test_static_problems_are_all_listed_and_nothing_is_written(tiny_model_dir, d
     assert f"model.critic_path: model folder '{tmp_path / 'critic'}' not found" in text
     assert "reward.sources.0.target: reward function file 'rewards/nope.py' not found" in text
     assert not (tmp_path / "runs").exists()
+
+
+def test_label_readers_are_the_function_and_remote_sources(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "reward.sources=[{kind: model, target: rm}, {kind: function, target: 'a.py:f'},"
+            " {kind: remote, target: 'http://127.0.0.1:8000/score'}]"
+        ],
+    )
+    assert label_readers(cfg) == [
+        "reward.sources.1 (function a.py:f)",
+        "reward.sources.2 (remote http://127.0.0.1:8000/score)",
+    ]
+
+
+class TestTokenizer:
+    def test_a_corrupt_tokenizer_json_names_the_file_and_the_policy_field(self, model_copy):
+        tokenizer_json = model_copy / "tokenizer.json"
+        text = tokenizer_json.read_text()
+        tokenizer_json.write_text(text[: len(text) // 2])  # a download cut off half-way
+        (problem,) = model_folder_problems(str(model_copy), "model.policy_path")
+        assert problem.startswith(f"model.policy_path: {tokenizer_json}: not valid JSON (")
+        assert problem.endswith("), so the tokenizer cannot load")
+
+    def test_a_tokenizer_that_does_not_load_is_the_policy_folder_s_problem(
+        self, model_copy, digits_dataset_dir, tmp_path
+    ):
+        # Valid JSON, so the folder check passes; the load fails. Before: "data.path: ..." (the wrong field).
+        from flows.preflight import preflight
+
+        (model_copy / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
+        cfg = load_config(
+            None,
+            [f"model.policy_path={model_copy}", f"data.path={digits_dataset_dir}", f"run.root={tmp_path / 'runs'}"],
+        )
+        with pytest.raises(PreflightError) as err:
+            preflight(cfg)
+        (problem,) = str(err.value).splitlines()[1:]
+        assert problem.startswith(f"  model.policy_path: the tokenizer in {model_copy} does not load: ")
+        assert problem.endswith("(its files: tokenizer.json, tokenizer_config.json)")
