@@ -1,4 +1,5 @@
-"""The iterations in flight in this process (flows/pipeline.py), and how an iteration waits for the one before.
+"""The iterations in flight in this process (flows/pipeline.py), how an iteration waits for the one before, and
+how the ones after a failed iteration learn of it.
 
 Its own module because both sides use it: the training flow registers each in-flight iteration's future,
 and the iteration subflow (flows/iteration.py), running in a slot's thread, waits on its predecessor's.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 
 from storage.layout import layout_for
@@ -49,16 +51,37 @@ def wait_for_previous(cfg, iteration: int) -> None:
     if previous is None:
         return
     previous.ended.wait()
-    if previous.committed:
-        return
-    previous.future.wait()  # ended: returns at once, and keeps the final state (no API read)
-    state = previous.future.state
-    if not state.is_completed():
+    state = _ended_uncommitted(previous)
+    if state is not None and not state.is_completed():
         raise PreviousIterationFailed(
             f"iteration {iteration} cannot update: iteration {iteration - 1}, whose committed policy it trains, "
             f"ended {state.name} ({state.message or 'no message'}); its rollout and score are kept (cached) for "
             f"the retry"
         )
+
+
+def earlier_failure(cfg, iteration: int) -> Optional[str]:
+    """Why an earlier iteration of this run, in flight in this process, ended without committing ("iteration 3 ended
+    Failed (...)"), else None. Then `iteration` can no longer complete (its update would raise
+    PreviousIterationFailed), and a stage of it that has not started on a warm worker is not run (flows/stages.py):
+    the worker it waits for may be the one that died, and waiting for it would keep the run from ending."""
+    run_dir = layout_for(cfg).run_dir
+    with _lock:
+        iterations = sorted(i for d, i in _in_flight if d == run_dir and i < iteration)
+        earlier = [(i, _in_flight[run_dir, i]) for i in iterations]
+    for earlier_iteration, slot in earlier:
+        state = _ended_uncommitted(slot)
+        if state is not None and not state.is_completed():
+            return f"iteration {earlier_iteration} ended {state.name} ({state.message or 'no message'})"
+    return None
+
+
+def _ended_uncommitted(slot: _Slot) -> Optional[State]:
+    """The final state of a slot that ended without committing its checkpoint; None while it runs or once committed."""
+    if not slot.ended.is_set() or slot.committed:
+        return None
+    slot.future.wait()  # ended: returns at once, and keeps the final state (no API read)
+    return slot.future.state
 
 
 def mark_committed(cfg, iteration: int) -> None:

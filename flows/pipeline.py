@@ -18,9 +18,10 @@ warm workers or pools run in their processes; in-process stages share one proces
 rollout and one score at a time, the trainer borrowed while its weights are copied).
 
 Failure: an iteration that fails fails the ones after it at their update (their rollout and score finish and
-are cached); the training flow waits for all of them to end and raises the first error. A Retry of the flow
-run, or the next start of the run, resumes from the last commit: each in-flight iteration at its first
-uncached stage.
+are cached), but a stage of theirs on a warm worker that no worker has started yet is not run: the worker it
+waits for may be the one that died (flows/in_flight.earlier_failure). The training flow waits for the in-flight
+iterations to end and raises the first error. A Retry of the flow run, or the next start of the
+run, resumes from the last commit: each in-flight iteration at its first uncached stage.
 """
 
 from __future__ import annotations

@@ -20,10 +20,12 @@ the same; only the process (and machine) differs.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, NoReturn, Optional
 
 from prefect import Flow, flow
+from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
+from prefect.states import Cancelled, Crashed
 
 from engines.stages.manifests import (
     STAGE_MANIFESTS,
@@ -36,10 +38,11 @@ from engines.stages.manifests import (
     StageManifest,
     UpdateManifest,
 )
+from flows.in_flight import earlier_failure
 from flows.records import read_stage_record, write_stage_record
 from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
-from tasks.leases import clear_lease, lease_holder_dead, read_lease
+from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
 from tasks.stages import STAGE_TASKS, part_stage_name
 
@@ -89,15 +92,17 @@ def run_stage_on_worker(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs
     """Submit the stage task to the warm workers serving it and wait for its manifest (raises its error).
 
     The submitting side's serializer only stores the submission (parameters and Prefect's run context, which
-    JSON cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON. A worker
-    that dies mid-stage is found through the stage's lease (tasks/leases.py): its task run is set Crashed and
-    StageFailed names the worker."""
+    JSON cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON. A wait ends in
+    StageFailed, instead of lasting for good, when a worker dies under it or no worker will take it (_WorkerWatch)."""
     return wait_for_worker(cfg, submit_to_worker(cfg, stage, iteration, stage, **inputs), stage, iteration, stage)
 
 
 def submit_to_worker(cfg: PPOFlowConfig, stage: str, iteration: int, name: str, **inputs) -> PrefectFuture:
     """Submit STAGE_TASKS[stage] to the warm workers serving it, after clearing the lease `name` (the stage, or a
-    rollout part's name) that a previous attempt's worker left; returns its future (see run_stage_on_worker)."""
+    rollout part's name) that a previous attempt's worker left; returns its future (see run_stage_on_worker).
+    StageFailed, with nothing submitted, when an earlier in-flight iteration of the run has failed."""
+    if why := earlier_failure(cfg, iteration):
+        raise StageFailed(f"stage {_worker_stage_name(stage, name)} of iteration {iteration} was not run: {why}")
     clear_lease(layout_for(cfg), iteration, name)
     submit = STAGE_TASKS[stage].with_options(result_serializer="pickle")
     return submit.delay(cfg.model_dump(mode="json"), iteration, **inputs)
@@ -105,28 +110,93 @@ def submit_to_worker(cfg: PPOFlowConfig, stage: str, iteration: int, name: str, 
 
 def wait_for_worker(cfg: PPOFlowConfig, future: PrefectFuture, stage: str, iteration: int, name: str) -> StageManifest:
     """The manifest of a task run submitted by submit_to_worker, recorded as `_stages/<name>.json`; raises its error,
-    or StageFailed naming the worker when the one holding lease `name` died (its task run is set Crashed)."""
-    layout = layout_for(cfg)
+    or StageFailed as _WorkerWatch says."""
+    watch = _WorkerWatch(cfg, future, stage, iteration, name)
     # The future's own wait follows task-run events and can return before the final state is readable (seen:
     # "has no state"); the API's view of the run is what decides.
     while not (state := future.state).is_final():
+        watch.check(state)
         try:
             future.wait(timeout=5)
         except RuntimeError:  # Prefect: the task run "has no state": no worker has taken the submission yet
             time.sleep(0.5)  # (several iterations in flight, or more parts than free workers, queue for a worker)
-        if why := lease_holder_dead(read_lease(layout, iteration, name)):
-            worker_stage = WORKER_STAGE.get(stage, stage)
-            what = worker_stage if name == worker_stage else f"{worker_stage} ({name})"
-            message = (
-                f"stage {what} of iteration {iteration} was running on a warm worker that died: {why}. "
-                f"Start `ppoflow worker --stage {worker_stage}` again and retry the flow run: the stage reruns from "
-                f"the last committed checkpoint"
-            )
-            _crash_task_run(future.task_run_id, message)
-            raise StageFailed(message)
     manifest = state.result(raise_on_failure=True)
-    write_stage_record(layout, iteration, name, manifest.model_dump(mode="json"))
+    write_stage_record(watch.layout, iteration, name, manifest.model_dump(mode="json"))
     return manifest
+
+
+# How long a submission may wait, untaken, while no worker serving its stage is present at the Prefect server
+# (tasks/leases.py) before it fails. Long enough for a worker started with the flow to import and connect.
+NO_WORKER_S = 60.0
+
+
+class _WorkerWatch:
+    """What ends a wait for a warm worker before its task run ends, each with StageFailed naming the stage:
+
+    - the worker holding the stage's lease died (SIGKILL, OOM, a lost machine): the task run is set Crashed;
+    - nobody has taken the submission yet (no lease, the run Scheduled or Pending) and an earlier in-flight
+      iteration of the run has failed: this iteration cannot complete, and the worker it waits for may be the dead
+      one (flows/in_flight.py). The task run is set Cancelled, so that a worker started later drops it instead of
+      running it (flows/workers.py);
+    - no lease, and no worker serving the stage has been present at the server for NO_WORKER_S (tasks/leases.py):
+      none will take the submission (Cancelled), or the one that took a stage without a lease (eval) is gone
+      (Crashed).
+
+    A submission queued behind a busy worker, or behind other submissions, waits as long as they take."""
+
+    def __init__(self, cfg: PPOFlowConfig, future: PrefectFuture, stage: str, iteration: int, name: str):
+        self.cfg, self.future, self.iteration, self.name = cfg, future, iteration, name
+        self.layout = layout_for(cfg)
+        self.stage = WORKER_STAGE.get(stage, stage)  # whose workers run it
+        self.what = f"stage {_worker_stage_name(stage, name)} of iteration {iteration}"
+        self.restart = (
+            f"Start `ppoflow worker --stage {self.stage}` (with this flow's code) and retry the flow run: the stage "
+            f"reruns from the last committed checkpoint"
+        )
+        self.task_key = STAGE_TASKS[stage].task_key
+        self.unserved_since: Optional[float] = None
+
+    def check(self, state: State) -> None:
+        lease = read_lease(self.layout, self.iteration, self.name)
+        if why := lease_holder_dead(lease):
+            self._end(Crashed, f"{self.what} was running on a warm worker that died: {why}. {self.restart}")
+        if lease is not None:
+            self.unserved_since = None
+            return  # its worker lives and runs it
+        taken = not (state.is_scheduled() or state.is_pending())
+        if not taken and (why := earlier_failure(self.cfg, self.iteration)):
+            self._end(Cancelled, f"{self.what} was not run: {why}")
+        unserved_s = self._unserved_for()
+        if unserved_s is None or unserved_s < NO_WORKER_S:
+            return
+        nobody = f"no worker serving it has been connected to the Prefect server for {unserved_s:.0f} s"
+        if taken:
+            self._end(Crashed, f"{self.what} was running on a warm worker that is gone: {nobody}. {self.restart}")
+        self._end(Cancelled, f"{self.what} was not taken by any worker: {nobody}. {self.restart}")
+
+    def _unserved_for(self) -> Optional[float]:
+        """Seconds since the server first listed no worker serving the stage's task, busy or idle; None while it
+        lists one or cannot say."""
+        if serving_workers(self.task_key) != []:
+            self.unserved_since = None
+            return None
+        now = time.monotonic()
+        self.unserved_since = now if self.unserved_since is None else self.unserved_since
+        return now - self.unserved_since
+
+    def _end(self, final: Callable[..., State], message: str) -> NoReturn:
+        """Set the task run's state (Crashed: its process died; Cancelled: it is not to run) and raise."""
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.set_task_run_state(self.future.task_run_id, final(message=message), force=True)
+        raise StageFailed(message)
+
+
+def _worker_stage_name(stage: str, name: str) -> str:
+    """How a failure names a stage run on workers: the workers' stage, and a rollout part's name after it."""
+    worker_stage = WORKER_STAGE.get(stage, stage)
+    return worker_stage if name == worker_stage else f"{worker_stage} ({name})"
 
 
 def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) -> RolloutManifest:
@@ -145,15 +215,6 @@ def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) 
     else:
         manifests = [run_stage_in_process(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
     return run_stage_in_process(cfg, "rollout-merge", iteration, stage, parts=manifests)
-
-
-def _crash_task_run(task_run_id, message: str) -> None:
-    """Set a task run whose process died to Crashed (it would show Running for good)."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Crashed
-
-    with get_client(sync_client=True) as client:
-        client.set_task_run_state(task_run_id, Crashed(message=message), force=True)
 
 
 def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:

@@ -1,4 +1,5 @@
-"""Stage leases: how the flow that submitted a stage to a warm worker learns that the worker died.
+"""Stage liveness: how the flow that submitted a stage to a warm worker learns that the worker died, or that no
+worker serves the stage at all.
 
 A worker process killed mid-stage (SIGKILL, OOM, a lost machine) tells Prefect nothing: its task run stays
 Running and the submitting flow would wait for it forever. So a stage running on a worker (`ppoflow worker`
@@ -10,6 +11,15 @@ lease names a process of this host that no longer runs, or when its heartbeat is
 on another machine).
 
 In-process stages hold no lease: their process is the flow's.
+
+A lease says nothing while no worker has taken the submission, and Prefect's server queues a submission for as
+long as it takes: one whose only worker died (idle, or mid-stage with more submissions queued behind) would wait
+forever. So a worker is also present: it holds one subscription to the server for as long as it runs, on a
+presence key per task it serves (flows/workers.py); the server lists it (`/task_workers/filter`) while that
+connection lives and forgets it within a second or two of the process's death. Prefect's own listing of task
+workers cannot tell: a warm worker holds its subscription for work only while its slot is free, so a busy
+worker is not listed there. `serving_workers` reads the presence listing; flows/stages.py fails a submission
+that nobody has taken while no worker has been present for its task for NO_WORKER_S seconds.
 """
 
 from __future__ import annotations
@@ -79,6 +89,32 @@ def clear_lease(layout: RunLayout, iteration: int, stage: str) -> None:
     path = lease_path(layout, iteration, stage)
     if layout.fs.exists(path):
         layout.fs.rm(path)
+
+
+def presence_key(task_key: str) -> str:
+    """The key a worker serving Prefect task `task_key` holds a subscription on, busy or idle (no run is ever
+    scheduled under it)."""
+    return f"ppoflow-presence/{task_key}"
+
+
+def presence_id() -> str:
+    """How this process is listed as present: `host:pid`, as leases and stage manifests name a worker."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def serving_workers(task_key: str) -> Optional[list[str]]:
+    """The workers (`host:pid`) present at the Prefect server now that serve task `task_key`, busy or idle; None
+    when the server cannot say (an API without the task-worker listing, a request that failed): the caller then
+    waits as if one were."""
+    from prefect.client.orchestration import get_client
+
+    body = {"task_worker_filter": {"task_keys": [presence_key(task_key)]}}
+    try:
+        with get_client(sync_client=True) as client:
+            response = client.request("POST", "/task_workers/filter", json=body)
+        return sorted(worker["identifier"] for worker in response.json())
+    except Exception:  # noqa: BLE001 - see the docstring: no answer is not "no worker"
+        return None
 
 
 def lease_holder_dead(lease: Optional[dict[str, Any]], now: Optional[float] = None) -> Optional[str]:
