@@ -89,7 +89,9 @@ def _checkpoint(config: Config, iteration: int, update: UpdateManifest) -> Check
 
 
 def _eval(config: Config, iteration: int, policy: PolicyRef) -> EvalManifest:
-    return compute_thread.run(eval_stage.run_eval, as_config(config), iteration, policy)
+    cfg = as_config(config)
+    with stage_lease(layout_for(cfg), iteration, "eval"):  # on a warm (rollout) worker: found if it dies
+        return compute_thread.run(eval_stage.run_eval, cfg, iteration, policy)
 
 
 STAGE_TASKS = {
