@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 
 import pytest
 
@@ -36,6 +37,9 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
         if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
     }
     env["PREFECT_API_URL"] = prefect_api
+    # The server is shared: other tests leave deployment runs of these flows on it (test_deploy_run's failing one,
+    # say); only the runs created from here on are this test's.
+    since = datetime.now(timezone.utc)
     for pool in POOLS:
         out = prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
         assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
@@ -79,7 +83,11 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
         for fr in runs:
             by_flow.setdefault(flows[fr.flow_id], []).append(fr)
         for flow_name, pool in EXPECTED_POOL.items():
-            found = [fr for fr in by_flow.get(flow_name, []) if fr.deployment_id not in (None, *served)]
+            found = [
+                fr
+                for fr in by_flow.get(flow_name, [])
+                if fr.deployment_id not in (None, *served) and fr.created is not None and fr.created >= since
+            ]
             assert found, f"no deployment run of {flow_name}; flows seen: {sorted(by_flow)}"
             assert all(fr.work_pool_name == pool for fr in found), [(fr.name, fr.work_pool_name) for fr in found]
             assert all(fr.state.is_completed() for fr in found), [(fr.name, fr.state) for fr in found]

@@ -124,6 +124,20 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
             assert state.is_completed(), (attempt, state)
             assert [r["iteration"] for r in read_metrics(layout)] == [1, 2], attempt
             assert all(m.uri.startswith(layout.url(layout.run_dir)) for m in _manifests(layout, "rollout", 2))
+        # ... and `runs repair` on warm workers: checkpoint 2 corrupt, quarantined, recomputed to the same bytes (the
+        # workers' results of iteration 2 are disowned; before, "cannot commit iteration 2: nothing staged")
+        from flows.repair import repair_run
+
+        second_ckpt = Path(layout.checkpoint_dir(2))
+        sound = _digests(second_ckpt)
+        weights = second_ckpt / "policy" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-100] ^= 0xFF  # one flipped byte in the weights
+        weights.write_bytes(bytes(data))
+        assert "is corrupt" in repair_run(str(tmp_path / "elsewhere" / "runs"), "warm-k0")
+        state = ppo_training(config=elsewhere.model_dump(mode="json"), return_state=True)
+        assert state.is_completed(), ("after repair", state)
+        assert _digests(second_ckpt) == sound
 
         # The rollout engine (prompt set + sampler) and the scorer were built once, in the k = 0 run's iteration
         # 1; the k = 1 run reused them (the sampler loaded its weights in place). The trainer is rebuilt once per
