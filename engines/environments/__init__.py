@@ -1,0 +1,1 @@
+"""Multi-turn environments: the contract (base.py) and the built-in and adapted environments."""
