@@ -2,7 +2,7 @@
 
     python -m bench.learning --algo ppo            # GAE + critic
     python -m bench.learning --algo grpo           # group-normalised advantages, no critic
-    python -m bench.learning --algo dr_grpo        # any algo.name of engines/ppo/algorithms.py
+    python -m bench.learning --algo dr_grpo        # any algo.name of ppoflow/algorithms.py
     python -m bench.learning --algo ppo --engine vllm --iterations 40 --seconds 600
     python -m bench.learning --algo grpo --dynamic-sampling --seconds 300   # DAPO's filter; compare with it off
 
@@ -47,7 +47,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench.common import emit  # noqa: E402
-from engines.ppo.algorithms import ALGO_NAMES  # noqa: E402
+from ppoflow.algorithms import ALGO_NAMES  # noqa: E402
 
 RECIPE = {
     "rollout.prompts_per_iteration": 32,

@@ -106,7 +106,7 @@ def load_tokenizer(path: str | Path):
     (a corrupt tokenizer.json names itself; otherwise transformers' or tokenizers' own error and the files)."""
     from transformers import AutoTokenizer
 
-    from ppoflow.preflight import tokenizer_json_problem
+    from engines.model_files import tokenizer_json_problem
 
     folder = _check_model_dir(path, "tokenizer")
     try:

@@ -87,7 +87,7 @@ def _on_storage(url: str, storage_cfg: StorageConfig, body: Callable[[], int]) -
         return body()
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from ppoflow.preflight import bucket_problem
+    from flows.preflight_static import bucket_problem
 
     problem = bucket_problem(url, storage_cfg)  # names the bucket and the endpoint
     if problem is None:

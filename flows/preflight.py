@@ -1,6 +1,6 @@
 """The checks a run passes before its first iteration: `preflight(cfg)`, called at the top of ppo_training.
 
-1. ppoflow.preflight.static_problems: storage root (S3 bucket), data file, model folders, reward sources;
+1. flows/preflight_static.py static_problems: storage root (S3 bucket), data file, model folders, reward sources;
 2. the deployments named in `pipeline.stage_pools` exist on the Prefect server (the error lists the ones
    that do, so a misspelt name is seen at once instead of as `ObjectNotFound: None` inside iteration 1);
 3. prompt lengths, when the rollout runs in this process: the rollout stage's own PromptSource is built
@@ -19,8 +19,8 @@ as a message, not a traceback). Nothing here writes to the run's storage.
 
 from __future__ import annotations
 
+from flows.preflight_static import PreflightError, format_problems, static_problems
 from ppoflow.config import PPOFlowConfig
-from ppoflow.preflight import PreflightError, format_problems, static_problems
 
 
 def deployment_problems(cfg: PPOFlowConfig) -> list[str]:

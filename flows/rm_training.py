@@ -20,10 +20,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from engines.precision import cpu_autocast_problem
+from flows.preflight_static import PreflightError, format_problems
 from flows.records import read_metrics, record_metrics
 from flows.run_names import named_after_run
 from ppoflow.config import PPOFlowConfig, as_config
-from ppoflow.preflight import PreflightError, format_problems
 from storage.checkpoints import latest_iteration, read_commit_marker
 from storage.layout import layout_for
 from tasks.results import result_storage_for

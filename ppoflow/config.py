@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algorithm, resolve_loss_agg
+from ppoflow.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algorithm, resolve_loss_agg
 from ppoflow.rm_config import RMTrainConfig
 
 # The stages an iteration runs, in order; `pipeline.stage_pools` keys must be among them.
@@ -365,14 +365,14 @@ class ScoreConfig(_Section):
     )
 
 
-AlgoName = Literal[ALGO_NAMES]  # the registry's names (engines/ppo/algorithms.py)
+AlgoName = Literal[ALGO_NAMES]  # the registry's names (ppoflow/algorithms.py)
 
 
 class AlgoConfig(_Section):
     name: AlgoName = Field(
         "ppo",
         description=(
-            "Algorithm (engines/ppo/algorithms.py): ppo = GAE with a critic; grpo, dr_grpo, rloo, "
+            "Algorithm (ppoflow/algorithms.py): ppo = GAE with a critic; grpo, dr_grpo, rloo, "
             "reinforce_pp_baseline use groups of rollout.n_samples; none but ppo trains a critic."
         ),
     )

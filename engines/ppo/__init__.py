@@ -3,8 +3,9 @@
 No module state, no Prefect, no distributed calls: the trainer (engines/trainer) calls these by name.
 Every function documents its tensor shapes and mask polarity (1 = response token / counts).
 
-The names below are imported lazily (PEP 562 `__getattr__`): importing the torch-free algorithm registry
-(`engines.ppo.algorithms`, read by ppoflow/config.py) must not import torch through this package.
+The names below are imported lazily (PEP 562 `__getattr__`), so that naming one does not import torch for all.
+The algorithm registry's names are re-exported from ppoflow/algorithms.py (the config's floor: it validates
+`algo.name` and must import nothing from engines).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "engines.ppo.algorithms": (
+    "ppoflow.algorithms": (
         "AGG_MODES",
         "ALGORITHMS",
         "ALGO_NAMES",

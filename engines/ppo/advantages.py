@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from engines.ppo._checks import check_batch_of_rows, check_rank, check_same_shape
-from engines.ppo.algorithms import ALGO_NAMES, GROUP_ALGOS, get_algorithm
 from engines.ppo.masked import masked_mean, masked_var
 from engines.ppo.rewards import clip_scores, last_response_index
+from ppoflow.algorithms import ALGO_NAMES, GROUP_ALGOS, get_algorithm
 
 GroupEstimator = str  # one of GROUP_ESTIMATORS (the registry's group algorithms)
 GROUP_ESTIMATORS: tuple[str, ...] = GROUP_ALGOS
@@ -212,7 +212,7 @@ def compute_advantages(
 
     Args:
         algo: one of ALGOS (ppoflow.config.AlgoConfig.name); its registry entry
-            (engines/ppo/algorithms.py) says which estimator runs.
+            (ppoflow/algorithms.py) says which estimator runs.
         scores: Shape (B,), scalar reward of each response.
         token_rewards: Shape (B, T), token_level_rewards(scores, kl, response_mask, kl_coef,
             reward_clip): the KL penalty is in it when the KL goes in the reward (kl_coef > 0), and it

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from engines.ppo._checks import check_rank, check_same_shape
-from engines.ppo.algorithms import AGG_MODES
 from engines.ppo.kl import KLEstimator, kl_penalty
 from engines.ppo.masked import masked_mean, masked_sum
+from ppoflow.algorithms import AGG_MODES
 
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]  # = AGG_MODES
 # exp(20) = 4.9e8 is far outside any clip range, so where this binds the clipped branch already

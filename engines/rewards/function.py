@@ -45,37 +45,51 @@ def load_reward_function(spec: str) -> Callable:
     Raises ValueError (malformed spec), FileNotFoundError (file missing), ImportError (module missing or
     failing to import), AttributeError (no such function) or TypeError (not callable), each naming spec.
     """
+    return load_by_spec(spec, "reward function")
+
+
+def load_by_spec(spec: str, kind: str) -> Callable:
+    """The callable named by `spec` ("path/to/file.py:name" or "pkg.module:name"), for a `kind` of user code
+    ("reward function", "environment", "tool"): the one import rule that reward functions, environment
+    factories and tools share. Errors as `load_reward_function`'s, each naming the kind and the spec.
+    """
+    usage = f"{kind} spec {spec!r} must be 'path/to/file.py:fn' or 'pkg.module:fn'"
     if ":" not in spec:
-        raise ValueError(f"reward function spec {spec!r} must be 'path/to/file.py:fn' or 'pkg.module:fn'")
+        raise ValueError(usage)
     where, attr = spec.rsplit(":", 1)
     if not where or not attr:
-        raise ValueError(f"reward function spec {spec!r} must be 'path/to/file.py:fn' or 'pkg.module:fn'")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _import_file(where, spec)
+        raise ValueError(usage)
+    if is_file_spec(where):
+        module = _import_file(where, spec, kind)
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as e:
-            raise ImportError(f"reward function {spec!r}: cannot import module {where!r}: {e}") from e
+            raise ImportError(f"{kind} {spec!r}: cannot import module {where!r}: {e}") from e
     fn = getattr(module, attr, None)
     if fn is None:
-        raise AttributeError(f"reward function {spec!r}: {where!r} has no attribute {attr!r}")
+        raise AttributeError(f"{kind} {spec!r}: {where!r} has no attribute {attr!r}")
     if not callable(fn):
-        raise TypeError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        raise TypeError(f"{kind} {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def _import_file(file: str, spec: str):
+def is_file_spec(where: str) -> bool:
+    """Whether the part of a spec before its ':' names a file ("dir/x.py") rather than a module ("pkg.x")."""
+    return where.endswith(".py") or "/" in where or "\\" in where
+
+
+def _import_file(file: str, spec: str, kind: str):
     path = Path(file).expanduser().resolve()
     if not path.is_file():
-        raise FileNotFoundError(f"reward function {spec!r}: file {file!r} not found")
+        raise FileNotFoundError(f"{kind} {spec!r}: file {file!r} not found")
     name = "ppoflow_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's module failed at import time: say which file
-        raise ImportError(f"reward function {spec!r}: importing {file!r} failed: {type(e).__name__}: {e}") from e
+        raise ImportError(f"{kind} {spec!r}: importing {file!r} failed: {type(e).__name__}: {e}") from e
     return module
 
 

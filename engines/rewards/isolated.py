@@ -3,7 +3,7 @@
 A thread cannot be killed: a timed-out call in a worker thread runs on (a code-execution reward stuck in a
 loop burns a core until the process ends, and each retry of the stage adds one more). A process can. With
 `isolation: process` a function reward source calls its function in one long-lived worker process
-(`python -m engines.rewards.isolated`); on a timeout the worker is killed with SIGKILL and the next call
+(`python -m engines.rewards.isolated_worker`); on a timeout the worker is killed with SIGKILL and the next call
 starts a new one.
 
 Protocol (between our own two processes, over the worker's stdin and stdout; nothing is stored): frames of
@@ -21,14 +21,13 @@ from __future__ import annotations
 import os
 import pickle
 import select
-import signal
 import struct
 import subprocess
 import sys
 import time
-from typing import Any, BinaryIO, Optional
+from typing import Any, Optional
 
-from engines.rewards.threaded import FunctionExited, describe_exit_request
+from engines.rewards.threaded import FunctionExited
 from engines.trainer.rank_wire import describe_exit
 
 _LENGTH = struct.Struct("<Q")
@@ -94,7 +93,7 @@ class ProcessCaller:
 
     def _start(self) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engines.rewards.isolated"],
+            [sys.executable, "-m", "engines.rewards.isolated_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=os.getcwd(),
@@ -167,70 +166,3 @@ def _kill(proc: subprocess.Popen) -> None:
             stream.close()
         except OSError:
             pass
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when the thread that started it exits (no effect elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
-
-
-def _answer(out: BinaryIO, obj: Any) -> None:
-    out.write(_frame(obj))
-    out.flush()
-
-
-def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """The worker's loop (see the module docstring); returns when its input closes."""
-    import asyncio
-    import inspect
-
-    from engines.rewards.function import load_reward_function
-
-    try:
-        init = _read_frame(inp.fileno())
-    except EOFError:
-        return
-    sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
-    try:
-        fn = load_reward_function(init["spec"])
-    except Exception as e:  # the parent reports it, naming the spec
-        _answer(out, ("error", type(e).__name__, str(e)))
-        return
-    _answer(out, ("ready", None))
-    is_async = inspect.iscoroutinefunction(fn)
-    while True:
-        try:
-            args, kwargs = _read_frame(inp.fileno())
-        except EOFError:
-            return
-        try:
-            result = asyncio.run(fn(*args, **kwargs)) if is_async else fn(*args, **kwargs)
-            if isinstance(result, dict) and hasattr(result.get("rewards"), "tolist"):
-                result = dict(result, rewards=result["rewards"].tolist())
-            elif hasattr(result, "tolist"):
-                result = result.tolist()
-            _answer(out, ("ok", result))
-        except SystemExit as e:  # the function's sys.exit ends its call, not the worker
-            _answer(out, ("exited", describe_exit_request(e)))
-        except Exception as e:
-            _answer(out, ("error", type(e).__name__, str(e)))
-
-
-def main() -> None:
-    _die_with_parent()
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the function's prints go to stderr, not into the protocol
-    sys.stdout = sys.stderr
-    serve(sys.stdin.buffer, out)
-
-
-if __name__ == "__main__":
-    main()

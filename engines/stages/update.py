@@ -2,7 +2,7 @@
 
     train_on(trainer, scored rows) -> UpdateResult                 (the compute, shared with the loop)
     run_update(cfg, iteration, policy, scored) -> UpdateManifest         (the stage)
-    build_trainer(cfg, policy[, ckpt]) -> PPOTrainer                      (also each rank of a group)
+    build_trainer, staleness, update_manifest: shared with the rank group's update (update_trainer.py)
 
 The trainer stays warm in the worker process between iterations. It is TAKEN from the warm registry for
 the policy the iteration starts from and PUT back, under the identity of the checkpoint it staged, only
@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from engines import warm
 from engines.stages.held import trainer_key
-from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest, provenance
-from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
+from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
+from engines.stages.policy import checkpoint_weights_id
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
+from engines.stages.update_trainer import build_trainer, staleness, update_manifest
 from engines.trainer import rank_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from storage.checkpoints import save_checkpoint_files
-from storage.layout import RunLayout, layout_for
+from storage.layout import layout_for
 from storage.scratch import checkpoint_scratch
 from storage.shards import read_shards
 
@@ -36,21 +35,6 @@ def train_on(trainer: PPOTrainer, scored: pa.Table) -> UpdateResult:
     """One PPO update on the scored rows (the trainer's weights and optimizer state move); the result holds
     the metrics and the per-token old log-probs, values, advantages and returns of every row."""
     return trainer.update(experience_batch(scored, trainer.tokenizer.pad_token_id or 0))
-
-
-def build_trainer(cfg, policy: PolicyRef, ckpt: Optional[str] = None) -> PPOTrainer:
-    """A trainer holding `policy`: the initial model folders, or the checkpoint's policy/, critic/, trainer/
-    (`ckpt`: its local folder when the caller fetched it already, as the ranks of a group are handed it)."""
-    ckpt = ckpt or local_checkpoint_dir(cfg, policy)
-    if ckpt is None:
-        return PPOTrainer(cfg, policy_dir=policy.uri, critic_dir=cfg.model.critic_path)
-    critic = os.path.join(ckpt, "critic")
-    return PPOTrainer(
-        cfg,
-        policy_dir=os.path.join(ckpt, "policy"),
-        critic_dir=critic if os.path.isdir(critic) else None,
-        trainer_state_dir=os.path.join(ckpt, "trainer"),
-    )
 
 
 _TRAINER_SECTIONS = ("model", "algo", "train", "reward")  # tasks/cache_keys.py: what the update depends on
@@ -68,13 +52,6 @@ def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
         trainer = build_trainer(cfg, policy)
         warm.count_build(warm.Role.TRAINER.value)
     return trainer
-
-
-def staleness(policy: PolicyRef, scored: pa.Table) -> int:
-    """How many policy versions the samples are behind the weights they train: policy.version minus the oldest
-    `policy_version` of the rows (0 on-policy; min(k, i-1) at iteration i with pipeline.max_staleness = k)."""
-    versions = scored.column("policy_version")
-    return int(policy.version - pc.min(versions).as_py()) if len(versions) else 0
 
 
 def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
@@ -105,19 +82,3 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     warm.put(trainer_key(weights_id), trainer)
     metrics = {**result.metrics, "async/staleness": staleness(policy, table)}
     return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)
-
-
-def update_manifest(
-    layout: RunLayout, iteration: int, weights_id: str, experience_hash: str, metrics: dict, started: float
-) -> UpdateManifest:
-    """The update stage's hand-off (one rank or a group): where iteration `iteration`'s staged checkpoint and
-    experience shards are, the staged weights' id, the metrics; `started`: perf_counter at the stage's start."""
-    return UpdateManifest(
-        iteration=iteration,
-        checkpoint_uri=layout.url(layout.checkpoint_dir(iteration)),
-        experience_uri=layout.url(layout.stage_dir(iteration, "experience")),
-        weights_id=weights_id,
-        experience_hash=experience_hash,
-        metrics=metrics,
-        **provenance(started),
-    )

@@ -40,7 +40,7 @@ from engines.stages.held import trainer_key
 from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
-from engines.stages.update import build_trainer, staleness, update_manifest
+from engines.stages.update_trainer import build_trainer, staleness, update_manifest
 from engines.trainer import rank_group, rank_link
 from engines.trainer.hostfile import placement_for
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult

@@ -43,7 +43,6 @@ import torch
 
 from engines.models import autocast, load_critic, load_tokenizer
 from engines.ppo import advantages as ppo_advantages
-from engines.ppo.algorithms import get_algorithm
 from engines.ppo.kl import kl_penalty
 from engines.ppo.kl_controller import make_kl_controller
 from engines.ppo.masked import masked_mean, masked_sum
@@ -58,6 +57,7 @@ from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 from engines.trainer.loss_steps import KL_CLAMP, FirstForward, LossSteps, MetricSums
 from engines.trainer.rank_rows import agree_shape, gather_rows, pad_to, rank_rows
 from engines.trainer.state import seed_rng
+from ppoflow.algorithms import get_algorithm
 
 __all__ = ["KL_CLAMP", "PPOTrainer", "UpdateResult"]
 

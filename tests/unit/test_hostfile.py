@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from engines.trainer.hostfile import Node, placement_for, read_hostfile
 from engines.trainer.rank_agent import _NodeRanks
+from flows.preflight_static import hostfile_problem
 from ppoflow.config import load_config
-from ppoflow.preflight import hostfile_problem
 
 
 def _train(tmp_path, text, *overrides):

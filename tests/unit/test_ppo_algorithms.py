@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from engines.ppo.algorithms import AGG_MODES, ALGO_NAMES, ALGORITHMS, GROUP_ALGOS, get_algorithm, resolve_loss_agg
+from ppoflow.algorithms import AGG_MODES, ALGO_NAMES, ALGORITHMS, GROUP_ALGOS, get_algorithm, resolve_loss_agg
 from ppoflow.config import AlgoConfig, ConfigError, load_config
 
 

@@ -1,5 +1,5 @@
 """model.autocast_dtype=bfloat16 on a CPU without bfloat16 matmul kernels: detected (engines/precision.py) and
-refused before any work (ppoflow/preflight.py for `train`, flows/rm_training.py for `train-rm`).
+refused before any work (flows/preflight_static.py for `train`, flows/rm_training.py for `train-rm`).
 
 We cannot run on other CPUs, so most cases mock what torch reports about the CPU (its capability string,
 oneDNN's bfloat16 check, CUDA); the cases marked "this machine" check the real answers here.
@@ -14,8 +14,8 @@ import torch
 
 from engines import precision
 from engines.precision import bf16_matmul_slowdown, cpu_autocast_problem, cpu_bf16
+from flows.preflight_static import PreflightError, precision_problem, static_problems
 from ppoflow.config import load_config
-from ppoflow.preflight import PreflightError, precision_problem, static_problems
 
 
 @pytest.fixture

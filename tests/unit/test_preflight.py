@@ -8,16 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from engines.data import DataError, PromptSource, check_dataset
+from engines.model_files import model_folder_problems, safetensors_problem
 from engines.models import load_tokenizer
+from flows.preflight_static import PreflightError, check_static, label_readers, static_problems
 from ppoflow.config import DataConfig, load_config
-from ppoflow.preflight import (
-    PreflightError,
-    check_static,
-    label_readers,
-    model_folder_problems,
-    safetensors_problem,
-    static_problems,
-)
 
 
 def _data(path, **kw) -> DataConfig:

@@ -1,7 +1,7 @@
 """The algorithm registry: one entry per `algo.name`, read by the config, the advantages and the trainer.
 
-Torch-free on purpose: ppoflow/config.py validates `algo.name` and `algo.loss_agg` against these tables
-before any work starts and must not import torch (engines/ppo/__init__.py imports its torch modules lazily).
+Torch-free and in the config's package on purpose: ppoflow/config.py validates `algo.name` and `algo.loss_agg`
+against these tables before any work starts, and the config imports nothing from engines (engines import it).
 
 | name                  | advantage estimator                          | critic | groups | default loss_agg        |
 |-----------------------|----------------------------------------------|--------|--------|-------------------------|
