@@ -24,14 +24,19 @@ trained with and the checkpoint depends on, or of what checkpoint N's optimizer 
 content of model.policy_path / model.critic_path / data.path other than RUN recorded at its first start, a fork
 point RUN has not committed or whose checkpoint retention removed, a NEW that exists and is not this fork.
 Forking again with the same arguments is a no-op (a fork interrupted half-way is completed).
+
+`replay=M` (`--replay M`): the fork's iterations N+1..N+M train on RUN's committed rollout shards instead of sampling
+again (flows/replay.py), recorded as `parent.replay = [N+1, N+M]` in its run.json. Refused, naming the field: a
+changed model, data or rollout setting (the saved rows would not be what the fork samples), dynamic sampling with a
+changed reward (which groups it kept was the reward's), iterations RUN has not committed or has no rollout record
+of, and iterations past N+1+pipeline.max_staleness without algo.tis_cap (RUN's policy sampled them, not the fork's).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import yaml
-
+from engines.stages.rescore import run_config
 from flows.run_inputs import fingerprint_inputs
 from ppoflow.config import ConfigError, PPOFlowConfig, StorageConfig, apply_overrides, build_config
 from storage import fs as fsutil
@@ -67,8 +72,7 @@ def load_run_config(layout: RunLayout) -> PPOFlowConfig:
     """A run's saved config.yaml; FileNotFoundError naming it when the run does not exist."""
     if not layout.fs.exists(layout.config_path):
         raise FileNotFoundError(f"no run {layout.run_name!r} at {layout.url(layout.run_dir)} (no config.yaml)")
-    data = yaml.safe_load(layout.fs.cat_file(layout.config_path).decode())
-    return build_config(data, layout.url(layout.config_path))
+    return run_config(layout)
 
 
 def fork_config(parent_cfg: PPOFlowConfig, name: str, overrides: Sequence[str] = ()) -> PPOFlowConfig:
@@ -135,13 +139,59 @@ def _shared_checkpoints(parent: RunLayout, at: int, cfg: PPOFlowConfig) -> list[
     return needed
 
 
+# Sections whose change makes a parent's saved rollout something the fork would not have sampled.
+REPLAY_SECTIONS = ("model", "data", "rollout")
+
+
+def check_replay(parent: RunLayout, parent_cfg: PPOFlowConfig, cfg: PPOFlowConfig, at: int, replay: int) -> None:
+    """ForkError naming the field or iteration when the fork cannot replay RUN's iterations at+1..at+replay."""
+    old, new = parent_cfg.model_dump(mode="json"), cfg.model_dump(mode="json")
+    for key in _differences({s: old[s] for s in REPLAY_SECTIONS}, {s: new[s] for s in REPLAY_SECTIONS}):
+        raise ForkError(
+            f"--replay {replay}: the fork changes {key} ({_value(old, key)!r} -> {_value(new, key)!r}); run "
+            f"{parent.run_name!r}'s saved rollouts were sampled with its own model, data and rollout settings"
+        )
+    if cfg.rollout.dynamic_sampling.enabled and old["reward"] != new["reward"]:
+        raise ForkError(
+            f"--replay {replay}: rollout.dynamic_sampling.enabled is on and the reward changed: the groups run "
+            f"{parent.run_name!r} kept were chosen by its reward"
+        )
+    last, latest = at + replay, latest_iteration(parent) or 0
+    if replay < 0 or last > min(latest, cfg.run.iterations):
+        raise ForkError(
+            f"--replay {replay}: replays iterations {at + 1}..{last}; run {parent.run_name!r} committed up to "
+            f"{latest} and the fork runs to run.iterations={cfg.run.iterations}"
+        )
+    on_policy = at + 1 + cfg.pipeline.max_staleness  # sampled with a checkpoint the fork shares
+    if last > on_policy and cfg.algo.tis_cap is None:
+        raise ForkError(
+            f"--replay {replay}: iterations {on_policy + 1}..{last} of run {parent.run_name!r} were sampled by its "
+            f"policy, not the fork's; set algo.tis_cap (importance weights against the rows' sampler log-probs)"
+        )
+    for iteration in range(at + 1, last + 1):
+        owner = lineage.rollout_owner(parent, iteration)
+        if lineage.stage_record(owner, iteration, "rollout") is None:
+            raise ForkError(
+                f"--replay {replay}: run {owner.run_name!r} has no rollout record of iteration {iteration} "
+                f"({owner.url(owner.iteration_dir(iteration))}/_stages/rollout.json)"
+            )
+
+
 def fork_run(
-    root: str, run: str, at: int, name: str, overrides: Sequence[str] = (), storage_cfg: Optional[StorageConfig] = None
+    root: str,
+    run: str,
+    at: int,
+    name: str,
+    overrides: Sequence[str] = (),
+    storage_cfg: Optional[StorageConfig] = None,
+    replay: int = 0,
 ) -> PPOFlowConfig:
-    """Make run `name` a fork of `run` (under `root`) at its committed iteration `at`; returns the fork's config,
-    ready for the training flow. See the module docstring for what is written and what is refused."""
+    """Make run `name` a fork of `run` (under `root`) at its committed iteration `at`, replaying `run`'s rollouts of
+    the next `replay` iterations; returns the fork's config, ready for the training flow. See the module docstring
+    for what is written and what is refused."""
     parent = RunLayout(root, run, storage_cfg)
-    cfg = fork_config(load_run_config(parent), name, [f"run.root={root}", *overrides])
+    parent_cfg = load_run_config(parent)
+    cfg = fork_config(parent_cfg, name, [f"run.root={root}", *overrides])
     child = layout_for(cfg)
     if fsutil.join(child.root, name) == parent.run_dir:
         raise ForkError(f"--name {name!r}: a fork needs a name of its own")
@@ -152,11 +202,14 @@ def fork_run(
         )
     shared = _shared_checkpoints(parent, at, cfg)
     inputs = _check_inputs(parent, cfg)
+    if replay:
+        check_replay(parent, parent_cfg, cfg, at, replay)
     parent_entry = {
         "run": run,
         "root": lineage.root_url(parent),
         "iteration": at,
         "run_id": (read_run_record(parent) or {}).get("run_id"),
+        **({"replay": [at + 1, at + replay]} if replay else {}),
     }
     record = read_run_record(child)
     if record is not None and lineage.parent_of(record) != parent_entry:

@@ -17,6 +17,7 @@ from typing import Any
 from flows.tracker import track_row
 from storage.fs import append_line_durably, is_local, join, read_json, write_bytes_atomic, write_json
 from storage.layout import RunLayout
+from storage.metrics import complete_lines, read_metrics  # noqa: F401 - read_metrics: the flows' import
 
 
 def stage_record_path(layout: RunLayout, iteration: int, stage: str) -> str:
@@ -31,11 +32,6 @@ def read_stage_record(layout: RunLayout, iteration: int, stage: str) -> dict[str
     return read_json(layout.fs, stage_record_path(layout, iteration, stage))
 
 
-def _complete_lines(data: bytes) -> list[bytes]:
-    """The newline-terminated, non-blank lines of `data`; a last line without a newline is a torn append."""
-    return [line for line in data.split(b"\n")[:-1] if line.strip()]
-
-
 _TAIL_BYTES = 1 << 16  # read from the end of metrics.jsonl to find its last line (a row is ~1 KB)
 _ITERATION_PREFIX = re.compile(rb'^\{"iteration": (\d+)[,}]')
 
@@ -44,13 +40,6 @@ def _iteration_of(line: bytes) -> int:
     # Rows are written with "iteration" first, so its value is read without parsing the whole row.
     match = _ITERATION_PREFIX.match(line)
     return int(match.group(1)) if match else int(json.loads(line)["iteration"])
-
-
-def read_metrics(layout: RunLayout) -> list[dict[str, Any]]:
-    if not layout.fs.exists(layout.metrics_path):
-        return []
-    with layout.fs.open(layout.metrics_path, "rb") as f:
-        return [json.loads(line) for line in _complete_lines(f.read())]
 
 
 def _last_line_if_appendable(path: str) -> bytes | None:
@@ -92,7 +81,7 @@ def record_metrics(layout: RunLayout, row: dict[str, Any]) -> None:
     if layout.fs.exists(path):
         with layout.fs.open(path, "rb") as f:
             data = f.read()
-    kept = [(_iteration_of(old), old) for old in _complete_lines(data)]
+    kept = [(_iteration_of(old), old) for old in complete_lines(data)]
     rows = sorted(
         [item for item in kept if item[0] != iteration] + [(iteration, line.rstrip(b"\n"))], key=lambda item: item[0]
     )

@@ -39,7 +39,9 @@ from engines.stages.manifests import (
     UpdateManifest,
 )
 from flows.in_flight import earlier_failure
+from flows.pool_pickup import PoolUnserved, wait_for_pool_run
 from flows.records import read_stage_record, write_stage_record
+from flows.replay import replayed_rollout
 from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
 from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
@@ -72,7 +74,12 @@ def run_stage_on_pool(
         "iteration": iteration,
         **{name: value.model_dump(mode="json") for name, value in inputs.items()},
     }
-    child = run_deployment(name=deployment, parameters=params, timeout=None, flow_run_name=f"{stage}-iter-{iteration}")
+    child = run_deployment(name=deployment, parameters=params, timeout=0, flow_run_name=f"{stage}-iter-{iteration}")
+    what = f"stage {stage} of iteration {iteration}"
+    try:
+        child = wait_for_pool_run(child, what, deployment, cfg.pipeline.deadlines.pickup_s)
+    except PoolUnserved as unserved:
+        raise StageFailed(str(unserved)) from None
     if child.state is None or not child.state.is_completed():
         state = child.state.type.value if child.state else "unknown"
         raise StageFailed(
@@ -125,11 +132,6 @@ def wait_for_worker(cfg: PPOFlowConfig, future: PrefectFuture, stage: str, itera
     return manifest
 
 
-# How long a submission may wait, untaken, while no worker serving its stage is present at the Prefect server
-# (tasks/leases.py) before it fails. Long enough for a worker started with the flow to import and connect.
-NO_WORKER_S = 60.0
-
-
 class _WorkerWatch:
     """What ends a wait for a warm worker before its task run ends, each with StageFailed naming the stage:
 
@@ -138,7 +140,8 @@ class _WorkerWatch:
       iteration of the run has failed: this iteration cannot complete, and the worker it waits for may be the dead
       one (flows/in_flight.py). The task run is set Cancelled, so that a worker started later drops it instead of
       running it (flows/workers.py);
-    - no lease, and no worker serving the stage has been present at the server for NO_WORKER_S (tasks/leases.py):
+    - no lease, and no worker serving the stage has been present at the server for pipeline.deadlines.pickup_s
+      (tasks/leases.py; the default is long enough for a worker started with the flow to import and connect):
       none will take the submission (Cancelled), or the one that took a stage without a lease (eval) is gone
       (Crashed).
 
@@ -167,7 +170,7 @@ class _WorkerWatch:
         if not taken and (why := earlier_failure(self.cfg, self.iteration)):
             self._end(Cancelled, f"{self.what} was not run: {why}")
         unserved_s = self._unserved_for()
-        if unserved_s is None or unserved_s < NO_WORKER_S:
+        if unserved_s is None or unserved_s < self.cfg.pipeline.deadlines.pickup_s:
             return
         nobody = f"no worker serving it has been connected to the Prefect server for {unserved_s:.0f} s"
         if taken:
@@ -218,6 +221,8 @@ def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) 
 
 
 def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
+    if stage == "rollout" and (replayed := replayed_rollout(cfg, iteration)) is not None:
+        return replayed  # a fork replaying its parent's saved rollout: nothing is sampled (flows/replay.py)
     deployment = (cfg.pipeline.stage_pools or {}).get(stage)
     if deployment:
         return run_stage_on_pool(cfg, stage, deployment, iteration, **inputs)

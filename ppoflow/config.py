@@ -648,6 +648,54 @@ class PPOFlowConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+class StageDeadlinesConfig(_Section):
+    """How long a stage may run, or wait to be taken, before it fails by name (tasks/deadlines.py)."""
+
+    enabled: bool = Field(True, description="Give every stage a deadline; false = stages may run for ever.")
+    factor: float = Field(
+        5.0, gt=1, description="A stage's deadline is this many times the median of its recent durations."
+    )
+    history: int = Field(
+        5, ge=1, description="Recent iterations (metrics rows with timing/<stage>) the median is over."
+    )
+    floor_s: float = Field(
+        300.0, gt=0, description="The derived deadline is never shorter than this (a noisy machine, short stages)."
+    )
+    first_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Added the first time a process runs a stage (engine start-up, model load, compilation), and "
+        "the whole deadline while the run has no duration of the stage yet. Raise it for a big model's first iteration.",
+    )
+    grace_s: float = Field(
+        60.0,
+        gt=0,
+        description="After the deadline the stage is interrupted; one still running this long later (blocked in "
+        "native code) ends its process with a message naming it, and the run resumes from its last checkpoint.",
+    )
+    pickup_s: float = Field(
+        60.0,
+        ge=0,
+        description="A stage sent to warm workers or a work pool fails when no worker or pool worker has been "
+        "there to take it for this long.",
+    )
+    stages: dict[str, float] = Field(
+        default_factory=dict,
+        description="Fixed deadline in seconds per stage (rollout, score, update, checkpoint, eval), replacing the "
+        "derived one; 0 = no deadline for that stage.",
+    )
+
+    @field_validator("stages")
+    @classmethod
+    def _known_stages(cls, stages: dict[str, float]) -> dict[str, float]:
+        for stage, seconds in stages.items():
+            if stage not in PIPELINE_STAGES:
+                raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
+            if seconds < 0:
+                raise ValueError(f"stage {stage!r}: a deadline is seconds >= 0 (0 = none), not {seconds}")
+        return stages
+
+
     score: ScoreConfig = Field(default_factory=ScoreConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -677,6 +725,10 @@ class PPOFlowConfig(_Section):
             )
         # The trainer's rule (engines/trainer/deepspeed_setup.py) for one rank: micro-batches of
         # min(micro_batch_size, train batch) must tile the train batch; several ranks: _check_ranks.
+    deadlines: StageDeadlinesConfig = Field(
+        default_factory=StageDeadlinesConfig,
+        description="Stage deadlines and how long a stage may wait for a worker (README 'When things fail').",
+    )
         step_batch = tbs or batch
         micro = min(self.train.micro_batch_size, step_batch)
         if step_batch % micro:

@@ -4,6 +4,9 @@
     <fork>/checkpoints/iter-000005/_REFERENCE.json   {run, root, iteration}: "my checkpoint 5 is that run's"
     <parent>/_forks/<fork>.json                      {run, root, forked_at, iterations}: the parent's
                                                      checkpoints that fork refers to (its retention keeps them)
+    <fork>/run.json's parent.replay = [N+1, N+M]     the fork's iterations N+1..N+M replay the parent's committed
+                                                     rollout shards (flows/replay.py): its rollout of those
+                                                     iterations is the parent's, read in place (rollout_owner)
 
 A reference folder reads as committed (storage/checkpoints.py resolves its marker and files through the
 parent), so the fork's LATEST is N at its first start and its iteration N+1 loads the parent's checkpoint N;
@@ -127,6 +130,28 @@ def parent_of(run_record: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """The `parent` entry of a run.json ({run, root, iteration, run_id}), or None for a run that is no fork."""
     parent = (run_record or {}).get("parent")
     return parent if isinstance(parent, dict) else None
+
+
+def replayed_iterations(run_record: Optional[dict[str, Any]]) -> range:
+    """The iterations whose rollout a fork replays from its parent (parent.replay = [first, last]); empty otherwise."""
+    replay = (parent_of(run_record) or {}).get("replay")
+    return range(int(replay[0]), int(replay[1]) + 1) if isinstance(replay, list) and len(replay) == 2 else range(0)
+
+
+def rollout_owner(layout: RunLayout, iteration: int) -> RunLayout:
+    """The run whose folder holds `layout`'s rollout shards of `iteration`: `layout` itself, or, when it is a fork
+    that replays that iteration, its parent's owner (a fork of a replaying fork points past its parent)."""
+    record = read_run_record(layout)
+    if iteration not in replayed_iterations(record):
+        return layout
+    parent = parent_of(record)
+    return rollout_owner(RunLayout(parent["root"], parent["run"], layout.storage_cfg), iteration)
+
+
+def stage_record(layout: RunLayout, iteration: int, stage: str) -> Optional[dict[str, Any]]:
+    """`<run>/iter-NNNNNN/_stages/<stage>.json` (flows/records.py writes it), for the storage and engine layers that
+    read another run's records: a replayed iteration's rollout and score manifests. None when absent."""
+    return fsutil.read_json(layout.fs, fsutil.join(layout.iteration_dir(iteration), "_stages", f"{stage}.json"))
 
 
 def own_first_iteration(layout: RunLayout) -> int:

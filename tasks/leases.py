@@ -19,7 +19,7 @@ presence key per task it serves (flows/workers.py); the server lists it (`/task_
 connection lives and forgets it within a second or two of the process's death. Prefect's own listing of task
 workers cannot tell: a warm worker holds its subscription for work only while its slot is free, so a busy
 worker is not listed there. `serving_workers` reads the presence listing; flows/stages.py fails a submission
-that nobody has taken while no worker has been present for its task for NO_WORKER_S seconds.
+that nobody has taken while no worker has been present for its task for pipeline.deadlines.pickup_s seconds.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ rollout-part task runs (one per part) and a rollout-merge (engines/stages/rollou
 Each task declares its cache key (tasks/cache_keys.py) and persists its result, a typed manifest, as JSON
 under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
 body validates the config and calls the stage function, looked up on its module at call time, on the process's
-compute thread when it has one (engines/compute_thread.py: warm workers).
+compute thread when it has one (engines/compute_thread.py: warm workers), within the stage's deadline
+(tasks/deadlines.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engines.stages.manifests import (
 from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
 from tasks.cache_keys import cache_key_fn
+from tasks.deadlines import bounded
 from tasks.leases import stage_lease
 
 Config = PPOFlowConfig | dict[str, Any]
@@ -52,13 +54,15 @@ def _stage_task(stage: str, body, run_name: str = ""):
 def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManifest:
     cfg = as_config(config)
     with stage_lease(layout_for(cfg), iteration, "rollout"):  # on a warm worker: found if it dies
-        return compute_thread.run(rollout_stage.run_rollout, cfg, iteration, policy)
+        return compute_thread.run(bounded(cfg, iteration, "rollout", rollout_stage.run_rollout), cfg, iteration, policy)
 
 
 def _rollout_part(config: Config, iteration: int, policy: PolicyRef, part: int, parts: int) -> RolloutPartManifest:
     cfg = as_config(config)
     with stage_lease(layout_for(cfg), iteration, part_stage_name(part, parts)):  # each part's worker is found
-        return compute_thread.run(rollout_parts.run_rollout_part, cfg, iteration, policy, part, parts)
+        return compute_thread.run(
+            bounded(cfg, iteration, "rollout", rollout_parts.run_rollout_part), cfg, iteration, policy, part, parts
+        )
 
 
 def _rollout_merge(config: Config, iteration: int, parts: list[RolloutPartManifest]) -> RolloutManifest:
@@ -73,25 +77,29 @@ def part_stage_name(part: int, parts: int) -> str:
 def _score(config: Config, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     cfg = as_config(config)
     with stage_lease(layout_for(cfg), iteration, "score"):  # on a warm worker: found if it dies
-        return compute_thread.run(score_stage.run_score, cfg, iteration, rollout)
+        return compute_thread.run(bounded(cfg, iteration, "score", score_stage.run_score), cfg, iteration, rollout)
 
 
 def _update(config: Config, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
     cfg = as_config(config)
     with stage_lease(layout_for(cfg), iteration, "update"):  # on a warm worker: found if it dies
-        return compute_thread.run(update_stage.run_update, cfg, iteration, policy, scored)
+        return compute_thread.run(
+            bounded(cfg, iteration, "update", update_stage.run_update), cfg, iteration, policy, scored
+        )
 
 
 def _checkpoint(config: Config, iteration: int, update: UpdateManifest) -> CheckpointManifest:
     cfg = as_config(config)
     with stage_lease(layout_for(cfg), iteration, "checkpoint"):  # on a warm worker: found if it dies
-        return compute_thread.run(checkpoint_stage.run_checkpoint, cfg, iteration, update)
+        return compute_thread.run(
+            bounded(cfg, iteration, "checkpoint", checkpoint_stage.run_checkpoint), cfg, iteration, update
+        )
 
 
 def _eval(config: Config, iteration: int, policy: PolicyRef) -> EvalManifest:
     cfg = as_config(config)
     with stage_lease(layout_for(cfg), iteration, "eval"):  # on a warm (rollout) worker: found if it dies
-        return compute_thread.run(eval_stage.run_eval, cfg, iteration, policy)
+        return compute_thread.run(bounded(cfg, iteration, "eval", eval_stage.run_eval), cfg, iteration, policy)
 
 
 STAGE_TASKS = {

@@ -10,6 +10,9 @@ Failure and retry (the decision for a stage that fails half-way):
   output (perhaps of other scoring settings) that could pass for this attempt's, never a mix of both.
 - Scores already computed by a previous attempt are not lost with it: they live in the score cache, so a
   retry computes only what it has not computed before (a retry of a completed stage computes nothing).
+
+A fork that replays this iteration (flows/replay.py) reads its parent's rollout shards in place, and scores them
+through a ReplayScorer (engines/stages/rescore.py): only the reward sources the fork changed run.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from engines.scoring.cached import CacheStats, ScoreCacheLike, score_with_cache
 from engines.scoring.scorer import Scorer
 from engines.stages.held import score_cache_for, scorer_for
 from engines.stages.manifests import RolloutManifest, ScoreManifest, provenance
+from engines.stages.rescore import replay_scorer, run_config
 from engines.stages.tables import scored_table, scoring_inputs, write_stage_table
 from storage.layout import layout_for
-from storage.shards import clear_stage_dir, read_shards
+from storage.lineage import rollout_owner
+from storage.shards import clear_stage_dir, read_shards, require_manifest
 
 
 def score_rows(scorer: Scorer, rollout: pa.Table, cache: Optional[ScoreCacheLike]) -> tuple[pa.Table, CacheStats]:
@@ -42,9 +47,15 @@ def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     layout = layout_for(cfg)
     stage_dir = layout.stage_dir(iteration, "scored")
     clear_stage_dir(layout.fs, stage_dir)  # uncommitted until this attempt succeeds: see the module docstring
-    table = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
+    owner = rollout_owner(layout, iteration)  # the parent, for a fork that replays this iteration
+    rollout_dir = owner.stage_dir(iteration, "rollout")
+    if owner is not layout and require_manifest(owner.fs, rollout_dir).content_hash != rollout.content_hash:
+        raise ValueError(f"{owner.url(rollout_dir)} no longer holds the rollout replayed iteration {iteration} named")
+    table = read_shards(owner.fs, rollout_dir)
     with warm.stage_lock("score"):  # pipelined iterations: one scorer, one score at a time
         scorer = scorer_for(cfg)
+        if owner is not layout:
+            scorer = replay_scorer(cfg, scorer, owner, run_config(owner), iteration) or scorer
         cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
         scored, stats = score_rows(scorer, table, cache)
     manifest = write_stage_table(cfg, layout, iteration, "scored", scored)

@@ -60,6 +60,12 @@ def _train_within(cfg, logs: Path, timeout_s: float = ENDS_WITHIN_S):
     return out["state"]
 
 
+def _picked_up_within(pickup_s: float, cfg):
+    """`cfg` with pipeline.deadlines.pickup_s set: how long a submission may wait with no worker present."""
+    deadlines = cfg.pipeline.deadlines.model_copy(update={"pickup_s": pickup_s})
+    return cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"deadlines": deadlines})})
+
+
 def _served(worker: subprocess.Popen, stages: list[str], timeout_s: float = 180) -> None:
     """Wait until `worker` is listed at the Prefect server as serving each of `stages`."""
     from tasks.leases import serving_workers
@@ -143,9 +149,8 @@ def _subflow_message(run: str, iteration: int) -> str:
 
 @pytest.mark.slow
 def test_killed_rollout_and_score_workers_fail_the_pipelined_run_by_name_and_a_retry_resumes_exactly(
-    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
-    from flows import stages
     from flows.failure import describe_failure
     from flows.records import read_metrics
     from storage.layout import layout_for
@@ -156,10 +161,11 @@ def test_killed_rollout_and_score_workers_fail_the_pipelined_run_by_name_and_a_r
     workers = {name: _start_worker(tmp_path, name, stage_names) for name, stage_names in served.items()}
     try:
         # No rollout worker yet: the run's first stage fails by name instead of waiting, its submission cancelled.
-        monkeypatch.setattr(stages, "NO_WORKER_S", 5.0)
         _served(workers["score"], ["score"])
         _served(workers["train"], ["update", "checkpoint"])
-        unserved = _worker_config(tmp_path, "no-rollout-worker", tiny_model_dir, digits_dataset_dir, 0, 1)
+        unserved = _picked_up_within(
+            5.0, _worker_config(tmp_path, "no-rollout-worker", tiny_model_dir, digits_dataset_dir, 0, 1)
+        )
         state = _train_within(unserved, tmp_path, 120)
         assert state.is_failed(), state
         with pytest.raises(
@@ -169,12 +175,13 @@ def test_killed_rollout_and_score_workers_fail_the_pipelined_run_by_name_and_a_r
         ):
             state.result()
 
-        # The uninterrupted k = 1 run. With NO_WORKER_S = 0 any moment a submission waited and the server listed no
+        # The uninterrupted k = 1 run. With pickup_s = 0 any moment a submission waited and the server listed no
         # worker for its stage would fail it: a busy worker (it holds no subscription for work then) must count.
-        monkeypatch.setattr(stages, "NO_WORKER_S", 0.0)
         workers["rollout"] = _start_worker(tmp_path, "rollout", WORKERS["rollout"])
         _served(workers["rollout"], ["rollout"])
-        clean = _worker_config(tmp_path, "clean", tiny_model_dir, digits_dataset_dir, 1, ITERATIONS)
+        clean = _picked_up_within(
+            0.0, _worker_config(tmp_path, "clean", tiny_model_dir, digits_dataset_dir, 1, ITERATIONS)
+        )
         with _PresenceWatch(["rollout", "score", "update"]) as watch:
             state = _train_within(clean, tmp_path)
         assert state.is_completed(), state
@@ -185,12 +192,13 @@ def test_killed_rollout_and_score_workers_fail_the_pipelined_run_by_name_and_a_r
 
         # The killed runs: what ends them must be the failed iteration 3 (flows/in_flight.earlier_failure), not the
         # dead worker's absence, so the latter is given no time to act.
-        monkeypatch.setattr(stages, "NO_WORKER_S", 1e9)
         for victim, kill in KILLS.items():
             stop_workers([workers.pop(victim)])
             killer = _start_worker(tmp_path, victim, WORKERS[victim], kill=kill)
             _served(killer, [victim])
-            killed = _worker_config(tmp_path, f"killed-{victim}", tiny_model_dir, digits_dataset_dir, 1, ITERATIONS)
+            killed = _picked_up_within(
+                1e9, _worker_config(tmp_path, f"killed-{victim}", tiny_model_dir, digits_dataset_dir, 1, ITERATIONS)
+            )
             started = time.monotonic()
             state = _train_within(killed, tmp_path)
             ended_s = time.monotonic() - started
