@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ppoflow.algorithms import AGG_MODES, ALGO_NAMES, GROUP_ALGOS, get_algorithm, resolve_loss_agg
 from ppoflow.rm_config import RMTrainConfig
@@ -244,6 +252,33 @@ class DynamicSamplingConfig(_Section):
     )
 
 
+class EnvironmentConfig(_Section):
+    """A multi-turn environment (engines/environments/base.py): one instance per sample, stepped after every
+    policy turn; its observations are context, its rewards reach the score through reward kind "environment"."""
+
+    source: str = Field(
+        description="The environment factory: 'path/to/file.py:Factory' or 'pkg.module:Factory', called with no arguments once per sample."
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Policy turns per sample at most; an episode still running then is truncated (truncation 'max_turns').",
+    )
+    max_total_tokens: int = Field(
+        1024,
+        ge=2,
+        description="Prompt plus every turn's tokens per sample at most; a turn is cut, or an observation left out, where it would pass this (truncation 'max_total_tokens').",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _factory_spec(cls, source: str) -> str:
+        where, _, name = source.rpartition(":")
+        if not where or not name:
+            raise ValueError(f"{source!r}: an environment needs 'path/to/file.py:Factory' or 'pkg.module:Factory'")
+        return source
+
+
 class RolloutConfig(_Section):
     engine: Literal["auto", "vllm", "hf"] = Field(
         "auto", description="Generation engine; auto = vLLM when installed, else HF generate."
@@ -277,6 +312,19 @@ class RolloutConfig(_Section):
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig, description="DAPO dynamic sampling (zero-variance group filter)."
     )
+    environment: Optional[EnvironmentConfig] = Field(
+        None,
+        description="{source, max_turns, max_total_tokens}: multi-turn rollout against an environment (needs model.apply_chat_template); None = single-turn.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_environment(self, handler):
+        # A single-turn config dumps exactly as before multi-turn existed: its config.yaml, shard metadata, config
+        # hashes and stage cache keys stay byte for byte the same.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("environment", 0) is None:
+            del data["environment"]
+        return data
 
     @field_validator("top_k")
     @classmethod
@@ -287,10 +335,10 @@ class RolloutConfig(_Section):
 
 
 class RewardSourceConfig(_Section):
-    kind: Literal["function", "model", "remote"] = Field(
-        description="function: path/to/file.py:fn or pkg.module:fn; model: a sequence-classification folder; remote: an HTTP reward server."
+    kind: Literal["function", "model", "remote", "environment"] = Field(
+        description="function: path/to/file.py:fn or pkg.module:fn; model: a sequence-classification folder; remote: an HTTP reward server; environment: the rollout environment's summed reward (rollout.environment)."
     )
-    target: str = Field(description="The function spec, model folder or server URL.")
+    target: str = Field("", description="The function spec, model folder or server URL (none for environment).")
     weight: float = Field(1.0, description="Weight of this source in the summed reward.")
     name: Optional[str] = Field(None, description="Component name in metrics and shards; defaults to kind.")
     timeout_s: float = Field(60.0, gt=0, description="Per-call timeout (function and remote sources).")
@@ -320,6 +368,12 @@ class RewardSourceConfig(_Section):
                 )
         elif self.kind == "remote" and not self.target.startswith(("http://", "https://")):
             raise ValueError(f"target={self.target!r}: a remote source needs an http:// or https:// URL")
+        elif self.kind == "environment":
+            if self.target:
+                raise ValueError(
+                    f"target={self.target!r}: an environment source reads the rollout's env_reward and takes no "
+                    f"target (the environment is rollout.environment.source)"
+                )
         elif not self.target:
             raise ValueError("target='': a model source needs a reward-model folder")
         return self
@@ -721,6 +775,7 @@ class StageDeadlinesConfig(_Section):
         if overlong is not None and overlong.buffer > self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.overlong.buffer={overlong.buffer} must be <= rollout.max_new_tokens="
+        self._check_environment()
                 f"{self.rollout.max_new_tokens} (the penalty ramps up over the last buffer tokens)"
             )
         # The trainer's rule (engines/trainer/deepspeed_setup.py) for one rank: micro-batches of
@@ -782,6 +837,39 @@ class StageDeadlinesConfig(_Section):
                 f"(pipeline.stage_workers: [rollout]) or in-process"
             )
         return self
+
+    def _check_environment(self) -> None:
+        """rollout.environment and reward kind "environment" go together; multi-turn needs the chat template."""
+        env = self.rollout.environment
+        reads_env = [i for i, s in enumerate(self.reward.sources) if s.kind == "environment"]
+        if env is None:
+            if reads_env:
+                raise ValueError(
+                    f"reward.sources.{reads_env[0]}.kind='environment' needs rollout.environment (a multi-turn "
+                    f"rollout whose environment gives the reward); set it or remove that source"
+                )
+            return
+        if not self.model.apply_chat_template:
+            raise ValueError(
+                "rollout.environment needs model.apply_chat_template=true: the conversation is built turn by turn "
+                "with the tokenizer's chat template"
+            )
+        if env.max_total_tokens <= self.data.max_prompt_tokens:
+            raise ValueError(
+                f"rollout.environment.max_total_tokens={env.max_total_tokens} must be > data.max_prompt_tokens="
+                f"{self.data.max_prompt_tokens}: a prompt of the allowed length must leave room for a turn"
+            )
+        if self.eval.data_path:
+            raise ValueError(
+                "rollout.environment with eval.data_path: the eval stage samples single-turn; multi-turn eval is not "
+                "built yet (leave eval.data_path unset)"
+            )
+        if self.reward.overlong is not None:
+            raise ValueError(
+                "rollout.environment with reward.overlong: the overlong penalty measures one response against "
+                "rollout.max_new_tokens, a conversation has several turns (use rollout.environment.max_total_tokens "
+                "and train.mask_truncated instead)"
+            )
 
     def _check_recipes(self) -> None:
         """Dynamic sampling needs groups and whole groups per optimizer step; eval on pools needs its deployment."""

@@ -13,8 +13,23 @@ scored:     rollout + reward (float32, weighted and clipped), reward_components 
 experience: scored + old_logprobs, values, advantages, returns (list<float32>, len = response)
 eval:       the scored columns, for the eval stage's samples of the held-out prompts (eval.data_path)
 
-Bump SCHEMA_VERSION whenever a column is added, removed or changes type; readers refuse a shard of
-another version with SchemaMismatchError instead of guessing.
+Multi-turn rows (rollout.environment set, engines/rollout/multi_turn.py) carry four more columns, right after
+the rollout columns in every kind; `response_ids` then holds everything after the first prompt, the policy's
+turns and the environment's messages in order:
+            token_owner (list<int8>, len = response): 1 = the policy sampled the token (trained, takes KL),
+                        0 = the environment's (an observation rendered by the chat template: context only;
+                        its rollout_logprobs are 0 and never read)
+            turn_starts (list<int32>): index in response_ids where each message after the first prompt starts
+                        (policy turn, observation, policy turn, ...); token_owner says whose each one is
+            env_reward (float32): the sum of the environment's per-turn rewards; turns (int32): policy turns
+            truncation (string, nullable): null when the environment ended the episode (finish_reason "stop"),
+                        "max_turns" or "max_total_tokens" when a limit did (finish_reason "length")
+
+Versions: SCHEMA_VERSION is the newest this ppoflow writes; every version in READABLE_VERSIONS is read. A shard
+is stamped with the lowest version that describes it (version_of): single-turn shards are version 1, byte for
+byte what they were before multi-turn existed; shards with the multi-turn columns are version 2, which an older
+ppoflow refuses by name. Bump SCHEMA_VERSION whenever a column is added, removed or changes type; readers refuse
+a shard of another version with SchemaMismatchError instead of guessing.
 """
 
 from __future__ import annotations
@@ -23,7 +38,9 @@ from typing import Optional, Sequence
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MULTI_TURN_VERSION = 2  # the version that added the multi-turn columns
 KINDS = ("rollout", "scored", "experience", "eval")
 
 _I32, _F32 = pa.int32(), pa.float32()
@@ -44,6 +61,14 @@ _ROLLOUT = [
     pa.field("label", pa.string(), nullable=True),
     pa.field("data_source", pa.string(), nullable=True),
 ]
+_MULTI_TURN = [
+    pa.field("token_owner", pa.list_(pa.int8()), nullable=False),
+    pa.field("turn_starts", _IDS, nullable=False),
+    pa.field("env_reward", _F32, nullable=False),
+    pa.field("turns", _I32, nullable=False),
+    pa.field("truncation", pa.string(), nullable=True),
+]
+MULTI_TURN_COLUMNS = tuple(f.name for f in _MULTI_TURN)
 _SCORED_EXTRA = [
     pa.field("reward", _F32, nullable=False),
     pa.field("reward_components", pa.string(), nullable=False),
@@ -60,18 +85,43 @@ SCHEMAS: dict[str, pa.Schema] = {
     "experience": pa.schema(_ROLLOUT + _SCORED_EXTRA + _EXPERIENCE_EXTRA),
     "eval": pa.schema(_ROLLOUT + _SCORED_EXTRA),  # the eval stage's samples of held-out prompts, scored
 }
+# The same kinds with the multi-turn columns after the rollout ones (eval samples are single-turn).
+_MULTI_TURN_SCHEMAS: dict[str, pa.Schema] = {
+    kind: pa.schema(_ROLLOUT + _MULTI_TURN + list(schema)[len(_ROLLOUT) :])
+    for kind, schema in SCHEMAS.items()
+    if kind != "eval"
+}
 
 
 class SchemaMismatchError(ValueError):
     """A table or shard does not match its kind's schema; the message names the column and both types."""
 
 
-def schema_for(kind: str) -> pa.Schema:
-    """The Arrow schema of shard kind `kind`. Raises ValueError listing the kinds when unknown."""
+def schema_for(kind: str, multi_turn: bool = False) -> pa.Schema:
+    """The Arrow schema of shard kind `kind`, with the multi-turn columns when `multi_turn`. Raises ValueError
+    listing the kinds when unknown (or, with multi_turn, for "eval": its samples are single-turn)."""
     try:
-        return SCHEMAS[kind]
+        return _MULTI_TURN_SCHEMAS[kind] if multi_turn else SCHEMAS[kind]
     except KeyError:
-        raise ValueError(f"unknown shard kind {kind!r}; expected one of {', '.join(KINDS)}") from None
+        raise ValueError(
+            f"unknown shard kind {kind!r}{' for multi-turn rows' if multi_turn else ''}; expected "
+            f"one of {', '.join(_MULTI_TURN_SCHEMAS if multi_turn else KINDS)}"
+        ) from None
+
+
+def is_multi_turn(schema: pa.Schema) -> bool:
+    """True when `schema` (a table's) holds any multi-turn column: validate then asks for all of them."""
+    return any(name in schema.names for name in MULTI_TURN_COLUMNS)
+
+
+def schema_like(kind: str, table: pa.Table) -> pa.Schema:
+    """`kind`'s schema with the multi-turn columns exactly when `table` has them (for appending stage columns)."""
+    return schema_for(kind, is_multi_turn(table.schema))
+
+
+def version_of(table: pa.Table) -> int:
+    """The lowest schema version that describes `table`: 1 for single-turn rows, MULTI_TURN_VERSION otherwise."""
+    return MULTI_TURN_VERSION if is_multi_turn(table.schema) else 1
 
 
 def validate(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
@@ -82,7 +132,7 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
     hold no nulls, and no other column may be present. Raises SchemaMismatchError naming `where`, the
     column, the expected and the found type.
     """
-    schema = schema_for(kind)
+    schema = schema_for(kind, is_multi_turn(table.schema))
     found = {f.name: f for f in table.schema}
     for field in schema:
         got = found.get(field.name)
@@ -113,7 +163,7 @@ def check_columns(kind: str, columns: Optional[Sequence[str]]) -> Optional[list[
     """Validate a column selection for `kind`; raises SchemaMismatchError naming unknown columns."""
     if columns is None:
         return None
-    names = schema_for(kind).names
+    names = schema_for(kind, kind != "eval").names  # multi-turn columns are selectable (present in v2 shards)
     unknown = [c for c in columns if c not in names]
     if unknown:
         raise SchemaMismatchError(f"columns {unknown} are not in the {kind} schema; available: {', '.join(names)}")

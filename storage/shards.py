@@ -36,7 +36,17 @@ import fsspec
 import pyarrow as pa
 
 from storage import fs as fsutil
-from storage.schema import SCHEMA_VERSION, SchemaMismatchError, check_columns, schema_for, validate
+from storage.schema import (
+    MULTI_TURN_VERSION,
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    SchemaMismatchError,
+    check_columns,
+    schema_for,
+    schema_like,
+    validate,
+    version_of,
+)
 
 METADATA_PREFIX = "ppoflow."
 MANIFEST_NAME = "_manifest.json"
@@ -228,9 +238,9 @@ def shard_metadata(cfg, iteration: int, stage: str) -> dict[str, str]:
     }
 
 
-def _schema_metadata(kind: str, metadata: Optional[dict[str, str]]) -> dict[str, str]:
+def _schema_metadata(kind: str, metadata: Optional[dict[str, str]], version: int) -> dict[str, str]:
     """kind and schema version, then the caller's keys; ValueError for a key without the prefix or a non-str."""
-    out = {"ppoflow.kind": kind, "ppoflow.schema_version": str(SCHEMA_VERSION)}
+    out = {"ppoflow.kind": kind, "ppoflow.schema_version": str(version)}
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not key.startswith(METADATA_PREFIX) or not isinstance(value, str):
             raise ValueError(
@@ -258,7 +268,9 @@ def write_shards(
     `ppoflow.schema_version`; ValueError for another key. Returns the manifest (rows, bytes, part
     hashes, content_hash).
     """
-    schema_metadata = _schema_metadata(kind, metadata)
+    # The lowest version that describes the rows (storage/schema.py): single-turn shards stay version 1.
+    version = version_of(table)
+    schema_metadata = _schema_metadata(kind, metadata, version)
     table = validate(table, kind, where=f"shards for {fsutil.url_of(fs, stage_dir)}")
     table = table.replace_schema_metadata(schema_metadata)
     clear_stage_dir(fs, stage_dir)
@@ -271,7 +283,7 @@ def write_shards(
         parts.append(PartInfo(name=name, rows=length, bytes=buffer.size, sha256=digest))
     manifest = Manifest(
         kind=kind,
-        schema_version=SCHEMA_VERSION,
+        schema_version=version,
         rows=table.num_rows,
         bytes=sum(p.bytes for p in parts),
         parts=tuple(parts),
@@ -308,9 +320,10 @@ def require_manifest(fs: fsspec.AbstractFileSystem, stage_dir: str) -> Manifest:
         raise NotCommittedError(
             f"{url} is not committed: no {MANIFEST_NAME} (its stage never finished, or is being rewritten)"
         )
-    if manifest.schema_version != SCHEMA_VERSION:
+    if manifest.schema_version not in READABLE_VERSIONS:
         raise SchemaMismatchError(
-            f"{url}: shards have schema version {manifest.schema_version}, this ppoflow reads version {SCHEMA_VERSION}"
+            f"{url}: shards have schema version {manifest.schema_version}, this ppoflow reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} (writes up to {SCHEMA_VERSION})"
         )
     schema_for(manifest.kind)  # unknown kind -> ValueError naming it
     return manifest
@@ -338,7 +351,7 @@ def read_part(
         table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(data))).read_all()
     except (pa.ArrowInvalid, OSError) as e:
         raise ShardCorruptError(f"part {url} is not a readable Arrow IPC file: {e}") from None
-    if not table.schema.equals(schema_for(kind)):
+    if not table.schema.equals(schema_like(kind, table)):
         table = validate(table, kind, where=f"part {url}")  # raises with the column's name and types
     if table.num_rows != part.rows:
         raise ShardCorruptError(f"part {url} holds {table.num_rows} rows, manifest says {part.rows}")
@@ -360,7 +373,7 @@ def read_shards(
         table = read_part(fs, stage_dir, part, manifest.kind, verify=verify)
         tables.append(table.select(selected) if selected is not None else table)
     if not tables:
-        schema = schema_for(manifest.kind)
+        schema = schema_for(manifest.kind, manifest.schema_version >= MULTI_TURN_VERSION)
         empty = schema.empty_table()
         return empty.select(selected) if selected is not None else empty
     return pa.concat_tables(tables)

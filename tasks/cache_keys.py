@@ -33,6 +33,10 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The stages that run the policy against rollout.environment (the eval stage samples single-turn).
+ROLLOUT_STAGES = ("rollout", "rollout-part")
+
+
 def stage_sections(cfg: PPOFlowConfig, stage: str) -> tuple[str, ...]:
     """STAGE_SECTIONS, plus "reward" for a rollout with dynamic sampling (which groups it keeps is the reward's)."""
     sections = STAGE_SECTIONS[stage]
@@ -49,7 +53,14 @@ def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict
     # run moved to another root or bucket finds its completed stages again (its run.json moves with it).
     config_hash = cfg.section_hash(*stage_sections(cfg, stage))
     run = results_identity(layout_for(cfg))
-    digest = json_hash({"inputs": identities, "config": config_hash, "seed": cfg.run.seed, "run": run})
+    payload = {"inputs": identities, "config": config_hash, "seed": cfg.run.seed, "run": run}
+    if stage in ROLLOUT_STAGES and cfg.rollout.environment is not None:
+        # The environment's code answers the policy inside the rollout (its source spec alone is in the config):
+        # an edited environment is a new key. Only when set, so single-turn keys are what they were.
+        from engines.stages.rollout_env import environment_identity
+
+        payload["environment"] = environment_identity(cfg)
+    digest = json_hash(payload)
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
 
 

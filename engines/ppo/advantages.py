@@ -57,7 +57,11 @@ def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: flo
     Args:
         token_rewards: Shape (B, T), r_t.
         values: Shape (B, T), V(s_t) from the critic at the time of the rollout (old values).
-        response_mask: Shape (B, T), 1 = response token; the response is one contiguous run.
+        response_mask: Shape (B, T), 1 = response token. Positions with 0 inside a response (a multi-turn
+            row's environment tokens, masked out by the trainer) are skipped: the recurrence passes over them
+            unchanged (no discount, no value), so the last policy token of a turn bootstraps from the first
+            policy token of the next; they get advantage and return 0. For one contiguous run (single-turn)
+            this is the plain recurrence.
         gamma: discount in [0, 1]; lam: GAE lambda in [0, 1].
 
     Returns:
@@ -80,10 +84,13 @@ def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: flo
     for t in reversed(range(rewards.shape[1])):
         # delta_t = r_t + gamma * V_{t+1} - V_t                       (V_{t+1} = 0 past the response)
         # A_t     = delta_t + gamma * lam * A_{t+1}                   (A_{t+1} = 0 past the response)
+        # Skipped positions (mask 0) carry next_value and next_advantage through unchanged: past the end of the
+        # response both are still 0 (terminal), between two policy turns they are the next turn's.
         delta = rewards[:, t] + gamma * next_value - old_values[:, t]
         advantage = torch.where(present[:, t], delta + gamma * lam * next_advantage, 0.0)
         advantages[:, t] = advantage
-        next_value, next_advantage = old_values[:, t], advantage
+        next_value = torch.where(present[:, t], old_values[:, t], next_value)
+        next_advantage = torch.where(present[:, t], advantage, next_advantage)
     return AdvantageReturns(advantages, _zero_padding(advantages + old_values, response_mask))
 
 
@@ -92,6 +99,8 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: floa
     """Reward-to-go G_t = r_t + gamma * G_{t+1} (G = 0 past the response); REINFORCE++'s signal.
 
     Shapes: token_rewards (B, T), response_mask (B, T) with 1 = response token -> (B, T), 0 at padding.
+    Positions with 0 inside a response (multi-turn environment tokens) are skipped as in `gae`: G passes over
+    them undiscounted, and they get 0.
     """
     check_rank("token_rewards", token_rewards, 2, "(B, T)")
     check_same_shape("token_rewards", token_rewards, response_mask=response_mask)
@@ -101,8 +110,8 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: floa
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = torch.where(present[:, t], rewards[:, t] + gamma * running, 0.0)
-        returns[:, t] = running
+        running = torch.where(present[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(present[:, t], running, 0.0)
     return returns
 
 

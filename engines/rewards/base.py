@@ -15,6 +15,8 @@ class RewardBatch:
     labels: the dataset's label / ground truth per sample (None when the dataset has none).
     data_sources: veRL's data_source per sample (None when absent).
     sample_ids: how errors name a sample, e.g. "iter 3 prompt 12 sample 1".
+    env_rewards: a multi-turn sample's summed environment reward (the rollout's env_reward), None for a
+                 single-turn sample; empty when the caller has none.
     """
 
     prompts: list[str]
@@ -24,6 +26,7 @@ class RewardBatch:
     labels: list[Any]
     data_sources: list[Optional[str]] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
+    env_rewards: list[Optional[float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -43,6 +43,10 @@ class CacheStats:
 
 # What a scorer's rewards may depend on besides the tokens, when it does not say (see score_inputs_read).
 ALL_REWARD_INPUTS = ("label", "data_source")
+# What a scorer may declare: the above, and a multi-turn row's env_reward (read by reward kind "environment"; in
+# the key because an environment's reward need not follow from the tokens alone). Never assumed undeclared, so
+# the keys of scorers that do not read it are what they were.
+KNOWN_REWARD_INPUTS = ALL_REWARD_INPUTS + ("env_reward",)
 
 
 def score_key(
@@ -63,7 +67,7 @@ def score_inputs_read(scorer) -> tuple[str, ...]:
     """The reward inputs beyond the tokens that `scorer`'s keys must hold: its `reward_inputs` when it
     declares them (Scorer: the union over its sources), else all of ALL_REWARD_INPUTS."""
     declared = getattr(scorer, "reward_inputs", None)
-    return ALL_REWARD_INPUTS if declared is None else tuple(x for x in ALL_REWARD_INPUTS if x in declared)
+    return ALL_REWARD_INPUTS if declared is None else tuple(x for x in KNOWN_REWARD_INPUTS if x in declared)
 
 
 def _key_of(scorer_identity: str, reads: tuple[str, ...], x) -> str:

@@ -30,6 +30,7 @@ class ScoringInput:
     response_ids: list[int]
     label: Any = None
     data_source: Optional[str] = None
+    env_reward: Optional[float] = None  # a multi-turn row's summed environment reward; None for single-turn rows
     sample_id: str = ""
 
 
@@ -62,6 +63,10 @@ def build_reward_sources(cfg) -> list[RewardSource]:
                     isolation=spec.isolation,
                 )
             )
+        elif spec.kind == "environment":
+            from engines.rewards.environment import EnvironmentRewardSource
+
+            sources.append(EnvironmentRewardSource(name=name))
         elif spec.kind == "model":
             from engines.rewards.model import RewardModelSource
 
@@ -155,6 +160,7 @@ class Scorer:
             response_ids=[list(x.response_ids) for x in inputs],
             labels=[x.label for x in inputs],
             data_sources=[x.data_source for x in inputs],
+            env_rewards=[x.env_reward for x in inputs],
             sample_ids=[x.sample_id or f"sample {i}" for i, x in enumerate(inputs)],
         )
         components: list[dict[str, float]] = [{} for _ in inputs]

@@ -43,8 +43,13 @@ def sample_rollout(engine: RolloutEngine, source: PromptSource, cfg, iteration: 
 
 def sample_records(engine: RolloutEngine, source: PromptSource, cfg, iteration: int, records: list) -> pa.Table:
     """These prompts (PromptRecord), n samples each, as rollout rows ordered by (prompt, sample); row r of the
-    dataset is sampled with its own seed (module docstring), so which other prompts share the call is moot."""
+    dataset is sampled with its own seed (module docstring), so which other prompts share the call is moot.
+    With rollout.environment each sample is a conversation (engines/stages/rollout_env.py)."""
     seeds = [prompt_sampling_seed(cfg.run.seed, iteration, r.index) for r in records]
+    if cfg.rollout.environment is not None:  # multi-turn: conversations with the environment
+        from engines.stages.rollout_env import sample_conversations
+
+        return sample_conversations(engine, source, cfg, iteration, records, seeds)
     return sample_table(engine, source, records, SamplingSettings.from_config(cfg.rollout), seeds, iteration)
 
 

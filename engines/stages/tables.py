@@ -22,10 +22,11 @@ import pyarrow as pa
 
 from engines.data import PromptRecord
 from engines.rollout.base import RolloutSample
+from engines.rollout.multi_turn import ConversationSample
 from engines.scoring.scorer import ScoreResult, ScoringInput
 from engines.trainer.experience import ExperienceBatch
 from storage.layout import RunLayout
-from storage.schema import schema_for
+from storage.schema import schema_for, schema_like
 from storage.shards import Manifest, shard_metadata, write_shards
 
 _F32_LIST = pa.list_(pa.float32())
@@ -39,16 +40,21 @@ def prompt_hash(prompt_ids: Sequence[int]) -> str:
 def rollout_table(records: list[PromptRecord], samples: list[RolloutSample], tokenizer, iteration: int) -> pa.Table:
     """One row per sample, in the samples' order; `records[s.prompt_index]` is the sample's prompt.
 
-    The response text is decoded without special tokens (EOS, pad): what a reward function reads.
+    The response text is decoded without special tokens (EOS, pad): what a reward function reads. Conversations
+    (ConversationSample, engines/rollout/multi_turn.py) give multi-turn rows (storage/schema.py): their prompt is
+    the first user message as rendered (the environment's own when its reset gave one), their response every
+    token after it, and the ownership, turn and environment columns.
     """
-    rows: dict[str, list] = {name: [] for name in schema_for("rollout").names}
+    multi_turn = any(isinstance(s, ConversationSample) for s in samples)
+    schema = schema_for("rollout", multi_turn)
+    rows: dict[str, list] = {name: [] for name in schema.names}
     for s in samples:
         record = records[s.prompt_index]
         rows["iteration"].append(iteration)
         rows["prompt_index"].append(record.index)
         rows["sample_index"].append(s.sample_index)
         rows["prompt_hash"].append(prompt_hash(s.prompt_ids))
-        rows["prompt"].append(record.text)
+        rows["prompt"].append(s.prompt_text if multi_turn else record.text)
         rows["response"].append(tokenizer.decode(s.response_ids, skip_special_tokens=True))
         rows["prompt_ids"].append(list(s.prompt_ids))
         rows["response_ids"].append(list(s.response_ids))
@@ -57,7 +63,13 @@ def rollout_table(records: list[PromptRecord], samples: list[RolloutSample], tok
         rows["policy_version"].append(s.policy_version)
         rows["label"].append(None if record.label is None else str(record.label))
         rows["data_source"].append(record.data_source)
-    return pa.table(rows, schema=schema_for("rollout"))
+        if multi_turn:
+            rows["token_owner"].append(list(s.token_owner))
+            rows["turn_starts"].append(list(s.turn_starts))
+            rows["env_reward"].append(float(s.env_reward))
+            rows["turns"].append(s.turns)
+            rows["truncation"].append(s.truncation)
+    return pa.table(rows, schema=schema)
 
 
 def scoring_inputs(table: pa.Table) -> list[ScoringInput]:
@@ -71,6 +83,7 @@ def scoring_inputs(table: pa.Table) -> list[ScoringInput]:
             response_ids=cols["response_ids"][i],
             label=cols["label"][i],
             data_source=cols["data_source"][i],
+            env_reward=cols["env_reward"][i] if "env_reward" in cols else None,
             sample_id=f"iter {cols['iteration'][i]} prompt {cols['prompt_index'][i]} sample {cols['sample_index'][i]}",
         )
         for i in range(table.num_rows)
@@ -86,7 +99,7 @@ def scored_table(table: pa.Table, results: list[ScoreResult], hit_mask: Sequence
         .append_column("reward_components", pa.array([json.dumps(r.components, sort_keys=True) for r in results]))
         .append_column("ref_logprobs", pa.array([r.ref_logprobs for r in results], _F32_LIST))
         .append_column("score_cache_hit", pa.array(list(hit_mask), pa.bool_()))
-    ).cast(schema_for("scored"))
+    ).cast(schema_like("scored", table))
 
 
 def group_ids_of(sample_index: Sequence[int]) -> list[int]:
@@ -112,7 +125,7 @@ def group_ids_of(sample_index: Sequence[int]) -> list[int]:
 
 def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
     """Scored rows -> padded tensors; the samples of one draw of a prompt (contiguous in the shards) form
-    one group (group_ids_of)."""
+    one group (group_ids_of). Multi-turn rows carry their `token_owner` as the batch's policy_mask."""
     cols = scored.to_pydict()
     return ExperienceBatch.from_lists(
         cols["prompt_ids"],
@@ -123,6 +136,7 @@ def experience_batch(scored: pa.Table, pad_token_id: int) -> ExperienceBatch:
         group_ids=group_ids_of(cols["sample_index"]),
         finish_reasons=cols["finish_reason"],
         pad_token_id=pad_token_id,
+        token_owner=cols.get("token_owner"),
     )
 
 
@@ -133,7 +147,7 @@ def experience_table(scored: pa.Table, result) -> pa.Table:
         .append_column("values", pa.array(result.values, _F32_LIST))
         .append_column("advantages", pa.array(result.advantages, _F32_LIST))
         .append_column("returns", pa.array(result.returns, _F32_LIST))
-    ).cast(schema_for("experience"))
+    ).cast(schema_like("experience", scored))
 
 
 def write_stage_table(

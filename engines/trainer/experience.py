@@ -15,6 +15,11 @@ columns, so every response starts at column P of the concatenated (B, P + R) seq
                                   group (contiguous), as the group estimators need
     truncated       (B,)   bool   True = the response hit max_new_tokens (finish_reason "length"), or None
                                   when the finish reasons were not given; read by train.mask_truncated
+    policy_mask     (B, R) float  multi-turn rows (the shards' token_owner): 1 = a token the policy sampled,
+                                  0 = an environment token (context: attended to, never trained on) or
+                                  padding; None for single-turn batches, where every response token is the
+                                  policy's. `trained_mask` is the one to mask losses, KL and advantages with;
+                                  response_mask stays the attention mask of the response.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class ExperienceBatch:
     rollout_logprobs: Optional[torch.Tensor]
     group_ids: torch.Tensor
     truncated: Optional[torch.Tensor] = None
+    policy_mask: Optional[torch.Tensor] = None
 
     @classmethod
     def from_lists(
@@ -83,9 +89,12 @@ class ExperienceBatch:
         group_ids: Optional[Sequence[int]] = None,
         pad_token_id: int = 0,
         finish_reasons: Optional[Sequence[str]] = None,
+        token_owner: Optional[Sequence[Sequence[int]]] = None,
     ) -> "ExperienceBatch":
         """Pad ragged lists (the scored shards' columns of the same names; finish_reasons = `finish_reason`).
 
+        token_owner None -> single-turn (policy_mask None); else (B,) lists of 1 = policy, 0 = environment
+        token, each of its response's length.
         rollout_logprobs None -> the batch has none (no mismatch metric; algo.tis_cap refuses it).
         finish_reasons None -> `truncated` is None (train.mask_truncated refuses it).
         Raises ValueError naming the row when lengths disagree, groups are not contiguous, or a finish
@@ -104,6 +113,8 @@ class ExperienceBatch:
             per_token = [("ref_logprobs", ref_logprobs[b])]
             if rollout_logprobs is not None:
                 per_token.append(("rollout_logprobs", rollout_logprobs[b]))
+            if token_owner is not None:
+                per_token.append(("token_owner", token_owner[b]))
             for name, seq in per_token:
                 if len(seq) != len(response_ids[b]):
                     raise ValueError(
@@ -126,6 +137,7 @@ class ExperienceBatch:
             ),
             group_ids=torch.tensor(group_ids, dtype=torch.long),
             truncated=truncated,
+            policy_mask=_policy_mask(token_owner, n, width_r),
         )
 
     def __len__(self) -> int:
@@ -148,21 +160,42 @@ class ExperienceBatch:
     def to(self, device: torch.device | str) -> "ExperienceBatch":
         return ExperienceBatch(**{f.name: _maybe(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
 
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """(B, R) float, 1 = a token the policy sampled: policy_mask for multi-turn rows, else response_mask."""
+        return self.response_mask if self.policy_mask is None else self.policy_mask
+
     def loss_mask(self, mask_truncated: bool) -> torch.Tensor:
-        """(B, R) float, 1 = the token counts in the loss: response_mask, with truncated rows zeroed when
-        mask_truncated (DAPO's overlong filtering). ValueError when asked to mask without finish reasons."""
+        """(B, R) float, 1 = the token counts in the loss: trained_mask (the policy's own tokens), with truncated
+        rows zeroed when mask_truncated (DAPO's overlong filtering). ValueError when asked to mask without
+        finish reasons."""
         if not mask_truncated:
-            return self.response_mask
+            return self.trained_mask
         if self.truncated is None:
             raise ValueError(
                 "train.mask_truncated needs each sample's finish_reason; this batch was built "
                 "without finish_reasons (ExperienceBatch.from_lists(..., finish_reasons=...))"
             )
-        return self.response_mask * (~self.truncated).to(self.response_mask.dtype)[:, None]
+        return self.trained_mask * (~self.truncated).to(self.response_mask.dtype)[:, None]
 
 
 def _maybe(value: Optional[torch.Tensor], fn) -> Optional[torch.Tensor]:
     return None if value is None else fn(value)
+
+
+def _policy_mask(token_owner: Optional[Sequence[Sequence[int]]], n: int, width: int) -> Optional[torch.Tensor]:
+    """(B, width) float of the owners (1 = policy), right-padded with 0; None without owners. ValueError naming
+    the row for an owner other than 0 or 1."""
+    if token_owner is None:
+        return None
+    if len(token_owner) != n:
+        raise ValueError(f"token_owner has {len(token_owner)} rows, prompt_ids has {n}")
+    for b, owners in enumerate(token_owner):
+        if any(o not in (0, 1) for o in owners):
+            raise ValueError(
+                f"row {b}: token_owner holds {sorted(set(owners) - {0, 1})}; only 1 = policy, 0 = environment"
+            )
+    return right_pad(token_owner, width, 0.0, torch.float32)
 
 
 def _truncated(finish_reasons: Sequence[str], n: int) -> torch.Tensor:

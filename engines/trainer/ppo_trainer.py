@@ -212,7 +212,7 @@ class PPOTrainer(LossSteps):
     # -- stages 2-3: KL, token rewards, advantages -----------------------------------------------------
     def _advantages(self, batch: ExperienceBatch, old_logprobs, values, kl: torch.Tensor):
         algo = self.cfg.algo
-        mask = batch.response_mask
+        mask = batch.trained_mask  # multi-turn: environment tokens get no reward, KL or advantage (gae skips them)
         reward_kl_coef = self.kl_controller.value if algo.kl_in_reward else 0.0
         token_rewards = token_level_rewards(batch.scores, kl, mask, reward_kl_coef, self.cfg.reward.clip)
         group_size = batch.group_size if get_algorithm(algo.name).needs_groups else 1
@@ -286,7 +286,7 @@ class PPOTrainer(LossSteps):
             old_logprobs, values = self._old_logprobs_and_values(local)
         raw, old_logprobs, values = gather_rows(local, old_logprobs, values, world)  # the whole batch from here
         batch, shaping_metrics = self._shaped(raw)
-        mask = batch.response_mask
+        mask = batch.trained_mask  # KL, advantages and metrics over the policy's own tokens (all, single-turn)
         kl = kl_penalty(old_logprobs, batch.ref_logprobs, self.cfg.algo.kl_estimator, KL_CLAMP)
         adv = self._advantages(batch, old_logprobs, values, kl)
         sums = MetricSums()
@@ -314,10 +314,11 @@ class PPOTrainer(LossSteps):
         self.update_count += 1
         return UpdateResult(
             metrics,
-            _ragged(old_logprobs, mask),
-            _ragged(values, mask) if values is not None else [[] for _ in range(len(batch))],
-            _ragged(adv.advantages, mask),
-            _ragged(adv.returns, mask),
+            # every response token's, environment tokens' too (their advantages and returns are 0)
+            _ragged(old_logprobs, batch.response_mask),
+            _ragged(values, batch.response_mask) if values is not None else [[] for _ in range(len(batch))],
+            _ragged(adv.advantages, batch.response_mask),
+            _ragged(adv.returns, batch.response_mask),
         )
 
     def _shuffle_generator(self, epoch: int) -> torch.Generator:
@@ -325,12 +326,12 @@ class PPOTrainer(LossSteps):
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
     def _batch_metrics(self, batch, old_logprobs, values, adv, kl_mean: float) -> dict[str, float]:
-        mask = batch.response_mask
+        mask = batch.trained_mask
         metrics = {
             "reward/mean": float(batch.scores.mean()),
             "kl/mean": kl_mean,
             "kl/coef": float(self.kl_controller.value),
-            "response/length_mean": float(mask.sum(dim=1).mean()),
+            "response/length_mean": float(batch.response_mask.sum(dim=1).mean()),
             "advantages/mean": float(masked_mean(adv.advantages, mask)),
             "returns/mean": float(masked_mean(adv.returns, mask)),
         }
@@ -341,6 +342,8 @@ class PPOTrainer(LossSteps):
             metrics["rollout/logprob_abs_diff"] = float(
                 masked_mean((batch.rollout_logprobs - old_logprobs).abs(), mask)
             )
+        if batch.policy_mask is not None:  # multi-turn: how much of a conversation the policy wrote
+            metrics["response/policy_tokens_mean"] = float(mask.sum(dim=1).mean())
         if batch.truncated is not None:
             metrics["response/truncated_fraction"] = float(batch.truncated.float().mean())
         if values is not None:

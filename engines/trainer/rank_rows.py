@@ -79,7 +79,7 @@ def agree_shape(local: ExperienceBatch, world: int) -> BatchShape:
     Raises ValueError, on every rank alike (each sees every rank's numbers), when the ranks hold different
     numbers of rows, or when some have rollout log-probs or finish reasons and others not.
     """
-    has = (local.rollout_logprobs is not None, local.truncated is not None)
+    has = (local.rollout_logprobs is not None, local.truncated is not None, local.policy_mask is not None)
     mine = [len(local), local.prompt_ids.shape[1], local.response_ids.shape[1], *has]
     if world == 1:
         return BatchShape(*mine[:3])
@@ -95,7 +95,8 @@ def agree_shape(local: ExperienceBatch, world: int) -> BatchShape:
     flags = {tuple(r[3:]) for r in per_rank}
     if len(flags) > 1:
         raise ValueError(
-            f"the update ranks disagree on which fields their rows carry ((rollout_logprobs, finish reasons) "
+            f"the update ranks disagree on which fields their rows carry ((rollout_logprobs, finish reasons, "
+            f"token owners) "
             f"per rank: {[tuple(bool(x) for x in r[3:]) for r in per_rank]})"
         )
     return BatchShape(sum(rows), max(r[1] for r in per_rank), max(r[2] for r in per_rank))
@@ -128,6 +129,7 @@ def pad_to(batch: ExperienceBatch, prompt_width: int, response_width: int, pad_t
         rollout_logprobs=right(batch.rollout_logprobs, 0.0),
         group_ids=batch.group_ids,
         truncated=batch.truncated,
+        policy_mask=right(batch.policy_mask, 0.0),
     )
 
 

@@ -70,6 +70,8 @@ def _batch(rows: list[int], pad: int) -> ExperienceBatch:
         group_ids=rows,
         pad_token_id=pad,
         finish_reasons=pick(["stop", "length", "stop", "stop", "length"]),
+        # multi-turn owners (1 = policy, 0 = environment): the policy mask is padded like every per-token field
+        token_owner=pick([[1, 0, 0, 1], [1], [1, 1], [1], [1, 0]]),
     )
 
 
