@@ -648,60 +648,6 @@ class EvalConfig(_Section):
     )
 
 
-class PipelineConfig(_Section):
-    stage_pools: Optional[dict[str, str]] = Field(
-        None,
-        description="Stage -> deployment as FLOW/DEPLOYMENT, e.g. {rollout: ppo-rollout/ppo-rollout} as prefect.yaml creates them; None = all stages in-process.",
-    )
-    retries: int = Field(2, ge=0, description="Task retries for each stage.")
-    retry_delay_s: float = Field(5.0, ge=0, description="First retry delay; doubles each retry.")
-    stage_workers: list[Literal["rollout", "score", "update", "checkpoint"]] = Field(
-        default_factory=list,
-        description="Stages sent to warm Prefect task workers (`ppoflow worker --stage S`), "
-        "which keep their engines between iterations; [] = none.",
-    )
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        le=MAX_STALENESS,
-        description="Pipelined iterations: k >= 1 runs the rollout and score of iterations i+1..i+k while iteration "
-        "i updates; iteration i samples with the policy committed at i-1-k (fixed schedule, so runs stay "
-        "reproducible and resumable) and its update corrects for the stale samples (decoupled PPO, importance "
-        "weights capped at algo.tis_cap, 2.0 when unset). 0 = one iteration after another.",
-    )
-    rollout_parts: int = Field(
-        1,
-        ge=1,
-        description="Data-parallel rollout: split each iteration's prompts into this many parts, each its own "
-        "stage task run (cached and retried alone), one after another in-process or spread over the warm rollout "
-        "workers (several `ppoflow worker --stage rollout`), then merged into one rollout manifest. The samples do "
-        "not depend on it (per-prompt seeds). 1 = one rollout task run.",
-    )
-
-    @field_validator("stage_pools")
-    @classmethod
-    def _known_stages(cls, pools: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
-        # A typo in a key used to run that stage in-process without a word; preflight checks that the named
-        # deployments exist on the Prefect server.
-        for stage, deployment in (pools or {}).items():
-            if stage not in PIPELINE_STAGES:
-                raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
-            flow_name, _, name = deployment.partition("/")
-            if not flow_name or not name or "/" in name:
-                raise ValueError(
-                    f"stage {stage!r}: deployment {deployment!r} must be 'flow-name/deployment-name' "
-                    f"(e.g. 'ppo-{stage}/ppo-{stage}')"
-                )
-        return pools
-
-
-class PPOFlowConfig(_Section):
-    run: RunConfig = Field(default_factory=RunConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
 class StageDeadlinesConfig(_Section):
     """How long a stage may run, or wait to be taken, before it fails by name (tasks/deadlines.py)."""
 
@@ -750,6 +696,64 @@ class StageDeadlinesConfig(_Section):
         return stages
 
 
+class PipelineConfig(_Section):
+    stage_pools: Optional[dict[str, str]] = Field(
+        None,
+        description="Stage -> deployment as FLOW/DEPLOYMENT, e.g. {rollout: ppo-rollout/ppo-rollout} as prefect.yaml creates them; None = all stages in-process.",
+    )
+    retries: int = Field(2, ge=0, description="Task retries for each stage.")
+    retry_delay_s: float = Field(5.0, ge=0, description="First retry delay; doubles each retry.")
+    stage_workers: list[Literal["rollout", "score", "update", "checkpoint"]] = Field(
+        default_factory=list,
+        description="Stages sent to warm Prefect task workers (`ppoflow worker --stage S`), "
+        "which keep their engines between iterations; [] = none.",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=MAX_STALENESS,
+        description="Pipelined iterations: k >= 1 runs the rollout and score of iterations i+1..i+k while iteration "
+        "i updates; iteration i samples with the policy committed at i-1-k (fixed schedule, so runs stay "
+        "reproducible and resumable) and its update corrects for the stale samples (decoupled PPO, importance "
+        "weights capped at algo.tis_cap, 2.0 when unset). 0 = one iteration after another.",
+    )
+    rollout_parts: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel rollout: split each iteration's prompts into this many parts, each its own "
+        "stage task run (cached and retried alone), one after another in-process or spread over the warm rollout "
+        "workers (several `ppoflow worker --stage rollout`), then merged into one rollout manifest. The samples do "
+        "not depend on it (per-prompt seeds). 1 = one rollout task run.",
+    )
+    deadlines: StageDeadlinesConfig = Field(
+        default_factory=StageDeadlinesConfig,
+        description="Stage deadlines and how long a stage may wait for a worker (README 'When things fail').",
+    )
+
+    @field_validator("stage_pools")
+    @classmethod
+    def _known_stages(cls, pools: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        # A typo in a key used to run that stage in-process without a word; preflight checks that the named
+        # deployments exist on the Prefect server.
+        for stage, deployment in (pools or {}).items():
+            if stage not in PIPELINE_STAGES:
+                raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
+            flow_name, _, name = deployment.partition("/")
+            if not flow_name or not name or "/" in name:
+                raise ValueError(
+                    f"stage {stage!r}: deployment {deployment!r} must be 'flow-name/deployment-name' "
+                    f"(e.g. 'ppo-{stage}/ppo-{stage}')"
+                )
+        return pools
+
+
+class PPOFlowConfig(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -771,19 +775,15 @@ class StageDeadlinesConfig(_Section):
                 f"(rollout.prompts_per_iteration * rollout.n_samples = {batch})"
             )
         self._check_recipes()
+        self._check_environment()
         overlong = self.reward.overlong
         if overlong is not None and overlong.buffer > self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.overlong.buffer={overlong.buffer} must be <= rollout.max_new_tokens="
-        self._check_environment()
                 f"{self.rollout.max_new_tokens} (the penalty ramps up over the last buffer tokens)"
             )
         # The trainer's rule (engines/trainer/deepspeed_setup.py) for one rank: micro-batches of
         # min(micro_batch_size, train batch) must tile the train batch; several ranks: _check_ranks.
-    deadlines: StageDeadlinesConfig = Field(
-        default_factory=StageDeadlinesConfig,
-        description="Stage deadlines and how long a stage may wait for a worker (README 'When things fail').",
-    )
         step_batch = tbs or batch
         micro = min(self.train.micro_batch_size, step_batch)
         if step_batch % micro:
