@@ -15,12 +15,12 @@ built by
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from engines.environments.datasets import write_rows
 from engines.environments.tool_env import ToolCallingEnvironment
 from engines.environments.tools import SandboxedTool, ToolLimits
 from engines.toy.cli import toy_main
@@ -63,10 +63,7 @@ def make_rows(num_rows: int = 512, seed: int = 0, left_digits: int = 3, right_di
 
 def build_dataset(out: str | Path, num_rows: int = 512, seed: int = 0) -> Path:
     """Write make_rows(...) as a .jsonl file (one row a line) and return its path."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(row) + "\n" for row in make_rows(num_rows, seed)))
-    return out
+    return write_rows(out, make_rows(num_rows, seed))
 
 
 def main(argv: list[str] | None = None) -> None:
