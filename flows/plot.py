@@ -7,12 +7,16 @@ it works for a run in progress, a finished one, and one on S3):
     seconds  `timing/rollout`, `timing/score`, `timing/update`, `timing/checkpoint` stacked
 A key absent from every row is left out of its panel (a metric shows a measured value or is absent).
 Drawn with matplotlib's Agg backend: no display needed.
+
+Lineage (flows/fork.py): the plot of a fork draws its parent's reward and KL curves beside its own, and the plot of
+a run with forks draws each fork's; a fork's curve starts at its fork point, from its parent's value there, so
+the two curves part where the runs did. The stage times are the plotted run's own.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ppoflow.config import StorageConfig
 
@@ -24,8 +28,13 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> str:
-    """Draw `rows` (metrics.jsonl rows) into the PNG `out`; returns `out`. ValueError when `rows` is empty."""
+_FORK_POINT_KEYS = ("iteration", "reward/mean", "kl/mean", "kl/sequence_mean")
+Curve = tuple[str, list[dict[str, Any]]]  # (label, metrics rows) of a related run drawn beside the plotted one
+
+
+def plot_rows(rows: list[dict[str, Any]], out: str, title: str, beside: Sequence[Curve] = ()) -> str:
+    """Draw `rows` (metrics.jsonl rows) into the PNG `out`, with the reward/mean and kl/mean curves of the runs in
+    `beside` (dashed); returns `out`. ValueError when `rows` is empty."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,8 +55,14 @@ def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> str:
         x, y = _series(rows, key)
         if x:
             kl_ax.plot(x, y, marker=".", label=key)
+    for label, other in beside:
+        for ax, key in ((reward_ax, "reward/mean"), (kl_ax, "kl/mean")):
+            x, y = _series(other, key)
+            if x:
+                ax.plot(x, y, marker=".", linestyle="--", alpha=0.8, label=f"{key} ({label})")
     kl_ax.set_ylabel("KL (nats)")
-    trained = [r for r in rows if int(r["iteration"]) > 0]  # row 0 is the initial policy's eval: no stages ran
+    # Row 0 is the initial policy's eval (no stages ran); a fork point row is the parent's.
+    trained = [r for r in rows if int(r["iteration"]) > 0 and not r.get("fork_point")]
     present = [key for key in STAGE_TIMINGS if _series(trained, key)[0]]
     if present:
         iterations = [int(r["iteration"]) for r in trained]
@@ -79,4 +94,32 @@ def plot_run(root: str, run: str, out: Optional[str] = None, storage_cfg: Option
     layout = RunLayout(root, run, storage_cfg)
     if not layout.fs.exists(layout.config_path):
         raise FileNotFoundError(f"no run {run!r} under {root} (no {layout.url(layout.config_path)})")
-    return plot_rows(read_metrics(layout), out or f"{run}-metrics.png", f"run {run} ({layout.url(layout.run_dir)})")
+    rows, beside = lineage_curves(layout, read_metrics)
+    return plot_rows(rows, out or f"{run}-metrics.png", f"run {run} ({layout.url(layout.run_dir)})", beside)
+
+
+def lineage_curves(layout, read_metrics) -> tuple[list[dict[str, Any]], list[Curve]]:
+    """The run's rows (a fork's led by its parent's row at the fork point) and the curves drawn beside them: its
+    parent's (a fork) and each fork's (led by this run's row at its fork point). A related run whose folder is gone
+    is left out: the plot shows what is there."""
+    from storage import lineage
+    from storage.layout import RunLayout
+    from storage.run_identity import read_run_record
+
+    def at(rows: list[dict[str, Any]], iteration: int) -> list[dict[str, Any]]:
+        """The row of `iteration` as a curve's first point: its reward and KL, marked (no stage times of its own)."""
+        found = [r for r in rows if r.get("iteration") == iteration][:1]
+        return [{k: r[k] for k in _FORK_POINT_KEYS if k in r} | {"fork_point": True} for r in found]
+
+    rows, beside = read_metrics(layout), []
+    parent = lineage.parent_of(read_run_record(layout))
+    if parent is not None:
+        parent_rows = read_metrics(RunLayout(parent["root"], parent["run"], layout.storage_cfg))
+        rows = at(parent_rows, int(parent["iteration"])) + rows
+        beside.append((f"parent {parent['run']}", parent_rows))
+    for record in lineage.fork_records(layout):
+        if isinstance(record.get("root"), str) and isinstance(record.get("forked_at"), int):
+            fork_rows = read_metrics(RunLayout(record["root"], record["run"], layout.storage_cfg))
+            if fork_rows:
+                beside.append((f"fork {record['run']}", at(rows, record["forked_at"]) + fork_rows))
+    return rows, beside

@@ -18,6 +18,10 @@ wandb / MLflow (optional, never installed by ppoflow): rows go to `wandb.log(row
 imports and MLFLOW_TRACKING_URI is set. Metric names there drop no character; MLflow's allowed set
 includes "/".
 
+Forks (flows/fork.py): a fork's event files hold its parent's row at the fork point N (step N) before its own
+N+1.., so `tensorboard --logdir <root>` draws the fork's curve from where it left the parent's (each run is the
+folder `<run>/tensorboard`). Its metrics.jsonl holds its own rows only.
+
 Tracker failures never fail an iteration: metrics.jsonl is the record; a tracker is a view of it.
 """
 
@@ -85,7 +89,25 @@ class TensorBoardTracker:
         self._rows_in_file = 0
         return self._writer
 
+    def fork_point(self, step: int) -> Optional[tuple[int, dict[str, float]]]:
+        """(N, the parent's metrics at N) when `step` is this fork's first own iteration N+1, else None."""
+        from storage import lineage
+        from storage.metrics import read_metrics
+        from storage.run_identity import read_run_record
+
+        parent = lineage.parent_of(read_run_record(self.layout))
+        if parent is None or step != int(parent["iteration"]) + 1:
+            return None
+        rows = read_metrics(RunLayout(parent["root"], parent["run"], self.layout.storage_cfg))
+        found = [row for row in rows if row.get("iteration") == step - 1]
+        return (step - 1, numeric_metrics(found[0])) if found else None
+
     def log_row(self, step: int, metrics: dict[str, float]) -> None:
+        if self._last_step is None and (lead := self.fork_point(step)) is not None:
+            self._log(*lead)  # a new process's first row is the fork's first: its curve starts at the parent's
+        self._log(step, metrics)
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
         writer = self._writer
         if writer is None or self._last_step is None or step <= self._last_step:
             writer = self._open(purge_step=step)  # a new process, or a step written again

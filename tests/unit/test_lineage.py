@@ -150,3 +150,44 @@ def test_fork_run_refuses_before_writing(tmp_path):
         fork_run(parent.root_url, "base", 2, "other")
     with pytest.raises(ForkError, match="a name of its own"):
         fork_run(parent.root_url, "base", 2, "base")
+
+
+def _rows(layout: RunLayout, rewards: dict[int, float]) -> None:
+    from flows.records import record_metrics
+
+    for iteration, reward in rewards.items():
+        row = {"iteration": iteration, "reward/mean": reward, "kl/mean": reward / 10, "timing/update": 1.0}
+        record_metrics(layout, row)
+
+
+def test_the_plot_and_tensorboard_draw_a_fork_from_its_fork_point_beside_its_parent(tmp_path):
+    """Parent rows 1..3 (reward 1, 2, 3), a fork at 2 with rows 3..4 (reward 30, 40): the fork's curve is the parent's
+    row 2 and then its own; the parent's plot draws the fork the same way; the fork's TensorBoard events start at
+    step 2 with the parent's value there. Read back from the PNG's drawing calls and tensorboard's reader."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from flows import tracker
+    from flows.plot import lineage_curves, plot_run
+    from storage.metrics import read_metrics
+
+    cfg, parent = _parent(tmp_path, iterations_committed=2)
+    tracker.close_trackers()
+    _rows(parent, {1: 1.0, 2: 2.0, 3: 3.0})
+    fork = layout_for(fork_run(cfg.run.root, "base", 2, "child", []))
+    _rows(fork, {3: 30.0, 4: 40.0})
+    tracker.close_trackers()
+
+    rows, beside = lineage_curves(fork, read_metrics)
+    assert [(r["iteration"], r["reward/mean"]) for r in rows] == [(2, 2.0), (3, 30.0), (4, 40.0)]
+    assert [(label, [r["iteration"] for r in curve]) for label, curve in beside] == [("parent base", [1, 2, 3])]
+    rows, beside = lineage_curves(parent, read_metrics)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert [(label, [(r["iteration"], r["reward/mean"]) for r in curve]) for label, curve in beside] == [
+        ("fork child", [(2, 2.0), (3, 30.0), (4, 40.0)])
+    ]
+    out = plot_run(cfg.run.root, "child", str(tmp_path / "child.png"))
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+    acc = event_accumulator.EventAccumulator(os.path.join(fork.run_dir, "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(2, 2.0), (3, 30.0), (4, 40.0)]
