@@ -7,7 +7,10 @@ tool over a real sqlite file that this test writes, so it runs offline)."""
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -126,3 +129,26 @@ def test_the_library_version_is_in_the_identity(monkeypatch):
     before = load_environment_factory(ADAPTER).identity
     monkeypatch.setattr(loader, "_version", lambda name: "9.9.9" if name == "skyrl-gym" else "")
     assert load_environment_factory(ADAPTER).identity != before
+
+
+OFFLINE_EPISODE = """
+from engines.environments.checked import CheckedEnvironment
+from engines.environments.loader import load_environment_factory
+env = CheckedEnvironment.start(load_environment_factory("engines.environments.skyrl:SkyRLGymEnvironment"), 0)
+env.reset({"prompt": "6 * 7?", "label": "42", "env_class": "gsm8k"})
+obs = env.step([{"role": "assistant", "content": "#### 42"}])
+env.close()
+print(open("/proc/self/net/dev").read().count(":"), obs.reward, obs.done)
+"""
+
+
+def test_the_library_runs_with_no_network():
+    """Import and an episode inside a network namespace of their own: one interface (loopback, down)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here")
+    command = ["unshare", "--net", "--map-root-user", sys.executable, "-c", OFFLINE_EPISODE]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 and "unshare failed" in done.stderr:
+        pytest.skip(f"this kernel refuses network namespaces: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1.0", "True"]
