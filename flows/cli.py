@@ -12,8 +12,9 @@
     ppoflow shards ls|show|stats URI      inspect rollout / scored / experience shards (local or s3://)
     ppoflow runs ls [ROOT] | runs show RUN [--root ROOT] | runs plot RUN [--root ROOT] [--out FILE]
     ppoflow runs repair RUN | runs accept-inputs RUN [--root ROOT]   a corrupt checkpoint; inputs changed on purpose
-    ppoflow fork RUN --at N --name NEW [--root ROOT] [--set section.field=value ...] [--no-train]
+    ppoflow fork RUN --at N --name NEW [--root ROOT] [--set section.field=value ...] [--replay M] [--no-train]
                                           a new run from RUN's checkpoint N with a changed config (flows/fork.py)
+    ppoflow rescore RUN --iteration K --name NEW [--root ROOT] [--set reward...]   K's saved rollouts scored again
     ppoflow serve-reward (--model DIR | --function SPEC) [--host 127.0.0.1] [--port 8000]
     ppoflow config-reference              the config fields as a Markdown table
 
@@ -108,12 +109,21 @@ def cmd_fork(args) -> int:
     from flows.run import train
     from storage.layout import layout_for
 
-    cfg = fork_run(args.root, args.run, args.at, args.name, args.set, storage_opts(args))
+    cfg = fork_run(args.root, args.run, args.at, args.name, args.set, storage_opts(args), args.replay)
     if args.no_train:
         config = layout_for(cfg).url(layout_for(cfg).config_path)
         print(f"run {cfg.run.name}: forked from {args.run} at iteration {args.at}; train it: ppoflow train {config}")
         return 0
     return _run_with_capture(cfg, "fork", args, lambda console: train(cfg, console))
+
+
+def cmd_rescore(args) -> int:
+    """`ppoflow rescore`: the fork at K-1 replaying K (flows/replay.py), its score stage only; prints both rewards."""
+    from flows.replay import rescore_fork, rescore_report
+
+    cfg = rescore_fork(args.root, args.run, args.iteration, args.name, args.set, storage_opts(args))
+    report = lambda console: console.print(rescore_report(cfg, args.iteration), highlight=False)  # noqa: E731
+    return _run_with_capture(cfg, "rescore", args, report)
 
 
 def cmd_models(args) -> int:
@@ -245,10 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
     fork.add_argument("--name", required=True, help="the fork's run name")
     fork.add_argument("--root", default="./runs", help="storage root of the run (and of the fork; default ./runs)")
     fork.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a config field")
+    fork.add_argument("--replay", type=int, default=0, metavar="M", help="train N+1..N+M on RUN's saved rollouts")
     fork.add_argument("--no-train", action="store_true", help="make the fork only; `ppoflow train` it later")
     fork.add_argument("--endpoint-url", default=None)
     fork.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     fork.set_defaults(func=cmd_fork)
+    rescore = sub.add_parser("rescore", help="a fork at K-1 whose iteration K is RUN's saved rollouts scored again")
+    rescore.add_argument("run", help="the run whose iteration K is rescored")
+    rescore.add_argument("--iteration", type=int, required=True, help="K: a committed iteration, K >= 2")
+    rescore.add_argument("--name", required=True, help="the fork's run name")
+    rescore.add_argument("--root", default="./runs", help="storage root of the run (default ./runs)")
+    rescore.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a reward field")
+    rescore.add_argument("--endpoint-url", default=None)
+    rescore.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
+    rescore.set_defaults(func=cmd_rescore)
 
     train_rm = sub.add_parser("train-rm", help="train a Bradley-Terry reward model (the rm_train section)")
     train_rm.add_argument("config")

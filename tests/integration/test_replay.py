@@ -11,7 +11,7 @@ The parent `base` trains 1..3 with the toy digits reward. Two forks at 2 add a s
 - `sampled` (no replay, score cache off): the same change, computed the ordinary way (generation, every source,
   the reference). Its scored rows and its checkpoint 3 are the replayed fork's, byte for byte: a replay is the
   fork it stands for, minus the work.
-Then what a replay refuses, each naming the field.
+Then what a replay refuses, each naming the field, and `ppoflow rescore` of the same change.
 """
 
 from __future__ import annotations
@@ -149,3 +149,14 @@ def test_a_replayed_fork_scores_only_the_changed_source_and_equals_the_sampled_o
     with pytest.raises(ForkError, match=r"algo\.tis_cap"):  # iteration 3 was sampled by the parent's policy 2
         fork_run(root, "base", 1, "refused-2", [], replay=2)
     assert fork_run(root, "base", 1, "allowed", ["algo.tis_cap=2.0"], replay=2).run.name == "allowed"
+
+    # `ppoflow rescore`: the same change as a fork at 2 that scores 3 and stops; the replayed fork's scores of these
+    # very rows under this very scorer are in the score cache, so all 16 rows come from it.
+    from flows.cli import main
+
+    assert main(["rescore", "base", "--iteration", "3", "--name", "rescored", "--root", root, "--set", reward]) == 0
+    rescored_dir = Path(root) / "rescored"
+    record = json.loads((rescored_dir / "iter-000003/_stages/score.json").read_text())
+    assert (record["cache_hits"], record["computed"]) == (16, 0)
+    assert _scored(rescored_dir, 3).drop(["score_cache_hit"]) == _scored(replay_dir, 3).drop(["score_cache_hit"])
+    assert not (rescored_dir / "checkpoints/iter-000003").exists()
