@@ -60,3 +60,34 @@ def test_a_bad_label_is_named():
     env = CheckedEnvironment.start(load_environment_factory(SPEC), row_index=9)
     with pytest.raises(EnvironmentFailed, match=r"\(row 9\) reset: raised ValueError: .* got '3 x'"):
         env.reset({"prompt": "repeat 3 :", "label": "3 x"})
+
+
+def test_digit_echo_through_the_multi_turn_rollout(tiny_model_dir):
+    """The rollout driver (engines/rollout/multi_turn.py) with HF generate on the tiny model: each sample's
+    env_reward is the digits reward of its own decoded turns, recomputed here from the conversation."""
+    from engines.rollout.base import SamplingSettings
+    from engines.rollout.hf import HFRolloutEngine
+    from engines.rollout.multi_turn import ConversationStart, TurnLimits, run_conversations
+    from engines.toy.task import digit_reward
+
+    engine = HFRolloutEngine(str(tiny_model_dir), seed=0, max_batch_size=8)
+    tok = engine.tokenizer
+    starts = []
+    for index, row in enumerate(make_rows(2, seed=5, turns=3)):
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        starts.append(ConversationStart(index, dict(row, index=index), row["prompt"], text, ids, seed=100 + index))
+    sampling = SamplingSettings(n=2, max_new_tokens=8, temperature=1.0)
+    samples = run_conversations(engine, tok, load_environment_factory(SPEC), starts, sampling, TurnLimits(3, 200))
+    assert len(samples) == 4
+    for sample in samples:
+        digits = starts[sample.prompt_index].row["label"].split()
+        replies = [m["content"] for m in sample.messages if m["role"] == "assistant"]
+        asked = [m["content"] for m in sample.messages[1:] if m["role"] == "user"]
+        assert sample.turns == len(replies) == 3 and sample.truncation is None
+        assert asked == [f"now repeat {d} :" for d in digits[1:]]
+        expected = sum(digit_reward(reply, digit) for reply, digit in zip(replies, digits)) / 3
+        assert sample.env_reward == pytest.approx(expected)
+        assert tok.unk_token_id not in sample.response_ids
