@@ -21,6 +21,10 @@ whose `error` names the call ("calculator('9**9**9') timed out after 2.0 s; its 
 
 Workers are shared by every SandboxedTool of one (spec, limits) in a process, one call at a time: a tool must
 be a function of its arguments only (the calculator is; state one call leaves in the worker is not reset).
+Every call is made from one long-lived thread of this module: a worker dies with the thread that started it
+(PR_SET_PDEATHSIG, isolated.py), and CheckedEnvironment runs each environment on a thread of its own that ends
+with the episode, so a worker started there would be killed when that episode closed, perhaps in the middle of
+another episode's call.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from engines.rewards.isolated import FunctionRaised, ProcessCaller, WorkerFailed, WorkerTimeout
-from engines.rewards.threaded import FunctionExited
+from engines.rewards.threaded import FunctionExited, ThreadCaller
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
@@ -68,7 +72,7 @@ class ToolUnavailable(RuntimeError):
 class SandboxedTool:
     """`call(*args)` runs the tool named by `spec` in a sealed worker (module docstring)."""
 
-    _workers: dict[tuple[str, ToolLimits], tuple[ProcessCaller, threading.Lock]] = {}
+    _workers: dict[tuple[str, ToolLimits], ProcessCaller] = {}
     _workers_lock = threading.Lock()
 
     def __init__(self, spec: str, name: Optional[str] = None, limits: ToolLimits = ToolLimits()):
@@ -77,16 +81,15 @@ class SandboxedTool:
         with self._workers_lock:
             key = (spec, limits)
             if key not in self._workers:
-                self._workers[key] = (ProcessCaller(f"{__name__}:sealed_call"), threading.Lock())
-            self._worker, self._lock = self._workers[key]
+                self._workers[key] = ProcessCaller(f"{__name__}:sealed_call")
+            self._worker = self._workers[key]
 
     def call(self, *args: Any) -> ToolResult:
         """The tool's answer to `args` (JSON-able values), or a ToolResult with `error` set; see the module."""
         shown = ", ".join(_clip(repr(a), 60) for a in args)
         what = f"{self.name}({shown})"
         try:
-            with self._lock:
-                result = self._worker.call(self.limits.timeout_s, self.spec, self.limits.memory_mb, args)
+            result = _on_the_tool_thread(self._worker, self.limits.timeout_s, self.spec, self.limits.memory_mb, args)
         except WorkerTimeout:
             return _failed(f"{what} timed out after {self.limits.timeout_s} s; its worker was killed")
         except FunctionRaised as e:
@@ -104,8 +107,18 @@ class SandboxedTool:
     @property
     def sealing(self) -> str:
         """How the current worker is sealed ("network namespace" or "audit hook"); starts one if needed."""
-        with self._lock:
-            return self._worker.call(self.limits.timeout_s, "", self.limits.memory_mb, ())
+        return _on_the_tool_thread(self._worker, self.limits.timeout_s, "", self.limits.memory_mb, ())
+
+
+_tool_thread = ThreadCaller(lambda worker, *args: worker.call(*args), "ppoflow-tool-calls")
+_tool_thread_lock = threading.Lock()
+
+
+def _on_the_tool_thread(worker: ProcessCaller, *args: Any) -> Any:
+    """`worker.call(*args)` on the module's one tool thread (module docstring), one call at a time. No timeout
+    here: ProcessCaller's own kills a worker that overruns the call's."""
+    with _tool_thread_lock:
+        return _tool_thread.call(None, worker, *args)
 
 
 def _failed(error: str) -> ToolResult:

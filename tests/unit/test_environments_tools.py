@@ -134,3 +134,17 @@ def test_arithmetic_rows_are_deterministic_and_need_a_label():
     with pytest.raises(EnvironmentFailed, match=r"\(row 5\) reset: raised ValueError: the row's label must be"):
         env.reset({"prompt": "What is 2 * 3?"})
     assert isinstance(CalculatorArithmetic(), CalculatorArithmetic)
+
+
+def test_a_worker_outlives_the_episode_thread_that_first_called_it():
+    # CheckedEnvironment runs each environment on a thread that ends with its episode; a worker dies with the
+    # thread that started it (PR_SET_PDEATHSIG), so a worker started from there would die with that episode.
+    import threading
+
+    tool = _tool("pid", memory_mb=63)  # limits no other test uses: a worker of its own, started below
+    first: list[str] = []
+    episode = threading.Thread(target=lambda: first.append(tool.call().text))
+    episode.start()
+    episode.join()
+    time.sleep(0.3)  # a death signal would have arrived by now
+    assert tool.call().text == first[0]
