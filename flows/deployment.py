@@ -15,6 +15,10 @@ in its own process:
     schedule_deployment_run(config_json, name)   `ppoflow deploy-run`: a Scheduled flow run of any deployment of the
                                              training flow (prefect.yaml's `ppo-training/ppo-training` on its
                                              pool) with a config validated here; a worker of its pool runs it
+    ppo_fork / fork_deployment()             `ppo-fork/ppoflow-fork`, served by `ppoflow serve` beside the training
+                                             deployment: a fork started from the UI ("Run", a form with run, at,
+                                             name, root, set, replay), made by flows/fork.py and trained as a
+                                             subflow run of the training flow
 
 Why a served deployment (no work pool): the training flow already runs where `ppoflow train` starts it; a
 work pool would need a worker to run it and an image or a path to pull the code from. A served deployment
@@ -40,6 +44,7 @@ from typing import Any
 from uuid import UUID
 
 DEPLOYMENT_NAME = "ppoflow-train"
+FORK_DEPLOYMENT_NAME = "ppoflow-fork"
 HEARTBEAT_S = 30  # Prefect's minimum
 MISSED_BEATS = 3
 AUTOMATION_NAME = "ppoflow: crash ppoflow-train runs whose heartbeat stopped"
@@ -144,10 +149,24 @@ def train_through_deployment(config_json: dict[str, Any]) -> dict[str, Any]:
 
 
 def serve_deployment() -> None:
-    """`ppoflow serve`: execute the Scheduled runs of `ppoflow-train` (retries, UI runs) until interrupted."""
+    """`ppoflow serve`: execute the Scheduled runs of `ppoflow-train` (retries, UI runs) and of `ppoflow-fork` (forks
+    started from the UI) until interrupted."""
     from prefect import serve
 
-    serve(_served_deployment())
+    serve(_served_deployment(), fork_deployment())
+
+
+def fork_deployment():
+    """The served deployment `ppo-fork/ppoflow-fork` (see ppo_fork); `ppoflow serve` registers and runs it."""
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.fork_flow import ppo_fork
+
+    return ppo_fork.to_deployment(
+        name=FORK_DEPLOYMENT_NAME,
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        description="Fork a run at a committed iteration with changed settings and train the fork (flows/fork.py).",
+    )
 
 
 def schedule_deployment_run(config_json: dict[str, Any], name: str):
