@@ -1,4 +1,6 @@
-"""The built-in learnable task DigitEcho: rewards by hand, observations the tiny model's vocabulary can read."""
+"""The built-in learnable tasks: DigitEcho (rewards by hand, observations the tiny model's vocabulary can read,
+through the rollout driver) and GuessTheNumber (binary search always wins, a policy deaf to the feedback wins
+4 times in 10)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from engines.toy.model import build_tokenizer
 SPEC = "engines.environments.digit_echo:DigitEcho"
 
 
-def _play(row: dict, replies: list[str]) -> list:
-    env = CheckedEnvironment.start(load_environment_factory(SPEC), row_index=0)
+def _play(row: dict, replies: list[str], spec: str = SPEC) -> list:
+    env = CheckedEnvironment.start(load_environment_factory(spec), row_index=0)
     assert env.reset(row) is None
     messages, observations = [{"role": "user", "content": row["prompt"]}], []
     for reply in replies:
@@ -91,3 +93,62 @@ def test_digit_echo_through_the_multi_turn_rollout(tiny_model_dir):
         expected = sum(digit_reward(reply, digit) for reply, digit in zip(replies, digits)) / 3
         assert sample.env_reward == pytest.approx(expected)
         assert tok.unk_token_id not in sample.response_ids
+
+
+GUESS = "engines.environments.guess_number:GuessTheNumber"
+
+
+def _guessing(secret: int, policy) -> tuple[float, int]:
+    """(reward, guesses) of one episode; `policy(feedback so far)` returns the next reply."""
+    env = CheckedEnvironment.start(load_environment_factory(GUESS), row_index=0)
+    env.reset({"prompt": "guess", "label": str(secret), "high": 10, "guesses": 4})
+    messages, feedback = [{"role": "user", "content": "guess"}], []
+    while True:
+        messages.append({"role": "assistant", "content": policy(feedback)})
+        obs = env.step(messages)
+        if obs.done:
+            env.close()
+            return obs.reward, env.turn
+        feedback.append(obs.text)
+        messages.append({"role": "user", "content": obs.text})
+
+
+def _binary_search(feedback: list[str]) -> str:
+    low, high, guess = 1, 10, None
+    for said in feedback:  # replay the guesses made so far against what the environment said
+        guess = (low + high) // 2
+        low, high = (guess + 1, high) if said == "Higher." else (low, guess - 1)
+    return f"My guess is {(low + high) // 2}."
+
+
+def test_binary_search_always_wins_within_four_guesses():
+    results = [_guessing(secret, _binary_search) for secret in range(1, 11)]
+    assert all(reward == 1.0 and guesses <= 4 for reward, guesses in results)
+    assert max(guesses for _, guesses in results) == 4  # ceil(log2(11)): some secret needs all four
+
+
+def test_a_policy_deaf_to_feedback_wins_four_times_in_ten():
+    rewards = [_guessing(secret, lambda feedback: str(len(feedback) + 1))[0] for secret in range(1, 11)]
+    assert rewards == [1.0] * 4 + [0.0] * 6
+
+
+def test_guess_feedback_and_a_reply_without_a_number():
+    observations = _play(
+        {"prompt": "guess", "label": "7", "high": 10, "guesses": 4}, ["5", "no idea", "9", "seven"], GUESS
+    )
+    assert [(o.text, o.reward, o.done) for o in observations] == [
+        ("Higher.", 0.0, False),
+        ("Reply with one whole number from 1 to 10.", 0.0, False),
+        ("Lower.", 0.0, False),
+        ("", 0.0, True),
+    ]
+
+
+def test_guess_rows_are_deterministic_and_a_bad_label_is_named():
+    from engines.environments.guess_number import make_rows as guess_rows
+
+    rows = guess_rows(200, seed=1)
+    assert rows == guess_rows(200, seed=1) and {r["label"] for r in rows} == {str(n) for n in range(1, 11)}
+    env = CheckedEnvironment.start(load_environment_factory(GUESS), row_index=4)
+    with pytest.raises(EnvironmentFailed, match=r"\(row 4\) reset: raised ValueError: the row needs a label from 1"):
+        env.reset({"prompt": "guess", "label": "11"})

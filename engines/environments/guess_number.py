@@ -1,0 +1,88 @@
+"""Guess the number with higher / lower feedback: a multi-turn task for a small pretrained model (135M).
+
+The row's `label` is the secret, a whole number from 1 to `high` (the prompt says the range and the number of
+guesses). Each policy turn's first integer is its guess; the environment answers "Higher." or "Lower." (a user
+turn), and the episode ends with reward 1 when a guess is right, or with reward 0 after `guesses` wrong ones. A
+reply without an integer costs a guess too ("Reply with one whole number from 1 to 10."). Binary search finds
+any secret from 1 to 10 in 4 guesses, so reward 1 is reachable on every row; four distinct guesses at random
+find it 4 times in 10, and a policy that ignores the feedback cannot do better than that on average, so the
+reward rises above 0.4 only as the policy uses what the environment tells it.
+
+Deterministic given the row. Config: `rollout.environment.source: engines.environments.guess_number:GuessTheNumber`,
+with a dataset built by
+
+    python -m engines.environments.guess_number ./runs/_data/guess-number.jsonl [--rows 512] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from engines.environments.base import Message, Observation
+from engines.environments.datasets import write_rows
+from engines.toy.cli import toy_main
+
+PROMPT = (
+    "I am thinking of a whole number from 1 to {high}. Guess it: reply with one number, and I will tell you "
+    "whether mine is higher or lower. You have {guesses} guesses."
+)
+_INTEGER = re.compile(r"-?\d+")
+
+
+class GuessTheNumber:
+    """The task above; the row needs `label` (the secret) and may set `high` (10) and `guesses` (4)."""
+
+    def __init__(self):
+        self.secret, self.high, self.guesses_left = 0, 10, 4
+
+    def reset(self, row: Mapping[str, Any]) -> Optional[str]:
+        self.high, self.guesses_left = int(row.get("high", 10)), int(row.get("guesses", 4))
+        label = str(row.get("label", "")).strip()
+        if not label.isdigit() or not 1 <= int(label) <= self.high or self.guesses_left < 1:
+            raise ValueError(
+                f"the row needs a label from 1 to high={self.high} and guesses >= 1, "
+                f"got label={row.get('label')!r}, guesses={self.guesses_left}"
+            )
+        self.secret = int(label)
+        return None
+
+    def step(self, messages: list[Message]) -> Observation:
+        found = _INTEGER.search(messages[-1]["content"])
+        guess = int(found.group()) if found else None
+        self.guesses_left -= 1
+        if guess == self.secret:
+            return Observation(reward=1.0, done=True, info={"guess": guess})
+        if self.guesses_left == 0:
+            return Observation(reward=0.0, done=True, info={"guess": guess})
+        if guess is None:
+            return Observation(text=f"Reply with one whole number from 1 to {self.high}.")
+        return Observation(text="Higher." if self.secret > guess else "Lower.", info={"guess": guess})
+
+    def close(self) -> None:
+        pass
+
+
+def make_rows(num_rows: int = 512, seed: int = 0, high: int = 10, guesses: int = 4) -> list[dict]:
+    """`num_rows` rows {prompt, label, high, guesses, data_source}; secrets from random.Random(seed)."""
+    rng = random.Random(seed)
+    prompt = PROMPT.format(high=high, guesses=guesses)
+    return [
+        {"prompt": prompt, "label": str(rng.randint(1, high)), "high": high, "guesses": guesses, "data_source": "guess"}
+        for _ in range(num_rows)
+    ]
+
+
+def build_dataset(out: str | Path, num_rows: int = 512, seed: int = 0) -> Path:
+    """Write make_rows(...) as a .jsonl file (one row a line) and return its path."""
+    return write_rows(out, make_rows(num_rows, seed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    toy_main(__doc__, build_dataset, {"--rows": "num_rows", "--seed": "seed"}, argv)
+
+
+if __name__ == "__main__":
+    main()
