@@ -166,11 +166,17 @@ def precision_problem(cfg: PPOFlowConfig) -> str | None:
 def label_readers(cfg: PPOFlowConfig) -> list[str]:
     """The reward sources that are passed each sample's label ("reward.sources.0 (function my.py:fn)"), from
     each kind's `reward_inputs`: function and remote sources are, a reward model reads the text only."""
+    from engines.rewards.environment import EnvironmentRewardSource
     from engines.rewards.function import FunctionRewardSource
     from engines.rewards.model import RewardModelSource
     from engines.rewards.remote import RemoteRewardSource
 
-    kinds = {"function": FunctionRewardSource, "model": RewardModelSource, "remote": RemoteRewardSource}
+    kinds = {
+        "function": FunctionRewardSource,
+        "model": RewardModelSource,
+        "remote": RemoteRewardSource,
+        "environment": EnvironmentRewardSource,
+    }
     return [
         f"reward.sources.{i} ({source.kind} {source.target})"
         for i, source in enumerate(cfg.reward.sources)
@@ -204,7 +210,20 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
             problems += model_folder_problems(source.target, field)
         elif source.kind == "function":
             problems += [p for p in [function_source_problem(source.target, field)] if p]
+    if cfg.rollout.environment is not None:
+        problems += [p for p in [environment_problem(cfg.rollout.environment.source)] if p]
     return problems
+
+
+def environment_problem(source: str) -> Optional[str]:
+    """rollout.environment.source that cannot be imported (the loader's error names the spec), else None."""
+    from engines.environments.loader import load_environment_factory
+
+    try:
+        load_environment_factory(source)
+    except (ValueError, OSError, ImportError, AttributeError, TypeError) as e:
+        return f"rollout.environment.source: {e}"
+    return None
 
 
 def check_static(cfg: PPOFlowConfig) -> None:

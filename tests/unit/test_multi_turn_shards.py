@@ -158,3 +158,11 @@ def test_single_turn_config_dumps_as_before_and_the_environment_code_is_in_the_r
     assert stage_cache_key(cfg, "rollout", 1, {}) == before
     env_file.write_text(env_file.read_text() + "# an edit to the environment's code, same spec\n")
     assert stage_cache_key(cfg, "rollout", 1, {}) != before
+
+
+def test_preflight_names_an_environment_that_cannot_be_imported():
+    from flows.preflight_static import environment_problem
+
+    assert environment_problem("tests.fixtures.digit_env:DigitGuessEnv") is None
+    problem = environment_problem("tests.fixtures.digit_env:NoSuchEnv")
+    assert problem.startswith("rollout.environment.source: ") and "NoSuchEnv" in problem
