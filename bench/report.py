@@ -16,12 +16,14 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results"
 OUT = BENCH_DIR.parent / "BENCHMARKS.md"
-NOT_BENCHES = {"__init__", "common", "report", "plots", "trl_env", "ppoflow_side", "processes"}
+NOT_BENCHES = {"__init__", "common", "report", "plots", "trl_env", "ppoflow_side", "processes", "peer_real_sides"}
+FIRST = "peer_real"  # the real-model peer leads the page
 META = ("bench", "date", "commit", "cpu_count", "machine")
 
 
 def bench_names() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in NOT_BENCHES)
+    names = sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in NOT_BENCHES)
+    return sorted(names, key=lambda n: n != FIRST)  # stable: the rest stay alphabetical
 
 
 VARIANT_KEYS = (
@@ -96,6 +98,97 @@ def _value(v) -> str:
     return str(v)
 
 
+# The headline table: per bench, what its goal compares, the goal, and where the measured value sits in its
+# latest line (a dotted key path; `variant` picks one variant's line). A bench without a stated goal shows its
+# main figure with "no stated goal". A row whose value is missing shows "not yet measured", never a number;
+# "a|b" shows two values as "a vs b".
+HEADLINES = [
+    (
+        "peer_real",
+        "ppoflow pipeline / TRL GRPO s per iteration, first included (SmolLM2-135M)",
+        "<= 0.5",
+        "ratio_with_first",
+        {},
+    ),
+    (
+        "peer_real",
+        "held-out accuracy at equal wall time, ppoflow pipeline vs TRL",
+        "ppoflow >= TRL",
+        "ppoflow_accuracy_at_equal_time|trl_accuracy_at_equal_time",
+        {},
+    ),
+    (
+        "peer_real",
+        "pipeline / bare engine loop s per iteration (orchestration share)",
+        "<= 1.03",
+        "orchestration_share",
+        {},
+    ),
+    (
+        "peer_trl",
+        "ppoflow pipeline / TRL PPO s per iteration, steady (toy, small)",
+        "<= 0.5",
+        "ratio",
+        {"size": "small"},
+    ),
+    (
+        "peer_trl",
+        "ppoflow pipeline / TRL GRPO s per iteration, steady (toy, small)",
+        "<= 0.5",
+        "grpo_ratio",
+        {"size": "small"},
+    ),
+    ("overhead", "pipeline / bare engine loop s per iteration (batch workload)", "<= 1.05", "ratio", {}),
+    ("pools", "warm workers / in-process s per iteration (batch)", "<= 1.15", "ratio", {}),
+    ("async", "max_staleness 1 / 0 iterations per second (warm)", ">= 1.5", "warm_k1_speedup", {}),
+    (
+        "learning",
+        "seconds to mean reward 0.9 (toy GRPO)",
+        "<= 600",
+        "reached_0.9_at_s",
+        {"algo": "grpo", "dynamic_sampling": False},
+    ),
+    ("rollout", "vLLM / HF generate tokens per second", ">= 5", "ratio_vllm_over_hf", {}),
+    ("score", "warm / cold scorer speed-up", ">= 20", "warm_over_cold", {}),
+    ("score", "batched / per-sample scoring speed-up", ">= 5", "batched_over_per_sample", {}),
+    ("logprobs", "selective log-softmax / naive memory (forward)", "<= 0.25", "memory_ratio_forward", {}),
+    ("shards", "ppoflow / raw write+read speed", ">= 0.5", "write_read_ratio", {}),
+    ("update_mfu", "update MFU (GPU)", ">= 0.40", "mfu", {}),
+    ("rm_peer", "ppoflow / TRL RewardTrainer s per step", "<= 0.5", "ratio", {}),
+    ("rm_chain", "rule reward of the RM-trained run / the rule-trained run", ">= 0.8", "ratio", {}),
+    ("real_model", "update GFLOP/s / torch.mm peak (SmolLM2-135M)", "no stated goal", "update_over_peak", {}),
+    ("reward_isolation", "veRL-contract isolation / thread scoring time", "no stated goal", "verl_ratio", {}),
+    ("scale", "LoRA / full update peak memory", "no stated goal", "memory_lora_over_full", {}),
+    ("score_cache", "compacted / uncompacted cold lookup speed-up", "no stated goal", "cold_lookup_speedup", {}),
+]
+
+
+def _dig(line: dict, path: str):
+    if path in line:  # a key that holds a dot itself (reached_0.9_at_s)
+        return line[path]
+    for part in path.split("."):
+        if not isinstance(line, dict) or part not in line:
+            return None
+        line = line[part]
+    return line
+
+
+def headline_table() -> str:
+    """Goal against the measured value for every bench, from the latest line (of the named variant)."""
+    rows = ["| bench | what | goal | measured | date | commit |", "|---|---|---|---|---|---|"]
+    for name, what, goal, path, variant in HEADLINES:
+        lines = [ln for ln in latest(name) if all(ln.get(k) == v for k, v in variant.items())]
+        # the newest line that holds every value (variants that do not report it are skipped)
+        held = [(ln, [_dig(ln, p) for p in path.split("|")]) for ln in lines]
+        held = [(ln, vs) for ln, vs in held if all(v is not None for v in vs)]
+        line, value = max(held, key=lambda h: h[0].get("date", "")) if held else (None, None)
+        measured = "not yet measured" if value is None else " vs ".join(_value(v) for v in value)
+        date = (line or {}).get("date", "")[:10] if value is not None else ""
+        commit = f"`{line.get('commit')}`" if value is not None else ""
+        rows.append(f"| {name} | {what} | {goal} | {measured} | {date} | {commit} |")
+    return "\n".join(rows) + "\n"
+
+
 def section(name: str) -> str:
     lines = [f"## {name}", "", summary(name), "", f"Run: `python -m bench.{name}`", ""]
     found = latest(name)
@@ -127,6 +220,11 @@ def render() -> str:
         "",
         "Generated by `python -m bench.report` from `bench/results/*.jsonl` (the latest line of each).",
         "Every figure is a ratio against a baseline measured in the same run; machines here are noisy.",
+        "",
+        "## Goals against measured values",
+        "",
+        headline_table(),
+        "The latest line of every bench, key by key, follows.",
         "",
     ]
     return "\n".join(head + [section(n) for n in bench_names()])
