@@ -140,3 +140,26 @@ def test_environment_first_message_replaces_the_prompt(engine):
 def test_bad_environment_is_named_with_row_and_turn(engine, env, message):
     with pytest.raises(EnvironmentFailed, match=rf"environment '{ENV}{env}' {message}"):
         _run(engine, env=env)
+
+
+def test_the_readme_example_environment_runs(engine, tmp_path):
+    """The ten-line environment of README 'Multi-turn rollouts', copied out of the README as it stands."""
+    import textwrap
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("    from engines.environments.base import Observation\n\n    class GuessDigit")
+    stop = readme.index("def close(self): pass", start) + len("def close(self): pass")
+    (tmp_path / "my_env.py").write_text(textwrap.dedent(readme[start:stop]) + "\n")
+    factory = load_environment_factory(f"{tmp_path / 'my_env.py'}:GuessDigit")
+    samples = run_conversations(
+        engine, engine.tokenizer, factory, _starts(engine.tokenizer), SAMPLING, TurnLimits(4, 200)
+    )
+    tok = engine.tokenizer
+    for s in samples:  # the example's rule, applied here to the policy's turns: +1 for the hit, else -0.1
+        label = "7" if s.prompt_index == 0 else "3"
+        replies = [tok.decode(ids, skip_special_tokens=True).split() for owner, ids in _spans(s) if owner == 1]
+        expected = [1.0 if label in words else -0.1 for words in replies]
+        assert 1.0 not in expected[:-1] and len(expected) == s.turns <= 3
+        assert s.env_reward == pytest.approx(sum(expected))
+        assert s.truncation is None  # the example ends every episode itself by turn 3
