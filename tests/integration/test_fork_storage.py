@@ -4,6 +4,8 @@ checkpoint N is fetched from the parent's prefix; nothing of the parent is copie
 
 from __future__ import annotations
 
+import pytest
+
 import storage.checkpoints as ckpt
 from flows.fork import fork_run
 from storage import lineage
@@ -11,6 +13,7 @@ from storage.fs import is_local, list_files
 from storage.layout import RunLayout, layout_for
 from storage.run_identity import new_run_record, read_run_record, write_run_record
 from tests.integration.pipeline_helpers import small_config
+from tests.integration.test_replay import counters  # noqa: F401 - the fixture counting engine and reward calls
 from tests.integration.test_storage_s3_checkpoints import assert_loads_as, save_and_commit
 
 
@@ -44,3 +47,58 @@ def test_fork_references_and_retention(storage_root, tmp_path):
     assert lineage.pinned_iterations(parent) == set()
     assert ckpt.apply_retention(parent, 1) == [2]
     assert ckpt.latest_iteration(RunLayout(root, "child", storage_cfg)) == 3
+
+
+@pytest.mark.slow
+def test_a_replayed_fork_trains_on_the_s3_server(
+    prefect_api,
+    s3_bucket,
+    tmp_path,
+    tiny_model_dir,
+    digits_dataset_dir,
+    counters,  # noqa: F811 - the fixture
+):
+    """End to end on the moto S3 server: the parent trains 1..3 (keeping checkpoints 2 and 3), a fork at 2 adds the
+    `length` reward and replays 3 (test_replay.py does the same on a local disk). The fork generates nothing (the
+    engine's generate is counted: 0 calls) and runs only the new source; its prefix holds no rollout shard, and
+    its bytes for the shared part are < 1% of the parent's. The parent's retention down to one checkpoint keeps 2,
+    which the fork still refers to: the fork's checkpoint 2 loads, as does its own 3."""
+    from engines import warm
+    from flows.training import ppo_training
+    from storage.metrics import read_metrics
+    from tests.integration.test_replay import LENGTH_REWARD
+
+    bucket, storage_cfg = s3_bucket
+    root = f"s3://{bucket}/runs"
+    sections = {"storage": {"endpoint_url": storage_cfg.endpoint_url}, "run": {"keep_checkpoints": 2}}
+    base = small_config(root, "base", tiny_model_dir, digits_dataset_dir, iterations=3, **sections)
+    assert ppo_training(config=base.model_dump(mode="json"), return_state=True).is_completed()
+    (tmp_path / "length.py").write_text(LENGTH_REWARD)
+    reward = (
+        "reward.sources=[{kind: function, target: 'engines.toy.task:reward_func'}, "
+        f"{{kind: function, target: '{tmp_path}/length.py:length_reward', name: length, weight: 0.5}}]"
+    )
+    fork = fork_run(root, "base", 2, "replayed", [reward], base.storage, replay=1)
+
+    warm.invalidate()
+    counters.clear()
+    assert ppo_training(config=fork.model_dump(mode="json"), return_state=True).is_completed()
+    assert counters == {"reward:length": 1}
+    parent, child = layout_for(base), layout_for(fork)
+    (row,) = read_metrics(child)
+    assert (row["iteration"], row["rollout/replayed"]) == (3, 1.0)
+
+    parent_files, child_files = list_files(parent.fs, parent.run_dir), list_files(child.fs, child.run_dir)
+    assert not any(name.startswith("iter-000003/rollout/") for name in child_files)
+    shared = ("iter-000001/", "iter-000002/", "checkpoints/iter-000002/", "iter-000003/rollout/")
+    standing_for_it = ("config.yaml", "run.json", "checkpoints/iter-000002/", "iter-000003/_stages/rollout.json")
+    parent_bytes = sum(size for name, size in parent_files.items() if name.startswith(shared))
+    fork_bytes = sum(size for name, size in child_files.items() if name.startswith(standing_for_it))
+    print(f"S3: the replayed fork's bytes for the shared part {fork_bytes}, the parent's {parent_bytes}")
+    assert fork_bytes < 0.01 * parent_bytes
+
+    assert ckpt.apply_retention(parent, 1) == []  # 2 is pinned by the fork (keep_checkpoints=2: it keeps it)
+    assert ckpt.checkpoint_iterations(parent) == {2: True, 3: True}
+    for iteration in (2, 3):
+        assert ckpt.read_commit_marker(child, iteration) is not None
+        assert ckpt.load_checkpoint(child, iteration)  # fetched and verified against the owner's marker
