@@ -100,3 +100,43 @@ def test_multi_turn_run_retries_from_cache_and_trains_on_policy_tokens_only(
             assert (r["finish_reason"] == "length") == (r["truncation"] is not None)
     metrics = read_metrics(layout)
     assert all(0 < m["response/policy_tokens_mean"] < m["response/length_mean"] for m in metrics)
+
+
+def test_multi_turn_on_s3_pipelined_in_parts(prefect_api, s3_bucket, tiny_model_dir, digits_dataset_dir):
+    """Shards on S3 (moto on loopback), pipeline.max_staleness = 1 (iteration i samples with the policy of i-2,
+    decoupled-PPO weights on the policy tokens), the rollout in 2 parts merged: multi-turn rows go through all of
+    it, and a person reads token_owner from S3 with s3fs + pyarrow."""
+    import pyarrow as pa
+    import s3fs
+
+    from engines import warm
+    from flows.records import read_metrics
+    from flows.training import ppo_training
+    from storage.layout import layout_for
+
+    bucket, storage_cfg = s3_bucket
+    sections = {**MULTI_TURN, "pipeline": {"max_staleness": 1, "rollout_parts": 2, "retries": 0, "retry_delay_s": 0}}
+    cfg = small_config(
+        f"s3://{bucket}/runs",
+        "mt-s3",
+        tiny_model_dir,
+        digits_dataset_dir,
+        iterations=3,
+        storage={"endpoint_url": storage_cfg.endpoint_url},
+        **sections,
+    )
+    warm.invalidate()
+    assert ppo_training(config=cfg.model_dump(mode="json"), return_state=True).is_completed()
+    rows = read_metrics(layout_for(cfg))
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert all(0 < r["async/is_weight_mean"] <= 2.0 for r in rows)
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": storage_cfg.endpoint_url}, skip_instance_cache=True)
+    parts = sorted(fs.glob(f"{bucket}/runs/mt-s3/iter-000003/rollout/part-*.arrow"))
+    assert parts
+    with fs.open(parts[0], "rb") as f:
+        table = pa.ipc.open_file(f).read_all()
+    assert table.schema.metadata[b"ppoflow.schema_version"] == b"2"
+    assert table.column("policy_version").to_pylist() == [1] * table.num_rows  # sampled by the policy of i-1-k
+    assert table.num_rows == 8 and any(0 in owners for owners in table.column("token_owner").to_pylist())
