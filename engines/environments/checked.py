@@ -65,6 +65,7 @@ class CheckedEnvironment:
         self.turn = 0  # policy turns stepped so far; the failing step's number in errors
         self.done = False
         self._closed = False
+        self._stuck = False  # a call timed out: its thread may still be inside the environment
         self._caller = ThreadCaller(_invoke, f"env-row-{row_index}") if call_timeout_s is not None else None
         missing = [m for m in ("reset", "step", "close") if not callable(getattr(env, m, None))]
         if missing:
@@ -96,12 +97,14 @@ class CheckedEnvironment:
 
     def _call(self, when: str, method: Callable, *args: Any) -> Any:
         """`method(*args)` under the timeout; every failure an EnvironmentFailed naming `when`."""
+        if self._stuck:
+            raise self._error(when, "not called: an earlier call of this environment never returned")
         try:
             if self._caller is None:
                 return method(*args)
             return self._caller.call(self.call_timeout_s, method, args)
         except CallTimedOut:
-            self._caller = None  # its thread is stuck in the call: nothing more can be asked of this instance
+            self._stuck = True  # nothing more can be asked of this instance, not even inline
             raise self._error(when, f"did not return within {self.call_timeout_s} s (abandoned)") from None
         except FunctionExited as e:
             raise self._error(when, f"{e} (an environment returns or raises; it cannot end the run)") from None
@@ -135,8 +138,8 @@ class CheckedEnvironment:
             return
         self._closed = True
         try:
-            if self._caller is None and self.call_timeout_s is not None:
-                return  # a call timed out: its thread still holds the environment, closing it would race
+            if self._stuck:
+                return  # the stuck thread still holds the environment: closing it under that call would race
             self._call("close", self.env.close)
         except EnvironmentFailed:
             if raise_errors:

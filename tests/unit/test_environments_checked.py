@@ -71,6 +71,8 @@ def test_a_hanging_step_times_out_and_frees_the_caller():
     env.reset({"turns": 1})
     with pytest.raises(EnvironmentFailed, match=rf"^{_where('Hangs')} turn 1: did not return within 0.3 s"):
         env.step([])
+    with pytest.raises(EnvironmentFailed, match=r"turn 2: not called: an earlier call of this environment never"):
+        env.step([])  # not run inline, where it would hang the caller
     env.close()  # must not wait for the stuck thread
 
 
