@@ -118,8 +118,8 @@ def cmd_fork(args) -> int:
 
 
 def cmd_rescore(args) -> int:
-    """`ppoflow rescore`: the fork at K-1 replaying K (flows/replay.py), its score stage only; prints both rewards."""
-    from flows.replay import rescore_fork, rescore_report
+    """`ppoflow rescore`: the fork at K-1 replaying K (flows/rescore.py), its score stage only; prints both rewards."""
+    from flows.rescore import rescore_fork, rescore_report
 
     cfg = rescore_fork(args.root, args.run, args.iteration, args.name, args.set, storage_opts(args))
     report = lambda console: console.print(rescore_report(cfg, args.iteration), highlight=False)  # noqa: E731

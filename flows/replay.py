@@ -1,7 +1,7 @@
 """Replay: a fork's iterations N+1..N+M trained on its parent's committed rollout shards instead of sampling again.
 
     ppoflow fork RUN --at N --name NEW --replay M --set reward...    (flows/fork.py checks and records it)
-    ppoflow rescore RUN --iteration K --name NEW --set reward...      (rescore: the fork at K-1, replaying K, scored)
+    ppoflow rescore RUN --iteration K --name NEW --set reward...      (flows/rescore.py: the fork at K-1, replaying K)
 
 Why it is exact at N+1: the fork starts from RUN's checkpoint N, cannot change the seed, the model or the data, and a
 replay refuses a changed rollout section (flows/fork.py), so iteration N+1 would sample exactly the rows RUN sampled
@@ -28,11 +28,10 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from engines.stages.manifests import RolloutManifest, ScoreManifest, provenance
+from engines.stages.manifests import RolloutManifest, provenance
 from flows.records import write_stage_record
 from storage import lineage
-from storage.layout import RunLayout, layout_for
-from storage.run_identity import read_run_record
+from storage.layout import layout_for
 
 
 def replayed_rollout(cfg, iteration: int) -> Optional[RolloutManifest]:
@@ -53,38 +52,3 @@ def replayed_rollout(cfg, iteration: int) -> Optional[RolloutManifest]:
     replayed = parent.model_copy(update={**provenance(started), "metrics": {**parent.metrics, "rollout/replayed": 1.0}})
     write_stage_record(layout, iteration, "rollout", replayed.model_dump(mode="json"))
     return replayed
-
-
-def rescore_fork(root: str, run: str, iteration: int, name: str, overrides=(), storage_cfg=None):
-    """`ppoflow rescore RUN --iteration K --name NEW --set reward...`, first half: the fork NEW of RUN at K-1 that
-    replays K and stops there (run.iterations=K unless the overrides say otherwise); returns its config. ForkError
-    for K < 2 (a fork starts from a committed checkpoint) and as fork_run refuses."""
-    from flows.fork import ForkError, fork_run
-
-    if iteration < 2:
-        raise ForkError(f"--iteration {iteration}: rescore forks at K-1 from its checkpoint; K must be >= 2")
-    return fork_run(root, run, iteration - 1, name, [f"run.iterations={iteration}", *overrides], storage_cfg, replay=1)
-
-
-def rescore_iteration(cfg, iteration: int) -> ScoreManifest:
-    """The second half: the fork's score stage of its replayed `iteration` (a task run, cached by its key), its
-    scored shards written under the fork's folder. `ppoflow train` of the fork later trains on them (the score
-    stage is then answered from its cache) and goes on."""
-    from flows.stages import run_stage_in_process
-
-    return run_stage_in_process(cfg, "score", iteration, rollout=replayed_rollout(cfg, iteration))
-
-
-def rescore_report(cfg, iteration: int) -> str:
-    """Run rescore_iteration; one line: the parent's and the fork's reward/mean, where the shards are, what next."""
-    scored = rescore_iteration(cfg, iteration)
-    layout = layout_for(cfg)
-    parent = lineage.parent_of(read_run_record(layout)) or {}
-    parent_layout = RunLayout(parent["root"], parent["run"], layout.storage_cfg)
-    before = lineage.stage_record(parent_layout, iteration, "score") or {}
-    return (
-        f"run {cfg.run.name}: iteration {iteration} of run {parent['run']} rescored, reward/mean "
-        f"{before.get('reward_mean', float('nan')):.4f} -> {scored.reward_mean:.4f} ({scored.rows} rows, "
-        f"{scored.cache_hits} from the score cache); scored shards: {scored.uri}; train on from them: "
-        f"ppoflow train {layout.url(layout.config_path)}"
-    )
