@@ -38,6 +38,7 @@ import time
 from typing import Optional, TextIO
 
 from ppoflow.config import PPOFlowConfig
+from ppoflow.terminal import use_terminal
 from storage.fs import local_cache_root
 
 log = logging.getLogger("ppoflow.cli")
@@ -119,12 +120,14 @@ class OutputCapture:
         else:
             os.close(write_fd)
         _note_start(self.log_path)
+        use_terminal(self.terminal)  # a process ended from below (a stage past its deadline) says so there
         return self
 
     def release(self) -> None:
         """Point fds 1 and 2 back at what they were (the children started meanwhile keep the log file)."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        use_terminal(None)
         for fd, saved in self._saved.items():
             os.dup2(saved, fd)
             os.close(saved)

@@ -10,14 +10,14 @@ The deadline of stage S in an iteration (pipeline.deadlines, all seconds):
 timing/S is the stage's wall time as the flow saw it (flows/iteration.py), so queueing for a busy worker makes
 the deadline longer, never shorter.
 
-What happens at the deadline (`bounded`): the stage's body, running on the thread that called it, is
-interrupted with StageDeadlineExceeded (an exception raised into that thread between two Python operations),
-which fails the task run; Prefect's retries take over as for any stage error. A body blocked in native code
-(a socket read without a timeout, a collective that never returns) cannot be interrupted that way: when it is
-still running `grace_s` after its deadline, its process ends with exit code EXIT_DEADLINE after one message on
-stderr naming the stage. The run's committed iterations are untouched and it resumes from its last checkpoint
-(`ppoflow train` again). On a warm worker the flow then sees the worker gone (tasks/leases.py) and fails the
-stage by name; Prefect's retry sends it to a live worker.
+What happens at the deadline (`bounded`): the stage's body, running on the thread that called it, is interrupted
+with StageDeadlineExceeded (an exception raised into that thread between two Python operations), which fails the
+task run; Prefect's retries take over as for any stage error. A body blocked in native code (a socket read without a
+timeout, a collective that never returns) cannot be interrupted that way: when it is still running `grace_s` after
+its deadline, its process ends with exit code EXIT_DEADLINE after one message on the user's terminal and in the log
+naming the stage (ppoflow/terminal.py). The run's committed iterations are untouched and it resumes from its last
+checkpoint (`ppoflow train` again). On a warm worker the flow then sees the worker gone (tasks/leases.py) and fails
+the stage by name; Prefect's retry sends it to a live worker.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import ctypes
 import os
 import socket
 import statistics
-import sys
 import threading
 from typing import Callable, Optional, TypeVar
 
 from ppoflow.config import PPOFlowConfig
+from ppoflow.terminal import last_words
 from storage.layout import layout_for
 from storage.metrics import read_metrics
 
@@ -140,12 +140,12 @@ class _Watch:
             _raise_in_thread(self._thread_id, _Interrupt)
         if self._done.wait(grace_s):
             return
-        sys.stderr.write(
-            f"ppoflow: {self._message}. It did not stop within pipeline.deadlines.grace_s = {grace_s:g} s after "
-            f"the deadline (blocked outside Python), so this process ends now (exit code {EXIT_DEADLINE}); the run's "
-            f"committed iterations are kept and it resumes from its last checkpoint.\n"
+        last_words(
+            f"ppoflow: error: StageDeadlineExceeded: {self._message}. It did not stop within "
+            f"pipeline.deadlines.grace_s = {grace_s:g} s after the deadline (blocked outside Python), so this process "
+            f"ends now (exit status {EXIT_DEADLINE}); the run's committed iterations are kept: run the same command "
+            f"again and it resumes from its last checkpoint"
         )
-        sys.stderr.flush()
         os._exit(EXIT_DEADLINE)
 
     def finish(self) -> bool:

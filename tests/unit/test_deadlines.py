@@ -121,7 +121,7 @@ class TestBounded:
         assert done.returncode == EXIT_DEADLINE, done.stderr
         assert time.monotonic() - started < 60
         assert "not reached" not in done.stdout
-        lines = [line for line in done.stderr.splitlines() if line.startswith("ppoflow:")]
+        lines = [line for line in done.stderr.splitlines() if line.startswith("ppoflow: error:")]
         assert len(lines) == 1, done.stderr
         assert "stage update of iteration 4 ran past its deadline" in lines[0]
         assert "grace_s = 1 s" in lines[0] and "resumes from its last checkpoint" in lines[0]
