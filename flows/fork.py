@@ -14,13 +14,13 @@ What the fork gets, and nothing is copied (storage/lineage.py):
   With nothing changed those iterations equal RUN's, bit for bit on CPU.
 NEW's metrics.jsonl and iteration folders hold its own iterations only; RUN's rows 1..N stay RUN's.
 
-A changed algo.kl_coef / kl_target / kl_horizon starts the fork's KL controller afresh from its settings
-(engines/trainer/checkpoint.py); other state of checkpoint N (optimizer, scheduler step, reward normaliser,
-RNG) carries on as in a resume.
+A changed algo.kl_coef / kl_target / kl_horizon starts the fork's KL controller afresh from its settings; a changed
+train.actor_lr / critic_lr / weight_decay replaces the parent's in the restored optimizer and scheduler, at the
+schedule's position (engines/trainer/checkpoint.py); other state of checkpoint N (optimizer moments, scheduler step,
+reward normaliser, RNG) carries on as in a resume.
 
 Refused before anything is written, naming the field (ForkError): a change of what iterations 1..N were
-trained with and the checkpoint depends on, or of what checkpoint N's optimizer state would silently override
-(FIXED_FIELDS: the learning rates, for now; a changed algo.name that adds or drops the critic),
+trained with and the checkpoint depends on (FIXED_FIELDS; a changed algo.name that adds or drops the critic),
 content of model.policy_path / model.critic_path / data.path other than RUN recorded at its first start, a fork
 point RUN has not committed or whose checkpoint retention removed, a NEW that exists and is not this fork.
 Forking again with the same arguments is a no-op (a fork interrupted half-way is completed).
@@ -54,10 +54,6 @@ FIXED_FIELDS = {
     "data.path": "the shared iterations trained on its prompts, in their order",
     "data.prompt_key": "the shared iterations trained on its prompts, in their order",
     "data.reasoning_gym": "it generated the prompts of the shared iterations",
-    # Not yet: checkpoint N's optimizer and scheduler state carry these and would override the fork's value.
-    "train.actor_lr": "checkpoint N's optimizer and scheduler state hold the learning rate (not supported yet)",
-    "train.critic_lr": "checkpoint N's optimizer and scheduler state hold the learning rate (not supported yet)",
-    "train.weight_decay": "checkpoint N's optimizer state holds it (not supported yet)",
     "train.zero_stage": "checkpoint N's optimizer state is partitioned for its ZeRO stage",
 }
 # Inputs whose content must still be what RUN recorded (flows/run_inputs.py).

@@ -241,6 +241,23 @@ def _same_kl_settings(folder: Path, cfg) -> bool:
     return all(algo.get(name) == getattr(cfg.algo, name) for name in _KL_SETTINGS)
 
 
+def _saved_train_settings(folder: Path) -> dict[str, Any]:
+    """The train section of the config the state was saved under ({} when it was saved without one)."""
+    saved = folder / "config.json"
+    return json.loads(saved.read_text()).get("train", {}) if saved.is_file() else {}
+
+
+def retarget_lr(engine, lr: float, weight_decay: float) -> None:
+    """Give a restored optimizer a fork's learning rate and weight decay (flows/fork.py), keeping the schedule's
+    position: the optimizer and scheduler state of the checkpoint carry the parent's base rate, and LambdaLR sets
+    lr = base_lr * factor(step) at each step, so both the base rates and the groups' current rates change."""
+    scheduler = engine.lr_scheduler
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"], group["weight_decay"] = lr, lr * factor(scheduler.last_epoch), weight_decay
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 def load_trainer_state(trainer, state_dir: str) -> None:
     """Restore optimizer, scheduler, engine counters, KL controller, RNG and extra_state from `state_dir`.
 
@@ -274,6 +291,12 @@ def load_trainer_state(trainer, state_dir: str) -> None:
         set_engine_counters(trainer.critic, meta["engines"]["critic"])
     if _same_kl_settings(folder, trainer.cfg):
         trainer.kl_controller.load_state_dict(meta["kl_controller"])
+    saved, train = _saved_train_settings(folder), trainer.cfg.train
+    # A fork with another learning rate or weight decay: the restored state holds the parent's (a resume: the same).
+    for engine, name in ((trainer.actor, "actor_lr"), (trainer.critic, "critic_lr")):
+        changed = (saved.get(name), saved.get("weight_decay")) != (getattr(train, name), train.weight_decay)
+        if engine is not None and saved and changed:
+            retarget_lr(engine, getattr(train, name), train.weight_decay)
     if trainer.reward_normalizer is not None and "reward_normalizer" in meta:
         trainer.reward_normalizer.load_state_dict(meta["reward_normalizer"])
     trainer.update_count = int(meta["update_count"])

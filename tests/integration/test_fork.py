@@ -104,3 +104,46 @@ def test_fork_shares_the_parents_iterations_and_continues_from_its_checkpoint(
     warm.invalidate()
     result = _train(kl.model_copy(update={"run": kl.run.model_copy(update={"iterations": 4})}))
     assert (result["first_iteration"], result["last_iteration"]) == (4, 4)
+
+
+def _policy_weights(checkpoint: Path):
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(checkpoint / "policy" / "model.safetensors"))
+    return torch.cat([tensors[name].flatten().double() for name in sorted(tensors)])
+
+
+def test_a_fork_trains_with_its_own_learning_rate(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir):
+    """The parent trains iteration 1 at actor_lr = critic_lr = 1e-3 (constant schedule); two forks at 1 train
+    iteration 2 from its checkpoint: `same` (nothing changed) and `lr` (actor_lr 3e-3, critic_lr 2e-3, restored
+    into the optimizer and scheduler that checkpoint 1 saved at 1e-3). `lr`'s row reports its rates, and its update
+    moved the policy 3x as far as `same`'s, in the same direction: AdamW's step -lr * (m_hat / (sqrt(v_hat) + eps)
+    + wd * p) is linear in lr for the same moments (checkpoint 1's) and gradients (the same rows: both sample with
+    policy 1, as the parent would)."""
+    import torch
+
+    from engines import warm
+    from flows.fork import fork_run
+    from flows.records import read_metrics
+    from storage.layout import layout_for
+
+    root = tmp_path / "root"
+    base = small_config(str(root), "base", tiny_model_dir, digits_dataset_dir, iterations=1)
+    _train(base)
+    same = fork_run(str(root), "base", 1, "same", ["run.iterations=2"])
+    lr = fork_run(str(root), "base", 1, "lr", ["run.iterations=2", "train.actor_lr=3e-3", "train.critic_lr=2e-3"])
+    for fork in (same, lr):
+        warm.invalidate()
+        _train(fork)
+    (same_row,), (lr_row,) = read_metrics(layout_for(same)), read_metrics(layout_for(lr))
+    assert (same_row["optim/actor_lr"], same_row["optim/critic_lr"]) == (1e-3, 1e-3)
+    assert (lr_row["optim/actor_lr"], lr_row["optim/critic_lr"]) == (3e-3, 2e-3)
+
+    start = _policy_weights(root / "base" / "checkpoints/iter-000001")
+    moved_same = _policy_weights(root / "same" / "checkpoints/iter-000002") - start
+    moved_lr = _policy_weights(root / "lr" / "checkpoints/iter-000002") - start
+    ratio = (moved_lr.norm() / moved_same.norm()).item()
+    cosine = torch.nn.functional.cosine_similarity(moved_lr, moved_same, dim=0).item()
+    print(f"policy moved {ratio:.5f}x as far at 3x the learning rate (cosine {cosine:.6f})")
+    assert abs(ratio - 3.0) < 0.01 and cosine > 0.999
