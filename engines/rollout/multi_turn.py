@@ -220,9 +220,10 @@ def run_conversations(
     """`sampling.n` conversations per start, ordered by (start, sample); see the module docstring.
 
     Raises EnvironmentFailed (engines/environments/checked.py) naming the environment, the row, the sample and
-    the turn; ValueError naming the row when the first message leaves no room under max_total_tokens; the
-    engine's ValueError when a conversation outgrows the engine's context (set max_total_tokens within it).
+    the turn; ValueError naming the row when the first message leaves no room under max_total_tokens, and
+    before any work when max_total_tokens is more than the engine's context.
     """
+    _check_context(engine, limits)
     opened: list[CheckedEnvironment] = []
     convs: list[_Conversation] = []
     try:
@@ -247,6 +248,17 @@ def run_conversations(
     for env in opened:
         env.close()
     return [c.sample() for c in convs]
+
+
+def _check_context(engine: RolloutEngine, limits: TurnLimits) -> None:
+    """ValueError when a conversation may outgrow the engine's context (vLLM's max_model_len, the HF model's
+    positions): every turn is then sure to fit, instead of an engine error naming a prompt of some turn."""
+    context = getattr(engine, "max_model_len", None) or getattr(engine, "max_positions", None)
+    if context and limits.max_total_tokens > context:
+        raise ValueError(
+            f"rollout.environment.max_total_tokens={limits.max_total_tokens} is more than the {engine.name} engine's "
+            f"context of {context} tokens; set it to at most {context}"
+        )
 
 
 def _check_room(convs: list[_Conversation], limits: TurnLimits) -> None:

@@ -163,3 +163,8 @@ def test_the_readme_example_environment_runs(engine, tmp_path):
         assert 1.0 not in expected[:-1] and len(expected) == s.turns <= 3
         assert s.env_reward == pytest.approx(sum(expected))
         assert s.truncation is None  # the example ends every episode itself by turn 3
+
+
+def test_a_token_limit_beyond_the_engines_context_is_refused_before_any_turn(engine):
+    with pytest.raises(ValueError, match=r"max_total_tokens=1000 is more than the hf engine's context of 256"):
+        _run(engine, limits=TurnLimits(4, 1000))
