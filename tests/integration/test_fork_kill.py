@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.pipeline_helpers import small_config
-from tests.integration.test_replay import _digests
+from tests.integration.test_fork import _digests
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

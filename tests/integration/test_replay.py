@@ -16,7 +16,6 @@ Then what a replay refuses, each naming the field, and `ppoflow rescore` of the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pyarrow as pa
 import pytest
 
 from tests.integration.pipeline_helpers import small_config
+from tests.integration.test_fork import _digests
 
 pytestmark = pytest.mark.slow
 
@@ -44,16 +44,6 @@ def _train(cfg) -> dict:
 def _bytes(*paths: Path) -> int:
     files = [p for path in paths for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file()]
     return sum(p.stat().st_size for p in files)
-
-
-def _digests(folder: Path) -> dict[str, str]:
-    """sha256 of a checkpoint's policy/, critic/, trainer/ files but the config copy (names the run) and RNG state."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for part in ("policy", "critic", "trainer")
-        for p in sorted((folder / part).rglob("*"))
-        if p.is_file() and not (part == "trainer" and (p.name == "config.json" or p.name.startswith("rng.")))
-    }
 
 
 def _scored(run_dir: Path, iteration: int) -> pa.Table:
