@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from engines.environments.base import Environment
-from engines.rewards.function import function_identity, is_file_spec, load_by_spec
+from engines.rewards.function import function_identity, load_by_spec, spec_file
 
 
 @dataclass(frozen=True)
@@ -48,20 +46,11 @@ def load_environment_factory(spec: str) -> EnvironmentFactory:
 
 def environment_identity(spec: str, make: Callable) -> str:
     """sha256 over the spec, the factory's file (module docstring) and its `identity_packages`' versions."""
-    file = _factory_file(spec, make)
+    file = spec_file(spec)
     code = file.read_text() if file is not None else function_identity(spec, make)
     packages = tuple(getattr(make, "identity_packages", ()))
     versions = [f"{name}=={_version(name)}" for name in sorted(packages)]
     return hashlib.sha256("\n".join([spec, code, *versions]).encode()).hexdigest()[:16]
-
-
-def _factory_file(spec: str, make: Callable) -> Optional[Path]:
-    where = spec.rsplit(":", 1)[0]
-    if is_file_spec(where):
-        file = Path(where).expanduser()
-    else:  # the module the spec imported, even when the factory is a name it re-exports
-        file = Path(getattr(sys.modules.get(where), "__file__", None) or "")
-    return file if file.is_file() else None
 
 
 def _version(package: str) -> str:

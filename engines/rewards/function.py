@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
@@ -106,18 +107,34 @@ def detect_contract(fn: Callable, spec: str) -> Contract:
     )
 
 
+def spec_file(spec: str) -> Optional[Path]:
+    """The file a spec's code lives in: the file a "path/to/file.py:name" spec names, or the file of the module a
+    "pkg.module:name" spec imported (None when that module is not imported or has no file)."""
+    where = spec.rsplit(":", 1)[0]
+    if is_file_spec(where):
+        file = Path(where).expanduser()
+    else:  # the module the spec imported, even when the name is one it re-exports
+        file = Path(getattr(sys.modules.get(where), "__file__", None) or "")
+    return file if file.is_file() else None
+
+
 def function_identity(spec: str, fn: Callable) -> str:
-    """sha256 of the spec and the whole module file the function lives in (so an edit to a helper it
-    calls changes the identity too); the function's own source when there is no module file."""
-    module_file = getattr(inspect.getmodule(fn), "__file__", None)
-    if module_file and Path(module_file).is_file():
-        code = Path(module_file).read_text()
+    """sha256 of the spec and the whole file the function lives in (so an edit to a helper it calls changes
+    the identity too): the file a file spec names (its module is imported under a private name that is not in
+    sys.modules, so inspect cannot find it), the defining module's file for a module spec; the function's own
+    source when there is no file."""
+    if is_file_spec(spec.rsplit(":", 1)[0]):
+        file = spec_file(spec)
+    else:
+        file = Path(getattr(inspect.getmodule(fn), "__file__", None) or "")
+    if file is not None and file.is_file():
+        code = file.read_bytes()
     else:
         try:
-            code = inspect.getsource(fn)
+            code = inspect.getsource(fn).encode()
         except (OSError, TypeError):
-            code = repr(fn)
-    return hashlib.sha256(f"{spec}\n{code}".encode()).hexdigest()[:16]
+            code = repr(fn).encode()
+    return hashlib.sha256(f"{spec}\n".encode() + code).hexdigest()[:16]
 
 
 class FunctionRewardSource:

@@ -1,5 +1,6 @@
 """FunctionRewardSource: both contracts, async, batching, identity, and every error naming its sample."""
 
+import inspect
 import textwrap
 
 import pytest
@@ -178,3 +179,44 @@ def test_scorer_weights_clips_and_adds_reference(reward_file, tiny_model_dir):
     cfg.reward.sources[1].name = "len"
     with pytest.raises(ValueError, match=r"names \['len'\] are used twice"):
         build_reward_sources(cfg)
+
+
+HELPER_FILE = textwrap.dedent("""
+    def _points(solution_str):
+        return 1.0 if solution_str.strip() == "7" else 0.0
+
+    def verl(data_source, solution_str, ground_truth, extra_info=None):
+        return _points(solution_str)
+""")
+
+
+def test_an_edited_helper_in_a_reward_file_is_a_new_score_cache_key(tmp_path, tiny_model_dir):
+    """A file spec's identity holds the whole file: an edit to a helper the function calls (its own source
+    unchanged) changes the scorer's identity, so the score stage's cache keys move and the old score is not
+    served from the cache."""
+    import fsspec
+
+    from engines.scoring.cached import score_with_cache
+    from engines.scoring.scorer import Scorer, ScoringInput
+    from ppoflow.config import load_config
+    from storage.score_cache import ScoreCache
+
+    file = tmp_path / "reward.py"
+    file.write_text(HELPER_FILE)
+    cfg = load_config(
+        None,
+        [f"model.policy_path={tiny_model_dir}", f'reward.sources=[{{kind: function, target: "{file}:verl"}}]'],
+    )
+    sample = [ScoringInput("p:", "7", [1, 14], [16], label="7", sample_id="s0")]
+    cache = ScoreCache(fsspec.filesystem("file"), str(tmp_path / "score-cache"))
+    before = Scorer(cfg)
+    results, stats = score_with_cache(before, sample, cache)
+    assert [r.reward for r in results] == [1.0] and stats.computed == 1
+    assert score_with_cache(Scorer(cfg), sample, cache)[1].hits == 1  # unchanged file: the same key, a hit
+
+    file.write_text(HELPER_FILE.replace("1.0 if", "0.25 if"))
+    after = Scorer(cfg)
+    assert inspect.getsource(after.sources[0].fn) == inspect.getsource(before.sources[0].fn)  # verl itself
+    assert after.identity != before.identity
+    results, stats = score_with_cache(after, sample, cache)
+    assert [r.reward for r in results] == [0.25] and stats.hits == 0 and stats.computed == 1
