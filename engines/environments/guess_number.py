@@ -8,6 +8,9 @@ any secret from 1 to 10 in 4 guesses, so reward 1 is reachable on every row; fou
 find it 4 times in 10, and a policy that ignores the feedback cannot do better than that on average, so the
 reward rises above 0.4 only as the policy uses what the environment tells it.
 
+ShapedGuessTheNumber is the same game with partial credit (a guess still possible given the feedback) and more
+reward for fewer guesses, so a policy that has not won yet still has a gradient (configs/multi_turn_guess_number.yaml).
+
 Deterministic given the row. Config: `rollout.environment.source: engines.environments.guess_number:GuessTheNumber`,
 with a dataset built by
 
@@ -63,6 +66,35 @@ class GuessTheNumber:
 
     def close(self) -> None:
         pass
+
+
+class ShapedGuessTheNumber(GuessTheNumber):
+    """GuessTheNumber with a reward that has signal before the policy ever wins (issue 39 item 6).
+
+    Per guess: 0.1 when it is a whole number still possible given the feedback so far (inside the interval that
+    "Higher." / "Lower." left, so a repeated or contradicting guess, a number out of range or no number gets 0).
+    On finding the secret with guess k (1-based): 1.0 - 0.1 * (k - 1) more, so fewer guesses score more.
+    A sample's reward is the sum over its turns: at most 1.1 (right at once), at least 0.8 when it wins at all,
+    at most 0.4 when it does not (four possible guesses, none right): a win is env_reward > 0.5.
+    """
+
+    def reset(self, row: Mapping[str, Any]) -> Optional[str]:
+        first = super().reset(row)
+        self.low, self.top, self.guesses_made = 1, self.high, 0
+        return first
+
+    def step(self, messages: list[Message]) -> Observation:
+        found = _INTEGER.search(messages[-1]["content"])
+        guess = int(found.group()) if found else None
+        self.guesses_made += 1
+        credit = 0.1 if guess is not None and self.low <= guess <= self.top else 0.0
+        if guess is not None and guess != self.secret:  # what the feedback will tell
+            self.low, self.top = (
+                (max(self.low, guess + 1), self.top) if self.secret > guess else (self.low, min(self.top, guess - 1))
+            )
+        outcome = super().step(messages)
+        bonus = 1.0 - 0.1 * (self.guesses_made - 1) if outcome.reward > 0 else 0.0
+        return Observation(outcome.text, outcome.role, credit + bonus, outcome.done, outcome.info)
 
 
 def make_rows(num_rows: int = 512, seed: int = 0, high: int = 10, guesses: int = 4) -> list[dict]:

@@ -152,3 +152,49 @@ def test_guess_rows_are_deterministic_and_a_bad_label_is_named():
     env = CheckedEnvironment.start(load_environment_factory(GUESS), row_index=4)
     with pytest.raises(EnvironmentFailed, match=r"\(row 4\) reset: raised ValueError: the row needs a label from 1"):
         env.reset({"prompt": "guess", "label": "11"})
+
+
+SHAPED = "engines.environments.guess_number:ShapedGuessTheNumber"
+
+
+def test_shaped_guess_credits_possible_guesses_and_early_wins_by_hand():
+    row = {"prompt": "guess", "label": "7", "high": 10, "guesses": 4}
+    # 5 possible (0.1) -> Higher, [6, 10]; no number (0); 9 possible (0.1) -> Lower, [6, 8]; 8 possible (0.1), lost
+    lost = _play(row, ["5", "no idea", "9", "8"], SHAPED)
+    assert [o.text for o in lost] == ["Higher.", "Reply with one whole number from 1 to 10.", "Lower.", ""]
+    assert [o.reward for o in lost] == pytest.approx([0.1, 0.0, 0.1, 0.1]) and lost[-1].done
+    # 5 possible (0.1); 3 and 5 again contradict "Higher." (0 each); 7 possible and right with guess 4: 0.1 + 0.7
+    won = _play(row, ["5", "3", "5", "My guess is 7."], SHAPED)
+    assert [o.reward for o in won] == pytest.approx([0.1, 0.0, 0.0, 0.8]) and won[-1].done
+    assert [o.reward for o in _play({**row, "label": "5"}, ["5"], SHAPED)] == pytest.approx([1.1])
+
+
+def _shaped_episode(secret: int, replies) -> tuple[float, int, bool]:
+    """(summed reward, guesses, won) of `replies(feedback so far)` against ShapedGuessTheNumber."""
+    env = CheckedEnvironment.start(load_environment_factory(SHAPED), row_index=0)
+    env.reset({"prompt": "guess", "label": str(secret)})
+    messages, feedback, total = [{"role": "user", "content": "guess"}], [], 0.0
+    while True:
+        messages.append({"role": "assistant", "content": replies(feedback)})
+        obs = env.step(messages)
+        total += obs.reward
+        if obs.done:
+            env.close()
+            return total, len(messages) // 2, obs.info.get("guess") == secret
+        feedback.append(obs.text)
+        messages.append({"role": "user", "content": obs.text})
+
+
+def test_shaped_guess_a_win_is_a_reward_above_one_half():
+    """Binary search makes every guess possible: 0.1 per guess plus 1.0 - 0.1 * (guesses - 1) for the win, 1.1
+    whatever the secret; random replies win with a reward from 0.8 to 1.1 and lose with at most 0.4."""
+    import random
+
+    for secret in range(1, 11):
+        total, guesses, won = _shaped_episode(secret, _binary_search)
+        assert won and total == pytest.approx(1.1), (secret, guesses)
+    rng = random.Random(0)
+    for _ in range(300):
+        secret = rng.randint(1, 10)
+        total, _, won = _shaped_episode(secret, lambda feedback: rng.choice(["x", *map(str, range(0, 12))]))
+        assert (total > 0.5) == won and (0.8 - 1e-9 <= total <= 1.1 + 1e-9 if won else total <= 0.4 + 1e-9)
