@@ -100,6 +100,9 @@ def test_multi_turn_run_retries_from_cache_and_trains_on_policy_tokens_only(
             assert (r["finish_reason"] == "length") == (r["truncation"] is not None)
     metrics = read_metrics(layout)
     assert all(0 < m["response/policy_tokens_mean"] < m["response/length_mean"] for m in metrics)
+    # the trainer's log-probs of the policy's tokens (conditioned on the environment's) = the sampler's, as
+    # for single-turn rows (each iteration samples with the weights it then trains: max_staleness 0)
+    assert all(m["rollout/logprob_abs_diff"] < 1e-5 for m in metrics), [m["rollout/logprob_abs_diff"] for m in metrics]
 
 
 def test_multi_turn_on_s3_pipelined_in_parts(prefect_api, s3_bucket, tiny_model_dir, digits_dataset_dir):
