@@ -24,6 +24,8 @@ turns and the environment's messages in order:
             env_reward (float32): the sum of the environment's per-turn rewards; turns (int32): policy turns
             truncation (string, nullable): null when the environment ended the episode (finish_reason "stop"),
                         "max_turns" or "max_total_tokens" when a limit did (finish_reason "length")
+            env_info (string): JSON list of each environment step's Observation.info, in turn order (read by
+                        people, never by training)
 
 Versions: SCHEMA_VERSION is the newest this ppoflow writes; every version in READABLE_VERSIONS is read. A shard
 is stamped with the lowest version that describes it (version_of): single-turn shards are version 1, byte for
@@ -67,6 +69,7 @@ _MULTI_TURN = [
     pa.field("env_reward", _F32, nullable=False),
     pa.field("turns", _I32, nullable=False),
     pa.field("truncation", pa.string(), nullable=True),
+    pa.field("env_info", pa.string(), nullable=False),
 ]
 MULTI_TURN_COLUMNS = tuple(f.name for f in _MULTI_TURN)
 _SCORED_EXTRA = [

@@ -86,6 +86,7 @@ class ConversationSample(RolloutSample):
     turns: int = 0
     truncation: Optional[str] = None
     messages: list[Message] = field(default_factory=list)
+    env_info: list[dict] = field(default_factory=list)  # each step's Observation.info, in turn order
 
 
 def turn_seed(row_seed: int, sample_index: int, turn: int) -> int:
@@ -127,6 +128,7 @@ class _Conversation:
     ended: bool = False
     truncation: Optional[str] = None
     policy_version: int = 0
+    infos: list[dict] = field(default_factory=list)
 
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -156,6 +158,7 @@ class _Conversation:
             turns=self.turns,
             truncation=self.truncation,
             messages=self.messages,
+            env_info=self.infos,
         )
 
 
@@ -197,12 +200,16 @@ def _step(c: _Conversation, turn: int, tokenizer, limits: TurnLimits, reply_ids:
     c.messages.append({"role": "assistant", "content": tokenizer.decode(reply_ids, skip_special_tokens=True)})
     obs = c.env.step(list(c.messages))
     c.env_reward += float(obs.reward)
+    c.infos.append(dict(obs.info))
     if obs.done:
         return c.finish(None)
     if c.turns >= limits.max_turns:
         return c.finish("max_turns")
     message = {"role": obs.role, "content": obs.text}
-    ids = observation_ids(tokenizer, c.messages, message)
+    try:
+        ids = observation_ids(tokenizer, c.messages, message)
+    except ValueError as e:
+        raise ValueError(f"row {c.start.index}, sample {c.sample_index}, turn {turn + 1}: {e}") from None
     if c.length() + len(ids) + 1 > limits.max_total_tokens:  # no room for the observation and one policy token
         return c.finish("max_total_tokens")
     c.messages.append(message)

@@ -69,6 +69,7 @@ def rollout_table(records: list[PromptRecord], samples: list[RolloutSample], tok
             rows["env_reward"].append(float(s.env_reward))
             rows["turns"].append(s.turns)
             rows["truncation"].append(s.truncation)
+            rows["env_info"].append(json.dumps(s.env_info, sort_keys=True))
     return pa.table(rows, schema=schema)
 
 

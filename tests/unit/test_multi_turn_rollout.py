@@ -83,6 +83,7 @@ def test_ownership_and_ids_against_the_template_by_hand(engine):
             context += ids
         assert s.env_reward == pytest.approx(reward)
         assert (s.finish_reason, s.truncation) == ("stop", None)
+        assert s.env_info == [{"step": t} for t in range(1, s.turns + 1)]  # every step's info, in order
 
 
 def test_trainer_logprobs_agree_with_the_sampler_on_policy_tokens(engine, tiny_model_dir):

@@ -35,6 +35,7 @@ def _conversations() -> list[ConversationSample]:
         env_reward=0.9,
         turns=2,
         prompt_text="user : say 7 : assistant : ",
+        env_info=[{"step": 1}, {"step": 2, "tool_error": None}],
         **common,
     )
     cut = ConversationSample(
@@ -68,6 +69,7 @@ def test_rollout_rows_round_trip_as_version_2_shards_pyarrow_reads(tmp_path):
     assert read.column("turn_starts").to_pylist() == [[0, 2, 7], [0]]
     assert read.column("truncation").to_pylist() == [None, "max_turns"]
     assert read.column("env_reward").to_pylist() == pytest.approx([0.9, -0.1])
+    assert read.column("env_info").to_pylist() == ['[{"step": 1}, {"step": 2, "tool_error": null}]', "[]"]
     assert shards.read_shards(fs, str(tmp_path / "rollout")).equals(table)
     # a table with only some of the multi-turn columns is refused naming the one missing
     with pytest.raises(SchemaMismatchError, match="'turns' is missing"):
