@@ -18,7 +18,7 @@ Baseline: the bare engine loop. Figures:
   samples per iteration, about 5 s of compute per iteration on 2 cores. The pipeline's cost is mostly a
   fixed amount per iteration (a subflow run, four task runs, an artifact and the progress bar's update, shard
   and checkpoint writes), so the ratio depends on how long an iteration computes; real runs compute for minutes.
-  Prefect's temporary server runs at nice 19 (ppoflow/prefect_server.py): its background work would otherwise
+  Prefect's temporary server runs at nice 19 (adaptations/prefect_server.py): its background work would otherwise
   stall the compute's two threads on two cores (1.11-1.13 before, at nice 0).
 - tiny_ratio: the same on the demo's workload (32 prompts x 4 samples, ~0.5 s of compute per
   iteration), where that fixed cost dominates.
@@ -102,8 +102,10 @@ def worker(variant: str, workdir: str, iterations: int, workload: str, run: str)
     cfg = bench_config(workdir, run, iterations, workload)
     ends: list[float] = []
     if variant == "pipeline":
+        from adaptations import install_process_adaptations
         from flows.training import ppo_training
 
+        install_process_adaptations()  # as `ppoflow train` does, before Prefect starts its temporary server
         result = ppo_training(cfg.model_dump(mode="json"))
         ends = [row["time/finished_unix"] for row in result["iterations"]]
         rewards = [row["reward/mean"] for row in result["iterations"]]

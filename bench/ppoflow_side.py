@@ -214,9 +214,11 @@ def _watch_metrics(layout, stopwatch: Stopwatch, records: list, stop: threading.
 
 def run_pipeline(cfg, stopwatch: Stopwatch, records: list) -> None:
     """The full pipeline: flows/training.py:ppo_training on this process's Prefect (ephemeral unless configured)."""
+    from adaptations import install_process_adaptations
     from flows.training import ppo_training
     from storage.layout import layout_for
 
+    install_process_adaptations()  # as `ppoflow train` does, before Prefect starts its temporary server
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_metrics, args=(layout_for(cfg), stopwatch, records, stop), daemon=True)
     watcher.start()

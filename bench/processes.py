@@ -62,7 +62,7 @@ def _free_port() -> int:
 
 @contextmanager
 def loopback_prefect_server(home: Path) -> Iterator[str]:
-    """Run `ppoflow prefect-server` (Prefect's server, ppoflow/prefect_server.py) on 127.0.0.1 with its database
+    """Run `ppoflow prefect-server` (Prefect's server, adaptations/prefect_server.py) on 127.0.0.1 with its database
     under `home`; yields the API URL and stops the server on exit. RuntimeError (pointing at
     `home`/server.log) when it exits or does not answer /api/health within 180 s."""
     import httpx
@@ -218,10 +218,12 @@ def run_driver(module: str, args: Sequence[str], variant: str, workdir: str, env
 def train_in_driver(cfg, keep: Sequence[str]) -> tuple["RunLayout", list[dict]]:
     """In a driver process: run the training flow on `cfg`; returns its run layout and, per iteration, the
     metrics row's `keep` keys."""
+    from adaptations import install_process_adaptations
     from flows.records import read_metrics
     from flows.training import ppo_training
     from storage.layout import layout_for
 
+    install_process_adaptations()  # as `ppoflow train` does, before Prefect starts its temporary server
     ppo_training(cfg.model_dump(mode="json"))
     layout = layout_for(cfg)
     return layout, [{key: row[key] for key in keep} for row in read_metrics(layout)]

@@ -198,7 +198,7 @@ def cmd_rank_agent(args) -> int:
 
 
 def cmd_prefect_server(args) -> int:
-    from ppoflow.prefect_server import serve_prefect_api
+    from adaptations.prefect_server import serve_prefect_api
 
     serve_prefect_api(args.host, args.port)
     return 0
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser(
         "prefect-server",
         help="Prefect's server (as `prefect server start`); a request refused by a SQLite lock conflict is "
-        "replayed by the server within ~0.3 s instead of the client's 2 s back-off (ppoflow/prefect_server.py)",
+        "replayed by the server within ~0.3 s instead of the client's 2 s back-off (adaptations/prefect_server.py)",
     )
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=4200)
@@ -349,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("config-reference", help="print the config reference (Markdown)")
     ref.set_defaults(func=cmd_config_reference)
     return p
+
+
+# Commands that never talk to Prefect: they neither pay its import nor get its adaptations (adaptations/).
+_WITHOUT_PREFECT = {"shards", "runs", "models", "config-reference", "prefect-server", "serve-reward", "rank-agent"}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -363,6 +367,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # timeout is too short on a busy 2-core machine (first start runs the database migrations).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     args = build_parser().parse_args(argv)
+    if args.command not in _WITHOUT_PREFECT:  # a command that runs, serves or submits flows: adapt Prefect first
+        from adaptations import install_process_adaptations
+
+        install_process_adaptations()
     if args.command == "runs" and args.action != "ls" and not args.run:
         print(f"ppoflow runs {args.action}: name the run (ppoflow runs {args.action} RUN)", file=sys.stderr)
         return 2

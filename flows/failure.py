@@ -53,7 +53,7 @@ class Terminated(KeyboardInterrupt):
     unwinds as Ctrl-C does. Prefect marks the run, `finally` blocks and atexit hooks run (Prefect's temporary
     server is stopped by one), and the command prints the one failure message with the resume command. Without
     it Python dies at once on SIGTERM: no message, no `finally` (the server would still go: it watches its parent,
-    ppoflow/prefect_server.py)."""
+    adaptations/prefect_server.py)."""
 
 
 def raise_on_sigterm():

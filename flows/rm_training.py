@@ -19,6 +19,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from adaptations import install_process_adaptations
 from engines.precision import cpu_autocast_problem
 from flows.preflight_static import PreflightError, format_problems
 from flows.records import read_metrics, record_metrics
@@ -60,6 +61,7 @@ def _artifact_key(cfg: PPOFlowConfig) -> str:
 @flow(name="rm-training", flow_run_name=named_after_run("rm-training"))
 def rm_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the reward model described by `config` (PPOFlowConfig as JSON); returns the export manifest."""
+    install_process_adaptations()  # a deployment's run enters here (the CLI installed them already: idempotent)
     cfg = as_config(config)
     if problem := cpu_autocast_problem(cfg.model.autocast_dtype):  # bf16 emulated on this CPU: ~16x slower
         raise PreflightError(format_problems(cfg, [problem]))

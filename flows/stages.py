@@ -27,6 +27,7 @@ from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Crashed
 
+from adaptations import install_process_adaptations
 from engines.stages.manifests import (
     STAGE_MANIFESTS,
     CheckpointManifest,
@@ -240,10 +241,12 @@ WORKER_STAGE = {"eval": "rollout", "rollout-part": "rollout"}
 
 # One flow per stage, for deployments on their own pools (prefect.yaml). Explicit, typed signatures: Prefect
 # validates the JSON parameters back into manifests, and its parameter schema (the UI form) names each input.
+# A deployment's run enters at one of these: each installs the process's adaptations first (adaptations/).
 def _sampling_stage_flow(stage: str, returns: type) -> Flow:
     """The flow of a stage whose one input is the policy it samples with: rollout, and eval (the rollout engine)."""
 
     def stage_flow(config: dict[str, Any], iteration: int, policy: PolicyRef):
+        install_process_adaptations()
         return run_stage_in_process(as_config(config), stage, iteration, policy=policy)
 
     stage_flow.__name__ = stage_flow.__qualname__ = f"{stage}_stage"
@@ -256,16 +259,19 @@ rollout_stage = _sampling_stage_flow("rollout", RolloutManifest)
 
 @flow(name="ppo-score", flow_run_name="score-iter-{iteration}")
 def score_stage(config: dict[str, Any], iteration: int, rollout: RolloutManifest) -> ScoreManifest:
+    install_process_adaptations()
     return run_stage_in_process(as_config(config), "score", iteration, rollout=rollout)
 
 
 @flow(name="ppo-update", flow_run_name="update-iter-{iteration}")
 def update_stage(config: dict[str, Any], iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
+    install_process_adaptations()
     return run_stage_in_process(as_config(config), "update", iteration, policy=policy, scored=scored)
 
 
 @flow(name="ppo-checkpoint", flow_run_name="checkpoint-iter-{iteration}")
 def checkpoint_stage(config: dict[str, Any], iteration: int, update: UpdateManifest) -> CheckpointManifest:
+    install_process_adaptations()
     return run_stage_in_process(as_config(config), "checkpoint", iteration, update=update)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from adaptations import install_process_adaptations
 from engines.reasoning_tasks import materialize as materialize_generated_data
 from flows.artifacts import publish_iteration_artifacts, start_progress, update_progress
 from flows.iteration import evaluate_initial_policy, ppo_iteration, recover_missing_rows, rerun_missing_evals
@@ -34,6 +35,7 @@ from storage.layout import RunLayout, layout_for
 )
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""
+    install_process_adaptations()  # a deployment's run enters here (the CLI installed them already: idempotent)
     cfg = materialize_generated_data(as_config(config))  # data.reasoning_gym: the .jsonl files, written once
     preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)

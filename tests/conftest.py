@@ -34,3 +34,15 @@ def _no_warm_score_cache_across_tests():
     from engines import warm
 
     warm.invalidate(warm.Role.SCORE_CACHE)
+
+
+def pytest_collection_finish(session):
+    """Tests that run flows in this process get the adaptations the `ppoflow` command installs (adaptations/), as
+    every entry point does: without them each SQLite lock conflict of Prefect's temporary server is a 2 s wait.
+    Only when a collected test module imported Prefect, so a run of pure unit tests does not pay its import."""
+    import sys
+
+    if "prefect" in sys.modules:
+        from adaptations import install_process_adaptations
+
+        install_process_adaptations()

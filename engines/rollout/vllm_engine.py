@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from adaptations.vllm import allow_function_rpc, retie_lm_head
 from engines.rollout.base import RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
 from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
-from engines.rollout.vllm_tied_head import allow_function_rpc, retie_lm_head
 
 log = logging.getLogger("ppoflow.rollout")
 
@@ -177,7 +177,7 @@ class VLLMRolloutEngine:
 
     @property
     def _tied_head(self) -> bool:
-        """The LM head is the input embedding: each reload must re-tie it (engines/rollout/vllm_tied_head.py)."""
+        """The LM head is the input embedding: each reload must re-tie it (adaptations/vllm.py)."""
         return bool(self._architecture["tie_word_embeddings"])
 
     # ---- generation -------------------------------------------------------------------------------

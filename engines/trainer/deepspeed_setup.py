@@ -4,9 +4,10 @@ One process is rank 0 of world 1 unless a launcher set RANK/WORLD_SIZE; on CPU t
 gloo backend is used (DS_ACCELERATOR=cpu). DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op
 when it starts (35 s on 2 cores, then cached in ~/.cache/torch_extensions; so paid again by every fresh
 container and CI machine). With one rank there is nothing to reduce, so `setup_distributed` marks that op
-unavailable and DeepSpeed falls back to plain torch.distributed. Several CPU ranks use gloo's all-reduce too
-unless PPOFLOW_DS_SHM_COMM=1 (then the op is built: faster all-reduce of large tensors between ranks of one
-node, at the price of that build on every fresh machine, which CI would pay in every job).
+unavailable (adaptations/deepspeed.py) and DeepSpeed falls back to plain torch.distributed. Several CPU ranks
+use gloo's all-reduce too unless PPOFLOW_DS_SHM_COMM=1 (then the op is built: faster all-reduce of large
+tensors between ranks of one node, at the price of that build on every fresh machine, which CI would pay in
+every job).
 
 Optimizer: AdamW with `torch_adam: true`, i.e. `torch.optim.AdamW(fused=True)` inside DeepSpeed's ZeRO
 wrapper. Why: DeepSpeed's own fused CPU Adam needs a second JIT build (minutes on 2 cores); torch's fused
@@ -35,10 +36,11 @@ import math
 import os
 import socket
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
+
+from adaptations.deepspeed import quiet_deprecated_collectives, skip_shm_comm_build
 
 
 def _free_port() -> int:
@@ -47,17 +49,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# DeepSpeed 0.19.8's comm layer calls the two collectives torch 2.13 deprecated in favour of *_single, and torch's
-# FutureWarning came back dozens of times per ZeRO-2/3 update on every rank. Nothing for a user to do, and in a rank's
-# log (whose last lines a RankDiedError quotes) they pushed out the lines that explain a failure.
-_DEEPSPEED_DEPRECATED_CALLS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
-
-
 def setup_distributed() -> None:
     """Make this process a DeepSpeed rank (rank 0 of 1 when no launcher set the variables). Idempotent."""
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", message=_DEEPSPEED_DEPRECATED_CALLS, category=FutureWarning)
+    quiet_deprecated_collectives()  # adaptations/deepspeed.py
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -70,7 +66,7 @@ def setup_distributed() -> None:
         if not torch.cuda.is_available() and (
             os.environ["WORLD_SIZE"] == "1" or os.environ.get("PPOFLOW_DS_SHM_COMM") != "1"
         ):
-            _skip_shm_comm_build()
+            skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         if os.environ["WORLD_SIZE"] != "1":
             atexit.register(_exit_after_collectives)
@@ -138,7 +134,7 @@ def join_process_group(
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if os.environ.get("PPOFLOW_DS_SHM_COMM") != "1":
-            _skip_shm_comm_build()
+            skip_shm_comm_build()
     import deepspeed
 
     dist.init_process_group(
@@ -149,17 +145,6 @@ def join_process_group(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")  # adopts the group torch just made
-
-
-def _skip_shm_comm_build() -> None:
-    """One CPU rank: tell DeepSpeed its shared-memory comm op is unavailable, so it is not compiled (module doc).
-
-    `deepspeed.ops.__compatible_ops__` is the dict DeepSpeed itself consults before building the op (and
-    keeps, so that edits persist); if a later DeepSpeed stops reading it, the op is simply built again.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:

@@ -1,6 +1,6 @@
 """`ppoflow train` on the embedded default (no PREFECT_API_URL) starts Prefect's temporary server; SIGKILL of the
 `ppoflow train` process alone (what the OOM killer does) takes that server down with it within seconds
-(ppoflow/prefect_server.py `watch_parent`). Before, the server was stopped only by Prefect's atexit hook, which
+(adaptations/prefect_server.py `watch_parent`). Before, the server was stopped only by Prefect's atexit hook, which
 SIGKILL never runs: this test failed on the server still answering.
 """
 

@@ -1,4 +1,4 @@
-"""vLLM's in-place reload of a model whose LM head is its input embedding (engines/rollout/vllm_tied_head.py).
+"""vLLM's in-place reload of a model whose LM head is its input embedding (adaptations/vllm.py).
 
 A module of its own: the engine it starts and shuts down must be the only one of this process (VLLMRolloutEngine
 .shutdown reaps every child process, so it would take test_vllm_rollout's module engine with it).
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_tied_head_samples_the_reloaded_weights(tmp_path):
     """A model whose LM head is its input embedding (tie_word_embeddings, as SmolLM2): after load_weights, vLLM
-    0.32 kept the head's old kernel (engines/rollout/vllm_tied_head.py), so the sampler's log-probs matched
+    0.32 kept the head's old kernel (adaptations/vllm.py), so the sampler's log-probs matched
     neither folder; they must be a transformers forward of the new folder's."""
     from transformers import LlamaForCausalLM
 

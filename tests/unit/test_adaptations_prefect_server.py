@@ -1,6 +1,7 @@
-"""ppoflow/prefect_server.ReplayOnConflict, driven through Prefect's real HTTP client (PrefectHttpxAsyncClient, the one
-every Prefect API call goes through) over httpx's ASGI transport. The waits the client chose are read from
-its own debug log: with the middleware a conflict that clears within the replays costs the client nothing.
+"""adaptations/prefect_server.py: ReplayOnConflict, driven through Prefect's real HTTP client
+(PrefectHttpxAsyncClient, the one every Prefect API call goes through) over httpx's ASGI transport. The waits
+the client chose are read from its own debug log: with the middleware a conflict that clears within the replays
+costs the client nothing.
 """
 
 import asyncio
@@ -8,14 +9,16 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from ppoflow.prefect_server import ReplayOnConflict
+from adaptations.prefect_server import PARENT_POLL_S, ReplayOnConflict
 
 REPO = Path(__file__).resolve().parents[2]
 DELAYS = (0.0, 0.0, 0.0)  # the schedule is not under test; three replays, no sleeping
@@ -129,7 +132,9 @@ def test_other_answers_and_lifespan_pass_through_once():
 
 _START_TEMPORARY_SERVER = """
 import json, os, sys
-import tasks  # installs the hook, as every process that runs ppoflow's flows does
+from adaptations import install_process_adaptations
+
+install_process_adaptations()  # as every entry point that runs ppoflow's flows does
 from prefect.client.orchestration import get_client
 from prefect.server.api.server import SubprocessASGIServer
 
@@ -148,11 +153,16 @@ print(json.dumps({"healthy": healthy, "argv": argv, "niceness": niceness, "own":
 """
 
 
+# As flows/cli.py sets it: a temporary server's first start (database migrations) took over Prefect's default 20 s
+# on the shared 2-core machine.
+SLOW_START = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+
+
 def _python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     return subprocess.run(
         [sys.executable, "-c", code],
-        env={**clean, "PREFECT_HOME": str(tmp_path / "prefect-home"), **env},
+        env={**clean, **SLOW_START, "PREFECT_HOME": str(tmp_path / "prefect-home"), **env},
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -167,7 +177,7 @@ def test_the_temporary_server_prefect_starts_without_an_api_url_is_the_replaying
     assert started["healthy"]
     argv = started["argv"]
     # Prefect's command (uvicorn on loopback) with only the factory changed
-    assert argv[argv.index("--factory") + 1] == "ppoflow.prefect_server:create_replaying_app"
+    assert argv[argv.index("--factory") + 1] == "adaptations.prefect_server:create_replaying_app"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "uvicorn" in argv
     # ...at the lowest priority, every thread of it (uvicorn's loop, the database threads), while this run's own
     # process keeps its priority
@@ -177,13 +187,69 @@ def test_the_temporary_server_prefect_starts_without_an_api_url_is_the_replaying
 
 def test_with_an_api_url_nothing_is_changed_and_prefects_server_module_is_not_loaded(tmp_path):
     code = (
-        "import sys, tasks\n"
-        "from ppoflow.prefect_server import replay_on_temporary_server\n"
+        "import sys\n"
+        "from adaptations.prefect_server import replay_on_temporary_server\n"
         "print(replay_on_temporary_server(), 'prefect.server.api.server' in sys.modules)\n"
     )
     out = _python(code, tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+_UNADAPTED_TEMPORARY_SERVER = """
+import os, signal
+import tasks  # ppoflow's packages: importing them must adapt nothing
+from prefect.client.orchestration import get_client
+from prefect.server.api.server import SubprocessASGIServer
+
+with get_client(sync_client=True) as client:
+    client.api_healthcheck()
+(server,) = [s for s in SubprocessASGIServer._instances.values() if s.server_process]
+print(server.server_process.pid, os.nice(0), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way: no atexit hook runs
+"""
+
+
+def test_upstream_still_leaves_its_temporary_server_running_after_a_sigkill_of_the_run(tmp_path):
+    """Prefect 3.7.7 without the adaptation (and nothing installed by importing ppoflow): the temporary server
+    keeps running once the process that started it is SIGKILLed, at that process's priority. Fails once Prefect
+    ties the server's life to its parent itself: then `watch_parent` can go."""
+    clean = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    stderr = tmp_path / "stderr"
+    with open(stderr, "w") as err:  # a file, not a pipe: the orphaned server inherits it and keeps it open
+        run = subprocess.Popen(
+            [sys.executable, "-c", _UNADAPTED_TEMPORARY_SERVER],
+            env={**clean, **SLOW_START, "PREFECT_HOME": str(tmp_path / "prefect-home")},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        first = run.stdout.readline()  # not read to its end: the server holds that pipe too
+        assert run.wait(timeout=240) == -9, stderr.read_text()[-3000:]
+    pid, parent_nice = map(int, first.split())
+    try:
+        time.sleep(3 * PARENT_POLL_S + 2)  # the adapted server is gone by then (test_temporary_server_dies_with_run)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        with open(f"/proc/{pid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        assert "prefect.server.api.server:create_app" in argv  # Prefect's own factory, still running
+        assert nice == parent_nice  # and not lowered
+    finally:
+        _stop(pid)
+
+
+def _stop(pid: int) -> None:
+    """SIGTERM, then SIGKILL, the orphaned server this test made (nobody else would stop it)."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.1)
 
 
 # --- `ppoflow prefect-server` as a user starts it: no telemetry ---------------------------------------------

@@ -1,9 +1,10 @@
-"""ppoflow/stand_in.install_stand_in: swap a module another module imported, once, and only where it is that module."""
+"""adaptations/stand_in.install_stand_in: swap a module another module imported, once, and only where it is that
+module."""
 
 import json
 import types
 
-from ppoflow.stand_in import install_stand_in
+from adaptations.stand_in import install_stand_in
 
 
 class Loud:

@@ -22,7 +22,7 @@ import ssl
 import threading
 from typing import Any
 
-from ppoflow.stand_in import install_stand_in
+from adaptations.stand_in import install_stand_in
 
 
 class _SharedDefaultContexts:
@@ -48,7 +48,11 @@ class _SharedDefaultContexts:
 
 def share_tls_context() -> bool:
     """Install the shared contexts in Prefect's client module (idempotent); False when its layout is not the
-    expected one (then Prefect is left as it is)."""
+    expected one (then Prefect is left as it is).
+
+    Works around: Prefect 3.7.7 builds an SSLContext per client (module docstring; PrefectHQ/prefect#19106 would
+    let clients share one). Installed by adaptations.install_process_adaptations; still needed while
+    tests/unit/test_adaptations_prefect_client.py finds two unpatched clients with two contexts."""
     from prefect.client import orchestration
 
     return install_stand_in(orchestration, "ssl", ssl, _SharedDefaultContexts)

@@ -1,4 +1,6 @@
-"""`ppoflow prefect-server`: Prefect's own server (API, services, SQLite by default), with one change in how it
+"""Prefect's server, adapted (written against Prefect 3.7.7).
+
+`ppoflow prefect-server`: Prefect's own server (API, services, SQLite by default), with one change in how it
 handles a lock conflict.
 
 Why: on SQLite, Prefect's server runs each request in a DEFERRED transaction. A request that reads and then
@@ -67,7 +69,7 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, Optional
 
-from ppoflow.stand_in import install_stand_in
+from adaptations.stand_in import install_stand_in
 
 REPLAY_DELAYS_S = (0.01, 0.02, 0.04, 0.08, 0.16)
 TEMPORARY_SERVER_NICENESS = 19  # the lowest priority: the server runs when the run's compute leaves a core idle
@@ -227,7 +229,12 @@ def replay_on_temporary_server() -> bool:
     environment) with only the factory named differently, started at nice 19, dying with this process. False,
     changing nothing, when this process has an API URL (importing Prefect's server module costs ~1.6 s, which a
     process that starts the temporary server pays anyway), or when Prefect's module does not look as expected
-    (its server then conflicts as before, and outlives a SIGKILL of this process)."""
+    (its server then conflicts as before, and outlives a SIGKILL of this process).
+
+    Works around, in Prefect 3.7.7: a SQLite lock conflict answered 503 with no Retry-After (the client waits
+    2 s), and a temporary server stopped only from an atexit hook (module docstring). Installed by
+    adaptations.install_process_adaptations; still needed while tests/unit/test_adaptations_prefect_server.py
+    sees Prefect's client wait 2 s after a 503 and an unpatched temporary server outlive its SIGKILLed parent."""
     from prefect.settings import get_current_settings
 
     if get_current_settings().api.url:

