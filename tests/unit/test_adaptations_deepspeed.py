@@ -97,3 +97,40 @@ def test_deepspeeds_collectives_still_warn_and_quiet_deprecated_collectives_sile
         "another FutureWarning",
     ]
     assert seen["adapted"] == ["another FutureWarning"]  # other FutureWarnings still show
+
+
+_ALLREDUCE = """
+import json, os
+import torch
+import deepspeed
+from adaptations.deepspeed import skip_shm_comm_build, skip_single_rank_allreduce
+
+skip_shm_comm_build()
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Linear(8, 8)
+config = {"train_batch_size": 1, "zero_optimization": {"stage": 0},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+reductions = []
+fallback = engine.buffered_allreduce_fallback  # where stage 0 flattens and all-reduces every gradient
+engine.buffered_allreduce_fallback = lambda *a, **k: reductions.append(1) or fallback(*a, **k)
+
+
+def step():
+    engine.backward(engine(torch.ones(1, 8)).square().sum())
+    engine.step()
+    return len(reductions)
+
+
+upstream_flag, upstream = engine.enable_backward_allreduce, step()
+switched = skip_single_rank_allreduce(engine)
+adapted = step() - upstream
+print(json.dumps({"flag": upstream_flag, "upstream": upstream, "switched": switched, "adapted": adapted}))
+"""
+
+
+def test_deepspeed_still_all_reduces_over_one_rank_at_stage_0_and_skip_single_rank_allreduce_stops_it():
+    seen = _child(_ALLREDUCE)
+    assert seen["flag"] is True and seen["upstream"] >= 1  # upstream still: one rank, a flatten-and-copy per step
+    assert seen["switched"] is True and seen["adapted"] == 0
