@@ -25,6 +25,11 @@ the submitting flow can tell a busy worker from none (tasks/leases.py); and it d
 cancelled while it waited in the server's queue (flows/stages.py cancels a submission that no worker had taken
 when it gives up waiting: a worker started later must not run a stage its flow no longer waits for).
 
+Several update ranks (engines/trainer/torchrun_group.py): `torchrun --nproc-per-node=N --no-python ppoflow worker
+--stage update --stage checkpoint` (and --nnodes, --rdzv-backend=c10d, --rdzv-endpoint for several nodes) starts N
+such processes; rank 0 serves the stages here as one worker, the others follow its commands and never talk to
+Prefect. After a stage that broke the group rank 0 ends its process, so that torchrun restarts the whole group.
+
 What the worker decides, not the submitting flow: a task's retries (`--retries`) and where its results
 persist (Prefect's default result storage; on several machines point PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK
 and PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK at a shared block, e.g. S3).
@@ -33,6 +38,8 @@ and PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK at a shared block, e.g. S3).
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from typing import Sequence
 
 import httpx
@@ -76,6 +83,10 @@ class SlotTaskWorker(TaskWorker):
                 continue
             if await self._acquire_token(task_run.id):
                 self._runs_task_group.start_soon(self._safe_submit_scheduled_task_run, task_run)
+
+    async def _safe_submit_scheduled_task_run(self, task_run: TaskRun) -> None:
+        await super()._safe_submit_scheduled_task_run(task_run)
+        _end_if_group_broke()
 
     async def _stay_present(self, base_url: str) -> None:
         """Hold a subscription on the presence keys of the tasks served here for as long as this process runs."""
@@ -163,6 +174,7 @@ def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> Non
     unknown = sorted(set(stages) - set(STAGES))
     if unknown or not stages:
         raise ValueError(f"ppoflow worker --stage {unknown or '(none)'}: allowed are {', '.join(STAGES)}")
+    _join_torchrun_group(stages)  # under torchrun: ranks 1..N-1 follow rank 0 there and never return
     # eval and the parts of a split rollout (pipeline.rollout_parts) sample with the rollout engine
     served = list(dict.fromkeys(stages)) + (["rollout-part", "eval"] if "rollout" in stages else [])
     tasks = [STAGE_TASKS[s].with_options(retries=retries) for s in served]
@@ -182,3 +194,37 @@ async def _serve(tasks: list, limit: int) -> None:
         await worker.astart()
     except StopTaskWorker:
         pass
+
+
+def _join_torchrun_group(stages: Sequence[str]) -> None:
+    """When torchrun started this process: join its group (every rank at once); ranks 1..N-1 then follow rank 0's
+    commands until it stops them and end their process there; rank 0 returns and serves. Nothing otherwise.
+
+    ValueError when such a group is asked to serve a stage other than update and checkpoint."""
+    from engines.stages.update_ranks import follow
+    from engines.trainer import torchrun_group
+
+    if not torchrun_group.launched():
+        return
+    if "update" not in stages or set(stages) - {"update", "checkpoint"}:
+        raise ValueError(
+            f"ppoflow worker --stage {' --stage '.join(stages)} under torchrun: a torchrun group is the update "
+            f"worker; serve --stage update (and --stage checkpoint) with it, the other stages with plain workers"
+        )
+    group = torchrun_group.join()
+    if group.rank != 0:
+        follow(group)
+
+
+def _end_if_group_broke() -> None:
+    """After a task run: when it broke the torchrun group this process is rank 0 of, end the process (its stage has
+    failed with the error already), so that torchrun restarts every rank of the group from a clean state."""
+    from engines.trainer import torchrun_group
+
+    group = torchrun_group.current()
+    if group is None or group.broken is None:
+        return
+    task_worker_logger.error("the update group broke (%s): rank 0 exits, torchrun restarts the group", group.broken)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

@@ -23,7 +23,7 @@ from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from engines.stages.policy import checkpoint_weights_id
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.stages.update_trainer import build_trainer, staleness, update_manifest
-from engines.trainer import rank_group
+from engines.trainer import rank_group, torchrun_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
@@ -57,9 +57,10 @@ def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
 def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
     """Train on iteration `iteration`'s scored shards starting from `policy`; stage the new checkpoint.
 
-    With train.num_ranks > 1 the update runs on a group of ranks kept between iterations (update_ranks.py).
+    With train.num_ranks > 1, or on a worker that torchrun started as a group, the update runs on a group of ranks
+    kept between iterations (update_ranks.py).
     """
-    if cfg.train.num_ranks > 1:
+    if cfg.train.num_ranks > 1 or torchrun_group.current() is not None:
         from engines.stages.update_ranks import run_update_on_ranks
 
         return run_update_on_ranks(cfg, iteration, policy, scored)

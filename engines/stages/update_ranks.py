@@ -22,6 +22,10 @@ carry all the scored columns.
 Failure: any exception during the commands tears the group down (rank_group.failed); a rank that died is
 named with its exit code or signal. The retry starts a new group whose trainers are built from the
 committed checkpoint the stage starts from, so it equals a run that never failed.
+
+The same commands and per-rank work run on a group that torchrun started (engines/trainer/torchrun_group.py): when
+this process is rank 0 of one (a `ppoflow worker` launched by torchrun), the update runs on that group instead of
+starting one, its followers run `follow` below, and torchrun restarts the whole group after a failure.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from engines.stages.tables import experience_batch, experience_table, write_stage_table
 from engines.stages.update_trainer import build_trainer, staleness, update_manifest
-from engines.trainer import rank_group, rank_link
+from engines.trainer import rank_group, rank_link, torchrun_group
 from engines.trainer.hostfile import placement_for
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
@@ -142,15 +146,19 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     layout = layout_for(cfg)
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
     check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
-    liveness = rank_group.Liveness(cfg.train.rank_agent_join_s, cfg.train.rank_heartbeat_lost_s)
-    group = rank_group.group_for(placement_for(cfg.train), ENTRY, cfg.train.rank_timeout_s, liveness)
+    led = torchrun_group.current()  # the torchrun group this worker is rank 0 of, if any
+    if led is not None:
+        led.require(cfg.train.num_ranks)
+    group = led or _own_group(cfg)
     try:
         trainer = warm.take(trainer_key(policy.weights_id))
         if trainer is None or group.holds != policy.weights_id:
             trainer = None
             gc.collect()  # the old trainer's memory goes before the new one is built, on every rank
             command = {"config": cfg.model_dump(mode="json"), "policy": policy.model_dump(mode="json")}
-            group.send({"op": "build", "checkpoint_dir": ckpt, "zero3_counters": zero3_counters(), **command})
+            if led is None:  # torchrun's ranks count together from their start (torchrun_group.py's docstring)
+                command["zero3_counters"] = zero3_counters()
+            group.send({"op": "build", "checkpoint_dir": ckpt, **command})
             trainer = build_trainer(cfg, policy, ckpt)
             warm.count_build(warm.Role.TRAINER.value)
         group.holds = None  # from here on the ranks' weights move past `policy`
@@ -167,7 +175,8 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
                 f.write(cfg.to_yaml())
             staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
     except BaseException as exc:
-        error = rank_group.failed(exc)  # tears the group down; names a rank that died
+        # the own group is torn down, naming a rank that died; torchrun's is restarted by torchrun
+        error = led.failed(exc) if led is not None else rank_group.failed(exc)
         if error is exc:
             raise
         raise error from exc
@@ -176,9 +185,15 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     warm.put(trainer_key(weights_id), trainer)
     metrics = dict(result.metrics)
     metrics["ranks/world_size"] = float(group.world)
-    metrics["ranks/group_starts"] = float(rank_group.group_starts())
+    metrics["ranks/group_starts"] = 1.0 if led is not None else float(rank_group.group_starts())
     metrics["async/staleness"] = staleness(policy, table)
     return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)
+
+
+def _own_group(cfg) -> rank_group.RankGroup:
+    """The group of train.num_ranks ranks this process starts and keeps as rank 0 (engines/trainer/rank_group.py)."""
+    liveness = rank_group.Liveness(cfg.train.rank_agent_join_s, cfg.train.rank_heartbeat_lost_s)
+    return rank_group.group_for(placement_for(cfg.train), ENTRY, cfg.train.rank_timeout_s, liveness)
 
 
 class _Rank:
@@ -198,7 +213,8 @@ class _Rank:
             self.cfg = build_config(command["config"], origin="the update group's build command")
             check_sees_storage(self.cfg, command["checkpoint_dir"])
             policy = PolicyRef.model_validate(command["policy"])
-            zero3_counters(command["zero3_counters"])
+            if "zero3_counters" in command:  # rank 0 of the own group outlives its ranks; torchrun's do not
+                zero3_counters(command["zero3_counters"])
             self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])
         elif op == "update":
             layout = layout_for(self.cfg)
@@ -214,6 +230,11 @@ class _Rank:
 def main() -> None:
     """Ranks 1..N-1: join the group, then follow rank 0's commands until told to stop."""
     rank_link.run_rank(_Rank())
+
+
+def follow(group: torchrun_group.TorchrunGroup) -> None:
+    """Ranks 1..N-1 of a torchrun group (flows/workers.py): rank 0's commands until it stops them (exits)."""
+    group.follow(_Rank())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+"""The warm update worker as a torchrun-launched group of data-parallel ranks.
+
+    torchrun --nproc-per-node=2 --no-python ppoflow worker --stage update --stage checkpoint
+
+starts two processes, each given RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and the rendezvous
+store by torchrun. `ppoflow worker` (flows/workers.py) sees that torchrun launched it (`launched()`), joins the
+process group (`join()`), and then:
+- rank 0 (`current()`) registers with Prefect as any `ppoflow worker --stage update` does and takes the update and
+  checkpoint task runs; its update stage (engines/stages/update_ranks.py) drives the other ranks with `send`;
+- ranks 1..N-1 never talk to Prefect: they `follow` rank 0's commands until it stops them.
+
+Commands are small JSON documents (references to storage, never tensors) set under `cmd/<n>` in this group's key
+space of the rendezvous store (a TCPStore client of MASTER_ADDR:MASTER_PORT, the store torchrun's agent serves),
+not sent through a collective: a follower waits between iterations (rollout and scoring run meanwhile) far
+longer than any collective timeout. The key space is named by rank 0 and broadcast once at join: the agent's store
+outlives a restart of the group, and a restarted group must not read its predecessor's commands.
+
+Failure: torchrun owns the group's life. A rank that ends (SIGKILL, OOM, or an error in a command, which a follower
+leaves in `err/<rank>` before it exits 1) makes torchrun stop every rank of the group, rank 0 too, and start them
+all again (--max-restarts); on several nodes the other nodes' agents restart theirs at the next rendezvous round.
+Rank 0's death drops its stage lease (tasks/leases.py), so the flow fails the stage naming the worker; the retried
+flow run goes to the restarted group, whose trainers are built from the committed checkpoint. A command that fails
+on rank 0 (the followers may be inside a collective, their weights past the checkpoint) breaks the group: the
+stage fails with that error, then rank 0 ends its process (flows/workers.py) and torchrun restarts the group.
+
+ZeRO-3's process-wide numbering (update_ranks.zero3_counters) is not handed to the followers here: every rank of a
+restarted group is a new process counting from 0, and every trainer is built on every rank, so the counters move
+in lockstep. The home-made group needs the hand-over because its rank 0 outlives the ranks it restarts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterator, NoReturn, Optional
+
+POLL_S = 0.02  # how often a follower checks the store for the next command
+STORE_TIMEOUT_S = 300.0  # connecting to the agent's store on a busy machine
+_KEY_SPACE = "ppoflow/update-group"
+
+
+class TorchrunGroup:
+    """This process's place in the group torchrun started: its rank, the group's size, the group's key space of
+    the rendezvous store. On rank 0 also what the update stage keeps between iterations (`holds`) and whether
+    a failed command broke the group (`broken`)."""
+
+    def __init__(self, rank: int, world: int, store, group_id: str):
+        self.rank, self.world, self.store, self.id = rank, world, store, group_id
+        self.holds: Optional[str] = None  # identity of the weights every rank's trainer holds (set by the stage)
+        self.broken: Optional[str] = None  # the error that broke the group (rank 0), after which it must restart
+        self._sent = 0
+
+    # rank 0
+    def require(self, num_ranks: int) -> None:
+        """ValueError when a run's train.num_ranks is not this group's size (its batch is split over that many
+        ranks); RuntimeError when an earlier command broke the group (it is about to be restarted)."""
+        if self.broken is not None:
+            raise RuntimeError(f"the torchrun update group broke ({self.broken}) and is being restarted by torchrun")
+        if num_ranks != self.world:
+            raise ValueError(
+                f"train.num_ranks={num_ranks} but this update worker is a torchrun group of {self.world} rank(s) "
+                f"(WORLD_SIZE={self.world}): set train.num_ranks={self.world}, or serve the run with a group of "
+                f"{num_ranks} (torchrun --nnodes x --nproc-per-node = {num_ranks})"
+            )
+
+    def send(self, command: dict[str, Any]) -> None:
+        """Hand `command` (JSON-able) to ranks 1..N-1; they run it in the order sent."""
+        if self.broken is not None:
+            raise RuntimeError(f"the torchrun update group broke ({self.broken}) and is being restarted by torchrun")
+        self.store.set(f"cmd/{self._sent}", json.dumps(command))
+        self._sent += 1
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """After `exc` interrupted the group's commands: mark the group broken (rank 0 ends its process once the
+        stage has failed: flows/workers.py) and return the error to raise: `exc`, or a RuntimeError naming the
+        follower that reported an error of its own (chained by the caller)."""
+        self.broken = f"{type(exc).__name__}: {exc}"[:500]
+        reported = self.reported_errors()
+        if not reported:
+            return exc
+        ranks = "; ".join(f"rank {rank}: {text}" for rank, text in reported.items())
+        return RuntimeError(f"update rank(s) of the torchrun group of {self.world} failed ({ranks})")
+
+    def reported_errors(self) -> dict[int, str]:
+        """{rank: the error it left in the store} of the followers that failed a command."""
+        found = {}
+        for rank in range(1, self.world):
+            try:
+                if self.store.check([f"err/{rank}"]):
+                    found[rank] = self.store.get(f"err/{rank}").decode(errors="replace")
+            except RuntimeError:  # the store went away: nothing more to say
+                break
+        return found
+
+    def stop(self) -> None:
+        """Tell the followers to exit 0 (rank 0 ending normally: torchrun then sees the whole group succeed)."""
+        if self.broken is None:
+            try:
+                self.send({"op": "stop"})
+            except RuntimeError:
+                pass
+
+    # ranks 1..N-1
+    def follow(self, handle: Callable[[dict[str, Any]], None]) -> NoReturn:
+        """`handle(command)` for each of rank 0's commands, in order, until {"op": "stop"}; then exit 0. A command
+        that raises leaves its error in the store (`err/<rank>`) and exits 1: torchrun restarts the group."""
+        try:
+            for command in self._commands():
+                handle(command)
+        except BaseException as exc:
+            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            try:
+                self.store.set(f"err/{self.rank}", text[-2000:])
+            except RuntimeError:
+                pass
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)  # no atexit hook may block on a collective the others will never join
+        sys.stdout.flush()
+        os._exit(0)
+
+    def _commands(self) -> Iterator[dict[str, Any]]:
+        parent = os.getppid()  # torchrun's agent
+        n = 0
+        while True:
+            key = f"cmd/{n}"
+            while not self._ready(key, parent):
+                time.sleep(POLL_S)
+            command = json.loads(self.store.get(key))
+            n += 1
+            if command.get("op") == "stop":
+                return
+            yield command
+
+    def _ready(self, key: str, parent: int) -> bool:
+        if os.getppid() != parent:  # the agent is gone (killed): nobody will stop or restart this rank
+            os._exit(3)
+        try:
+            return self.store.check([key])
+        except RuntimeError:  # the agent's store went away with it
+            os._exit(3)
+
+
+def launched() -> bool:
+    """Whether torchrun (its elastic agent) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+_group: Optional[TorchrunGroup] = None
+
+
+def current() -> Optional[TorchrunGroup]:
+    """The torchrun group this process is rank 0 of, once joined; None elsewhere (followers included)."""
+    return _group
+
+
+def join() -> TorchrunGroup:
+    """Join the process group torchrun's environment describes (gloo on CPU, NCCL on GPU, through DeepSpeed as a
+    trainer uses it) and this group's key space of the rendezvous store. Every rank calls it once, at start.
+
+    Raises RuntimeError when torchrun did not start this process, or the rendezvous fails (torch's error)."""
+    global _group
+    import torch
+    import torch.distributed as dist
+
+    from engines.trainer.deepspeed_setup import setup_distributed
+
+    if not launched():
+        raise RuntimeError("torchrun_group.join: this process was not started by torchrun (no TORCHELASTIC_RUN_ID)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # this rank's GPU: its index on its node
+    setup_distributed()  # the default process group from torchrun's env; DeepSpeed adopts it
+    named = [f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}" if rank == 0 else None]
+    dist.broadcast_object_list(named, src=0)  # once, while every rank is here: rank 0 names the key space
+    timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout)
+    group = TorchrunGroup(rank, world, dist.PrefixStore(f"{_KEY_SPACE}/{named[0]}", base), named[0])
+    if rank == 0:
+        _group = group
+        atexit.register(group.stop)
+    return group
