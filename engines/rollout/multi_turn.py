@@ -95,10 +95,22 @@ def turn_seed(row_seed: int, sample_index: int, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def observation_ids(tokenizer, messages: list[Message], observation: Message) -> list[int]:
-    """The environment's tokens for `observation` after `messages`: what the chat template adds when the message
-    and the next generation prompt are appended, tokenized on its own. ValueError when the template does not
-    render `messages` as a prefix of the longer conversation (it rewrites earlier turns: no delta exists)."""
+_SENTINEL = "\u2063ppoflow-reply\u2063"  # stands for the reply's text, to find what the template writes after it
+
+
+def observation_ids(
+    tokenizer, messages: list[Message], observation: Message, reply_ids: Sequence[int] = ()
+) -> list[int]:
+    """The environment's tokens for `observation` after `messages` (whose last one is the policy's reply, sampled
+    as `reply_ids`), tokenized on their own, no special tokens added. They are the text the chat template writes
+    after the reply's content: its end-of-turn suffix, less the part the policy sampled itself (a reply that
+    stopped on EOS sampled ChatML's "<|im_end|>", and "\n" is left; a reply cut at max_new_tokens leaves the
+    whole "<|im_end|>\n"), then the observation and the next generation prompt, as
+    template(messages + [observation], add_generation_prompt=True) adds them to template(messages). So the
+    conversation's ids are the template's rendering of its messages, but for the policy's own ids.
+
+    ValueError when the template does not render `messages` as a prefix of the longer conversation (it rewrites
+    earlier turns: no delta exists)."""
     before = tokenizer.apply_chat_template(messages, tokenize=False)
     after = tokenizer.apply_chat_template(messages + [observation], tokenize=False, add_generation_prompt=True)
     if not after.startswith(before):
@@ -107,7 +119,26 @@ def observation_ids(tokenizer, messages: list[Message], observation: Message) ->
             "rewrites earlier turns), so an observation cannot be appended as tokens; multi-turn needs a template "
             "that only appends"
         )
-    return list(tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"])
+    return list(
+        tokenizer(_reply_suffix(tokenizer, messages, reply_ids) + after[len(before) :], add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
+
+
+def _reply_suffix(tokenizer, messages: list[Message], reply_ids: Sequence[int]) -> str:
+    """What the template writes after the last (assistant) message's content, less the reply's last token's text
+    when the suffix starts with it, leading whitespace aside (the EOS the policy sampled); "" when the template
+    does not show the content as written (it trims or escapes it: nothing can be said about its suffix)."""
+    marked = messages[:-1] + [{**messages[-1], "content": _SENTINEL}]
+    rendered = tokenizer.apply_chat_template(marked, tokenize=False)
+    if rendered.count(_SENTINEL) != 1:
+        return ""
+    suffix = rendered.split(_SENTINEL, 1)[1]
+    last = tokenizer.decode(list(reply_ids)[-1:]) if len(reply_ids) else ""
+    if last and suffix.lstrip().startswith(last):  # whitespace before it: a word-level tokenizer's decode drops it
+        return suffix.lstrip()[len(last) :]
+    return suffix
 
 
 @dataclass
@@ -207,7 +238,7 @@ def _step(c: _Conversation, turn: int, tokenizer, limits: TurnLimits, reply_ids:
         return c.finish("max_turns")
     message = {"role": obs.role, "content": obs.text}
     try:
-        ids = observation_ids(tokenizer, c.messages, message)
+        ids = observation_ids(tokenizer, c.messages, message, reply_ids)
     except ValueError as e:
         raise ValueError(f"row {c.start.index}, sample {c.sample_index}, turn {turn + 1}: {e}") from None
     if c.length() + len(ids) + 1 > limits.max_total_tokens:  # no room for the observation and one policy token

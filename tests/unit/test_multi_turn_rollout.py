@@ -169,3 +169,36 @@ def test_the_readme_example_environment_runs(engine, tmp_path):
 def test_a_token_limit_beyond_the_engines_context_is_refused_before_any_turn(engine):
     with pytest.raises(ValueError, match=r"max_total_tokens=1000 is more than the hf engine's context of 256"):
         _run(engine, limits=TurnLimits(4, 1000))
+
+
+def test_the_template_suffix_after_a_reply_is_the_environments_less_the_eos_the_policy_sampled(engine):
+    """A ChatML-like template in the tiny vocabulary: each message ends with "</s> now" (ChatML's "<|im_end|>\\n").
+    A reply that stopped on EOS sampled "</s>" itself, so the environment's tokens start with "now"; a reply cut at
+    max_new_tokens did not, so they start with "</s> now": either way the conversation is the template's."""
+    import copy
+
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} </s> now {% endfor %}"
+        "{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    starts = []
+    for index, prompt, label in ((5, "say 7 :", "7"), (9, "repeat 3 :", "3")):
+        text = f"user : {prompt} </s> now assistant : "
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        starts.append(ConversationStart(index, {"prompt": prompt, "label": label}, prompt, text, ids, 1000 + index))
+    factory = load_environment_factory(ENV + "DigitGuessEnv")
+    # 16 conversations of replies up to 16 tokens: the random tiny model stops on EOS in some turns, not others
+    sampling = SamplingSettings(n=8, max_new_tokens=16, temperature=1.0)
+    samples = run_conversations(engine, tok, factory, starts, sampling, TurnLimits(4, 200))
+    seen = set()
+    for s in samples:
+        spans, label = _spans(s), starts[s.prompt_index].row["label"]
+        for k in range(1, len(spans), 2):
+            reply, (owner, ids) = spans[k - 1][1], spans[k]
+            stopped = reply[-1] == tok.eos_token_id
+            seen.add(stopped)
+            role = "user" if (k // 2) % 2 == 0 else "tool"
+            text = ("" if stopped else "</s> ") + f"now {role} : say {label} now </s> now assistant : "
+            assert owner == 0 and ids == tok(text, add_special_tokens=False)["input_ids"], (stopped, tok.decode(ids))
+    assert seen == {True, False}, "both kinds of reply should occur"
