@@ -1,6 +1,6 @@
 """Multi-turn rollout: conversations with an environment, driven turn by turn over ANY RolloutEngine.generate.
 
-    run_conversations(engine, tokenizer, environment, starts, sampling, limits) -> [ConversationSample]
+    run_conversations(engine, tokenizer, factory, starts, sampling, limits) -> [ConversationSample]
 
 One conversation per (prompt row, sample j): the row's n samples are n conversations, each with an environment
 instance of its own (engines/environments/base.py). Turn t, for every conversation still running:
@@ -10,9 +10,11 @@ instance of its own (engines/environments/base.py). Turn t, for every conversati
     2. its sampled ids are appended as they are (never decoded and re-tokenized: the trainer must score exactly
        the tokens the sampler drew) and decoded only to give the environment the message's text;
     3. env.step(messages) answers; its reward is added to the sample's env_reward; done ends the episode;
-    4. otherwise the observation is appended as the chat template renders it: the text that
+    4. otherwise the observation is appended as the chat template renders it: what is left of the template's
+       end-of-turn suffix after the reply (less the EOS the policy sampled), then the text that
        template(messages + [observation], add_generation_prompt=True) adds to template(messages), tokenized on
-       its own (no special tokens added). Those tokens are the environment's (token_owner 0): context only.
+       its own (no special tokens added; see observation_ids). Those tokens are the environment's
+       (token_owner 0): context only.
 
 Engines: vLLM reuses the computed KV of the shared prefix when its prefix caching is on (vLLM's default;
 engines/rollout/vllm_engine.py leaves it on); HF generate recomputes each turn's prefix (correct, slower).
