@@ -8,9 +8,9 @@ it works for a run in progress, a finished one, and one on S3):
 A key absent from every row is left out of its panel (a metric shows a measured value or is absent).
 Drawn with matplotlib's Agg backend: no display needed.
 
-Lineage (flows/fork.py): the plot of a fork draws its parent's reward and KL curves beside its own, and the plot of
-a run with forks draws each fork's; a fork's curve starts at its fork point, from its parent's value there, so
-the two curves part where the runs did. The stage times are the plotted run's own.
+Lineage (flows/fork.py): the plot of a fork draws its parent's reward, eval accuracy and KL curves beside its own,
+and the plot of a run with forks draws each fork's; a fork's curve starts at its fork point, from its parent's
+value there, so the two curves part where the runs did. The stage times are the plotted run's own.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [p[0] for p in points], [p[1] for p in points]
 
 
-_FORK_POINT_KEYS = ("iteration", "reward/mean", "kl/mean", "kl/sequence_mean")
+_FORK_POINT_KEYS = ("iteration", "reward/mean", "eval/reward_mean", "eval/accuracy", "kl/mean", "kl/sequence_mean")
+_BESIDE_KEYS = (("reward", "reward/mean"), ("reward", "eval/accuracy"), ("kl", "kl/mean"))
 Curve = tuple[str, list[dict[str, Any]]]  # (label, metrics rows) of a related run drawn beside the plotted one
 
 
 def plot_rows(rows: list[dict[str, Any]], out: str, title: str, beside: Sequence[Curve] = ()) -> str:
-    """Draw `rows` (metrics.jsonl rows) into the PNG `out`, with the reward/mean and kl/mean curves of the runs in
-    `beside` (dashed); returns `out`. ValueError when `rows` is empty."""
+    """Draw `rows` (metrics.jsonl rows) into the PNG `out`, with the reward/mean, eval/accuracy and kl/mean curves of
+    the runs in `beside` (dashed, dotted); returns `out`. ValueError when `rows` is empty."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,10 +57,11 @@ def plot_rows(rows: list[dict[str, Any]], out: str, title: str, beside: Sequence
         if x:
             kl_ax.plot(x, y, marker=".", label=key)
     for label, other in beside:
-        for ax, key in ((reward_ax, "reward/mean"), (kl_ax, "kl/mean")):
+        for panel, key in _BESIDE_KEYS:
             x, y = _series(other, key)
             if x:
-                ax.plot(x, y, marker=".", linestyle="--", alpha=0.8, label=f"{key} ({label})")
+                ax = reward_ax if panel == "reward" else kl_ax
+                ax.plot(x, y, marker=".", linestyle=":" if "eval" in key else "--", alpha=0.8, label=f"{key} ({label})")
     kl_ax.set_ylabel("KL (nats)")
     # Row 0 is the initial policy's eval (no stages ran); a fork point row is the parent's.
     trained = [r for r in rows if int(r["iteration"]) > 0 and not r.get("fork_point")]
