@@ -9,11 +9,10 @@ process group (`join()`), and then:
   checkpoint task runs; its update stage (engines/stages/update_ranks.py) drives the other ranks with `send`;
 - ranks 1..N-1 never talk to Prefect: they `follow` rank 0's commands until it stops them.
 
-Commands are small JSON documents (references to storage, never tensors) set under `cmd/<n>` in this group's key
-space of the rendezvous store (a TCPStore client of MASTER_ADDR:MASTER_PORT, the store torchrun's agent serves),
-not sent through a collective: a follower waits between iterations (rollout and scoring run meanwhile) far
-longer than any collective timeout. The key space is named by rank 0 and broadcast once at join: the agent's store
-outlives a restart of the group, and a restarted group must not read its predecessor's commands.
+Commands are small JSON documents (references to storage, never tensors) set under `cmd/<n>` in the group's store,
+not sent through a collective: a follower waits between iterations (rollout and scoring run meanwhile) far longer
+than any collective timeout. The store (and the process group's rendezvous) is one that rank 0 hosts for this start
+of the group, found through torchrun's store: `_group_store` says why not torchrun's store itself.
 
 Failure: torchrun owns the group's life. A rank that ends (SIGKILL, OOM, or an error in a command, which a follower
 leaves in `err/<rank>` before it exits 1) makes torchrun stop every rank of the group, rank 0 too, and start them
@@ -42,8 +41,15 @@ import traceback
 from typing import Any, Callable, Iterator, NoReturn, Optional
 
 POLL_S = 0.02  # how often a follower checks the store for the next command
-STORE_TIMEOUT_S = 300.0  # connecting to the agent's store on a busy machine
-_KEY_SPACE = "ppoflow/update-group"
+STORE_TIMEOUT_S = 300.0  # for the ranks to reach the stores on a busy machine
+CONNECT_S = 5.0  # to connect to a published store: one that does not answer by then has ended with its group
+COLLECTIVE_TIMEOUT_S = 1800.0  # one collective (torch's default); a dead rank ends the group long before
+LEADER_KEY = "ppoflow/update-group/leader"  # in the agent's store: where rank 0 of the latest start serves its store
+_KEY_SPACE = "update-group"
+_NEXT = (
+    ". A rank that died is named in its torchrun agent's output. Rank 0 ends and torchrun restarts the whole group "
+    "(--max-restarts); then retry the flow run: the stage reruns from the last committed checkpoint"
+)
 
 
 class TorchrunGroup:
@@ -79,14 +85,17 @@ class TorchrunGroup:
 
     def failed(self, exc: BaseException) -> BaseException:
         """After `exc` interrupted the group's commands: mark the group broken (rank 0 ends its process once the
-        stage has failed: flows/workers.py) and return the error to raise: `exc`, or a RuntimeError naming the
-        follower that reported an error of its own (chained by the caller)."""
+        stage has failed: flows/workers.py) and return the error to raise (the caller chains `exc`): one naming the
+        followers that reported an error of their own; for a communication error (RuntimeError: a collective or
+        the store broke, as when a rank dies), one saying what happens next; else `exc`."""
         self.broken = f"{type(exc).__name__}: {exc}"[:500]
         reported = self.reported_errors()
-        if not reported:
-            return exc
-        ranks = "; ".join(f"rank {rank}: {text}" for rank, text in reported.items())
-        return RuntimeError(f"update rank(s) of the torchrun group of {self.world} failed ({ranks})")
+        if reported:
+            ranks = "; ".join(f"rank {rank}: {text}" for rank, text in reported.items())
+            return RuntimeError(f"update rank(s) of the torchrun group of {self.world} failed ({ranks}){_NEXT}")
+        if isinstance(exc, RuntimeError):
+            return RuntimeError(f"the torchrun update group of {self.world} ranks failed ({self.broken}){_NEXT}")
+        return exc
 
     def reported_errors(self) -> dict[int, str]:
         """{rank: the error it left in the store} of the followers that failed a command."""
@@ -162,28 +171,70 @@ def current() -> Optional[TorchrunGroup]:
 
 
 def join() -> TorchrunGroup:
-    """Join the process group torchrun's environment describes (gloo on CPU, NCCL on GPU, through DeepSpeed as a
-    trainer uses it) and this group's key space of the rendezvous store. Every rank calls it once, at start.
+    """Join the group torchrun's environment describes: the process group (gloo on CPU, NCCL on GPU, adopted by
+    DeepSpeed as a trainer uses it) and the group's store (`_group_store`). Every rank calls it once, at start.
 
-    Raises RuntimeError when torchrun did not start this process, or the rendezvous fails (torch's error)."""
+    Raises RuntimeError when torchrun did not start this process; TimeoutError when rank 0's store cannot be
+    reached within STORE_TIMEOUT_S; torch's error when the process group cannot form."""
     global _group
-    import torch
-    import torch.distributed as dist
-
-    from engines.trainer.deepspeed_setup import setup_distributed
+    from engines.trainer.deepspeed_setup import join_process_group
 
     if not launched():
         raise RuntimeError("torchrun_group.join: this process was not started by torchrun (no TORCHELASTIC_RUN_ID)")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # this rank's GPU: its index on its node
-    setup_distributed()  # the default process group from torchrun's env; DeepSpeed adopts it
-    named = [f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}" if rank == 0 else None]
-    dist.broadcast_object_list(named, src=0)  # once, while every rank is here: rank 0 names the key space
-    timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout)
-    group = TorchrunGroup(rank, world, dist.PrefixStore(f"{_KEY_SPACE}/{named[0]}", base), named[0])
+    store, group_id, (addr, port) = _group_store(rank)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    join_process_group(
+        store, rank, world, COLLECTIVE_TIMEOUT_S, local_rank=local_rank, master_addr=addr, master_port=port
+    )
+    group = TorchrunGroup(rank, world, _prefixed(store), group_id)
     if rank == 0:
         _group = group
         atexit.register(group.stop)
     return group
+
+
+def _prefixed(store):
+    import torch.distributed as dist
+
+    return dist.PrefixStore(_KEY_SPACE, store)
+
+
+def _group_store(rank: int):
+    """(store, group id, (addr, port)): a store that only this start of the group uses, hosted by rank 0.
+
+    Why not torchrun's store as it is: with the c10d rendezvous the agent serves one store at MASTER_ADDR:MASTER_PORT
+    for all its restarts, and torch.distributed's env:// rendezvous writes the same keys in it at every start of the
+    group; a restarted rank read the dead group's gloo address there and failed to connect (seen here, torch 2.13).
+    So rank 0 hosts a new store on a free port and publishes where under LEADER_KEY in the agent's store; the other
+    ranks take the published address whose store answers (the old group's died with its rank 0, as torchrun stops
+    every rank before starting any). Where the agent shares no store (TORCHELASTIC_USE_AGENT_STORE is not True:
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), MASTER_PORT is new at every start and rank 0 hosts the store there, as
+    torch.distributed's env:// rendezvous does."""
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store = dist.TCPStore(addr, port, None, rank == 0, timeout, wait_for_workers=False)
+        return store, f"{addr}:{port}", (addr, port)
+    agent = dist.TCPStore(addr, port, None, False, timeout)
+    if rank == 0:
+        store = dist.TCPStore(addr, 0, None, True, timeout, wait_for_workers=False)
+        group_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        agent.set(LEADER_KEY, json.dumps({"addr": addr, "port": store.port, "id": group_id}))
+        return store, group_id, (addr, store.port)
+    deadline = time.monotonic() + STORE_TIMEOUT_S
+    while True:
+        agent.wait([LEADER_KEY])
+        leader = json.loads(agent.get(LEADER_KEY))
+        try:
+            probe = datetime.timedelta(seconds=CONNECT_S)
+            store = dist.TCPStore(leader["addr"], int(leader["port"]), None, False, probe)
+        except (RuntimeError, TimeoutError):  # the store of a group that has ended: rank 0 will publish its own
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0's store was not reachable within {STORE_TIMEOUT_S:.0f} s (last: {leader})")
+            time.sleep(0.5)
+            continue
+        store.set_timeout(timeout)
+        return store, leader["id"], (leader["addr"], int(leader["port"]))
