@@ -53,8 +53,8 @@ _NEXT = (
 
 
 class TorchrunGroup:
-    """This process's place in the group torchrun started: its rank, the group's size, the group's key space of
-    the rendezvous store. On rank 0 also what the update stage keeps between iterations (`holds`) and whether
+    """This process's place in the group torchrun started: its rank, the group's size, the group's store (rank 0
+    hosts it: `_group_store`). On rank 0 also what the update stage keeps between iterations (`holds`) and whether
     a failed command broke the group (`broken`)."""
 
     def __init__(self, rank: int, world: int, store, group_id: str):
@@ -153,7 +153,7 @@ class TorchrunGroup:
             os._exit(3)
         try:
             return self.store.check([key])
-        except RuntimeError:  # the agent's store went away with it
+        except RuntimeError:  # rank 0, which hosts the store, has ended: so does this rank (torchrun sees to the rest)
             os._exit(3)
 
 

@@ -8,6 +8,7 @@ What must hold, from the design rather than from the code's output:
 - rank 0 alone is the worker Prefect knows: the only one listed as serving the update, the one each update
   manifest names; rank 1 (the agent's other child, RANK=1) is never listed;
 - the group and its trainer are kept between iterations (one trainer build for the run);
+- a run with another train.num_ranks is refused by name, and the group serves on;
 - the run equals the same run on the existing train.num_ranks = 2 path (a group this process starts as rank 0):
   byte-equal checkpoints and the same metrics rows. Only where the ranks come from differs.
 """
@@ -136,6 +137,14 @@ def test_a_torchrun_group_serves_the_update_as_the_own_rank_group_does(
         (leader,) = serving_update(logs=(log,))
         ranks = ranks_of(agent.pid)
         assert sorted(ranks) == [0, 1] and leader == f"{socket.gethostname()}:{ranks[0]}", (leader, ranks)
+        # A run whose train.num_ranks is not the group's size is refused by name, before any command: the group
+        # serves on unharmed (the run below).
+        workers = {"stage_workers": ["update", "checkpoint"]}
+        one = small_config(str(tmp_path / "runs"), "one-rank", tiny_model_dir, digits_dataset_dir, 1, pipeline=workers)
+        state = ppo_training(config=one.model_dump(mode="json"), return_state=True)
+        assert state.is_failed() and "train.num_ranks=1 but this update worker is a torchrun group of 2" in str(
+            state.message
+        ), state
         cfg = ranks_config(tmp_path, "torchrun-group", tiny_model_dir, digits_dataset_dir, on_workers=True)
         state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
         assert state.is_completed(), f"{state}\n{log.read_text()[-4000:]}"
