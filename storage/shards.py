@@ -37,6 +37,7 @@ import pyarrow as pa
 
 from storage import fs as fsutil
 from storage.schema import (
+    MULTI_TURN_COLUMNS,
     MULTI_TURN_VERSION,
     READABLE_VERSIONS,
     SCHEMA_VERSION,
@@ -368,6 +369,13 @@ def read_shards(
     """
     manifest = require_manifest(fs, stage_dir)
     selected = check_columns(manifest.kind, columns)
+    if selected is not None and manifest.schema_version < MULTI_TURN_VERSION:
+        missing = [c for c in selected if c in MULTI_TURN_COLUMNS]
+        if missing:
+            raise SchemaMismatchError(
+                f"{fsutil.url_of(fs, stage_dir)}: columns {missing} are in multi-turn shards only (schema version "
+                f"{MULTI_TURN_VERSION}); these are single-turn (version {manifest.schema_version})"
+            )
     tables = []
     for part in manifest.parts:
         table = read_part(fs, stage_dir, part, manifest.kind, verify=verify)

@@ -84,6 +84,8 @@ def test_single_turn_rows_stay_version_1(tmp_path):
     assert not set(MULTI_TURN_COLUMNS) & set(table.column_names)
     manifest = shards.write_shards(fsspec.filesystem("file"), str(tmp_path / "r"), table, "rollout")
     assert manifest.schema_version == 1
+    with pytest.raises(SchemaMismatchError, match=r"columns \['token_owner'\] are in multi-turn shards only"):
+        shards.read_shards(fsspec.filesystem("file"), str(tmp_path / "r"), columns=["prompt", "token_owner"])
 
 
 def test_environment_reward_reaches_the_score_and_the_policy_mask_the_batch(tiny_model_dir):
