@@ -53,8 +53,7 @@ RECIPE = REPO / "configs" / "real_arithmetic.yaml"
 SIDES = ("trl_hf", "trl_vllm", "ppoflow_pipeline", "ppoflow_k1", "ppoflow_engine")
 TRL_SIDES = ("trl_hf", "trl_vllm")
 RECIPE_DIFFERENCES = [
-    "advantages: ppoflow's recipe also whitens advantages over the batch (algo.whiten_advantages, default true);"
-    " TRL scales by the group's std only (scale_rewards='group')",
+    "advantages: both (s - group mean) / (group std + eps), Bessel's std; eps 1e-6 in ppoflow, 1e-4 in TRL",
     "loss: ppoflow token_mean per optimizer step; TRL 'dapo' (token mean over the accumulated batch): the same here",
     "sampling seeds: ppoflow seeds each prompt (run.seed, iteration, row); TRL seeds the process (seed)",
 ]
@@ -290,41 +289,52 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    import shutil
+def make_plan(a: argparse.Namespace):
+    """What every side shares (bench.peer_real_sides.Plan), from the command line and the recipe."""
+    from bench.peer_real_sides import Plan
 
-    from bench.peer_real_sides import Plan, run_side
-    from bench.peer_trl import alternating_schedule
-
-    a = parse(argv)
-    sides = a.sides.split(",")
-    unknown = sorted(set(sides) - set(SIDES))
-    if unknown:
-        raise SystemExit(f"--sides: unknown {unknown}; the sides are {', '.join(SIDES)}")
     cfg = recipe_cfg(a.sets)
     threads = a.threads or len(os.sched_getaffinity(0))
+    # the held-out scoring's vLLM engine runs in this process: bound as the sides' engines are (bench.real_model)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads])))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     work = REPO / "bench" / ".work" / "peer_real" / time.strftime("%Y%m%d-%H%M%S")
-    plan = Plan(
-        work,
-        str(Path(cfg.model.policy_path).resolve()),
-        a.iterations,
-        a.eval_every,
-        threads,
-        a.sets,
-        shared_recipe(cfg),
-        a.timeout_s,
-    )
+    model_dir = str(Path(cfg.model.policy_path).resolve())
+    recipe = shared_recipe(cfg)
+    return Plan(work, model_dir, a.iterations, a.eval_every, threads, a.sets, recipe, a.timeout_s, keep_runs=a.keep)
+
+
+def run_schedule(plan, sides: list[str], seeds: int) -> list[dict]:
+    """Every side once per seed, in the same order each seed (bench.peer_trl.alternating_schedule)."""
+    from bench.peer_real_sides import run_side
+    from bench.peer_trl import alternating_schedule
+
+    prompts = {
+        seed: write_prompts(recipe_cfg([*plan.sets, f"run.seed={seed}"]), plan.iterations, plan.work / f"s{seed}.jsonl")
+        for seed in range(seeds)
+    }
     runs = []
-    for seed, side in alternating_schedule(sides, list(range(a.seeds))):
-        seeded = recipe_cfg([*a.sets, f"run.seed={seed}"])
-        prompts = write_prompts(seeded, a.iterations, work / "prompts" / f"s{seed}.jsonl")
-        runs.append(run_side(side, seed, plan, prompts))
+    for seed, side in alternating_schedule(sides, list(range(seeds))):
+        runs.append(run_side(side, seed, plan, prompts[seed]))
         r = runs[-1]
         print(
             f"# {side} seed {seed}: ok={r['ok']} wall_s={r.get('wall_s', 0):.0f} {r.get('error', '')[-300:]}",
             file=sys.stderr,
             flush=True,
         )
+    return runs
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    import shutil
+
+    a = parse(argv)
+    sides = a.sides.split(",")
+    unknown = sorted(set(sides) - set(SIDES))
+    if unknown:
+        raise SystemExit(f"--sides: unknown {unknown}; the sides are {', '.join(SIDES)}")
+    plan = make_plan(a)
+    runs = run_schedule(plan, sides, a.seeds)
     summaries = {side: summarize([r for r in runs if r["side"] == side]) for side in sides}
     accuracy = score_runs(runs, plan, a.eval_size) if any(r["ok"] for r in runs) else {}
     for side, curves in accuracy.get("curves", {}).items():
@@ -337,7 +347,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "sets": a.sets,
         "iterations": a.iterations,
         "seeds": a.seeds,
-        "threads": threads,
+        "threads": plan.threads,
         "shared_recipe": plan.recipe,
         "recipe_differences": RECIPE_DIFFERENCES,
         **headline(summaries, accuracy),
@@ -348,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "plot": plot_accuracy(accuracy.get("curves", {}), folder),
     }
     if not a.keep:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(plan.work, ignore_errors=True)
     return emit("peer_real", {k: v for k, v in figures.items() if v is not None}, folder)
 
 

@@ -41,6 +41,7 @@ class Plan:
     sets: list[str] = field(default_factory=list)  # --set overrides of the recipe, applied to every side
     recipe: dict = field(default_factory=dict)  # bench.peer_real.shared_recipe
     timeout_s: float = 7200
+    keep_runs: bool = False  # a ppoflow run's folder (shards, 2 checkpoints with optimizer state) goes once read
 
 
 def side_sets(plan: Plan, side: str, seed: int) -> list[str]:
@@ -123,6 +124,8 @@ def run_side(side: str, seed: int, plan: Plan, prompts: Path) -> dict:
         )
     except (OSError, ValueError, KeyError) as e:
         run["error"] = f"no records: {e}"
+    if linker and not plan.keep_runs:
+        shutil.rmtree(linker.layout.url(linker.layout.run_dir), ignore_errors=True)  # its policies are linked out
     if proc.returncode != 0 or not run.get("ends"):
         run["error"] = f"rc {proc.returncode}: {output[-2000:]}"
     else:

