@@ -154,8 +154,9 @@ class _WorkerWatch:
         self.stage = WORKER_STAGE.get(stage, stage)  # whose workers run it
         self.what = f"stage {_worker_stage_name(stage, name)} of iteration {iteration}"
         self.restart = (
-            f"Start `ppoflow worker --stage {self.stage}` (with this flow's code) and retry the flow run: the stage "
-            f"reruns from the last committed checkpoint"
+            f"Start `ppoflow worker --stage {self.stage}` (with this flow's code) where none runs (a torchrun group "
+            f"or another supervisor restarts its own) and retry the flow run: the stage reruns from the last "
+            f"committed checkpoint"
         )
         self.task_key = STAGE_TASKS[stage].task_key
         self.unserved_since: Optional[float] = None
