@@ -60,8 +60,40 @@ def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict
         from engines.stages.rollout_env import environment_identity
 
         payload["environment"] = environment_identity(cfg)
+    if "reward" in stage_sections(cfg, stage) and stage != "update" and (code := reward_code_identity(cfg)):
+        # A reward function's code is not in the config (only its spec): an edited reward file is a new key, so a
+        # retried or resumed iteration scores with the code it now has. Only when there is a function source.
+        payload["reward_code"] = code
     digest = json_hash(payload)
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
+
+
+def reward_code_identity(cfg: PPOFlowConfig) -> dict[str, str]:
+    """{spec: sha256 of the file its code lives in} of the run's function reward sources, found without importing
+    them (a "path/file.py:fn" spec's file, a "pkg.module:fn" spec's module file); {} when there are none. A spec
+    whose file cannot be found is left out: the score stage itself then fails naming it."""
+    import hashlib
+    import importlib.util
+    from pathlib import Path
+
+    from engines.rewards.function import is_file_spec
+
+    code = {}
+    for source in cfg.reward.sources:
+        if source.kind != "function":
+            continue
+        where = source.target.rsplit(":", 1)[0]
+        origin = where
+        if not is_file_spec(where):
+            try:
+                module = importlib.util.find_spec(where)  # imports its parent packages only, not the module
+            except (ImportError, ValueError):
+                module = None
+            origin = module.origin if module is not None else None
+        file = Path(origin).expanduser() if origin else None
+        if file is not None and file.is_file():
+            code[source.target] = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    return code
 
 
 def _identity(value: Any) -> Any:
