@@ -648,6 +648,12 @@ class EvalConfig(_Section):
     )
 
 
+def _require_stage(stage: str) -> None:
+    """ValueError naming `stage` and the stages when it is not a pipeline stage (a typo in a per-stage setting)."""
+    if stage not in PIPELINE_STAGES:
+        raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
+
+
 class StageDeadlinesConfig(_Section):
     """How long a stage may run, or wait to be taken, before it fails by name (tasks/deadlines.py)."""
 
@@ -689,8 +695,7 @@ class StageDeadlinesConfig(_Section):
     @classmethod
     def _known_stages(cls, stages: dict[str, float]) -> dict[str, float]:
         for stage, seconds in stages.items():
-            if stage not in PIPELINE_STAGES:
-                raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
+            _require_stage(stage)
             if seconds < 0:
                 raise ValueError(f"stage {stage!r}: a deadline is seconds >= 0 (0 = none), not {seconds}")
         return stages
@@ -736,8 +741,7 @@ class PipelineConfig(_Section):
         # A typo in a key used to run that stage in-process without a word; preflight checks that the named
         # deployments exist on the Prefect server.
         for stage, deployment in (pools or {}).items():
-            if stage not in PIPELINE_STAGES:
-                raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
+            _require_stage(stage)
             flow_name, _, name = deployment.partition("/")
             if not flow_name or not name or "/" in name:
                 raise ValueError(

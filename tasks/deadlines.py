@@ -51,13 +51,18 @@ class _Interrupt(Exception):
     `bounded` turns it into StageDeadlineExceeded with the full message."""
 
 
+def _base_stage(stage: str) -> str:
+    """The pipeline stage a task's stage name belongs to: a rollout part (rollout-part-...) is the rollout's."""
+    return stage.split("-", 1)[0]
+
+
 def deadline_s(cfg: PPOFlowConfig, stage: str, recent: list[float], first_here: bool) -> tuple[Optional[float], str]:
     """The deadline of `stage` in seconds (None: none) and how it was derived, in words.
 
     recent: the stage's durations (seconds) of the run's last iterations, oldest first (may be empty).
     first_here: this process has not run the stage before (its engines start inside this run of it)."""
     settings = cfg.pipeline.deadlines
-    base = stage.split("-", 1)[0]  # a rollout part (rollout-part-...) has the rollout's deadline
+    base = _base_stage(stage)
     if base in settings.stages:
         fixed = settings.stages[base]
         return (fixed or None), f"pipeline.deadlines.stages.{base} = {fixed:g} s"
@@ -79,7 +84,7 @@ def deadline_s(cfg: PPOFlowConfig, stage: str, recent: list[float], first_here: 
 
 def recent_durations(cfg: PPOFlowConfig, stage: str) -> list[float]:
     """timing/<stage> of the run's metrics rows that have it, in iteration order (a rollout part: the rollout's)."""
-    key = f"timing/{stage.split('-', 1)[0]}"
+    key = f"timing/{_base_stage(stage)}"
     rows = sorted(read_metrics(layout_for(cfg)), key=lambda row: row["iteration"])
     return [float(row[key]) for row in rows if isinstance(row.get(key), (int, float))]
 
@@ -101,7 +106,7 @@ def bounded(cfg: PPOFlowConfig, iteration: int, stage: str, body: Callable[..., 
         message = (
             f"{what} ran past its deadline of {seconds:g} s ({why}) on {socket.gethostname()}:{os.getpid()}. "
             f"If it is only slow (a big model's first iteration, a slower machine), raise it with "
-            f"--set pipeline.deadlines.stages.{stage.split('-', 1)[0]}=<seconds> (0 = none) or "
+            f"--set pipeline.deadlines.stages.{_base_stage(stage)}=<seconds> (0 = none) or "
             f"pipeline.deadlines.first_s; if it hangs, the stage's logs say where"
         )
         watch = _Watch(seconds, cfg.pipeline.deadlines.grace_s, message)
