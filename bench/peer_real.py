@@ -294,6 +294,12 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
         "slower, for finding where the time goes, not for the figures",
     )
     p.add_argument("--results-dir", default=None, help="where the line is appended (default bench/results)")
+    p.add_argument(
+        "--from-runs",
+        default=None,
+        metavar="RUNS_JSONL",
+        help="run no side: score and report the runs an earlier bench kept (<work>/runs.jsonl; its folder is kept)",
+    )
     return p.parse_args(argv)
 
 
@@ -337,6 +343,10 @@ def run_schedule(plan, sides: list[str], seeds: int) -> list[dict]:
     for seed, side in alternating_schedule(sides, list(range(seeds))):
         runs.append(run_side(side, seed, plan, prompts[seed]))
         r = runs[-1]
+        # each run is kept as it ends: a failure in the held-out scoring (or a kill) after two hours of sides
+        # loses nothing; `--from-runs <work>/runs.jsonl` scores and reports them again
+        with open(plan.work / "runs.jsonl", "a") as f:
+            f.write(json.dumps(r) + "\n")
         print(
             f"# {side} seed {seed}: ok={r['ok']} wall_s={r.get('wall_s', 0):.0f} {r.get('error', '')[-300:]}",
             file=sys.stderr,
@@ -356,7 +366,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if unknown:
         raise SystemExit(f"--sides: unknown {unknown}; the sides are {', '.join(SIDES)}")
     plan = make_plan(a)
-    runs = run_schedule(plan, sides, a.seeds)
+    if a.from_runs:
+        plan.work, plan.keep_runs = Path(a.from_runs).resolve().parent, True
+        runs = [json.loads(line) for line in Path(a.from_runs).read_text().splitlines() if line.strip()]
+        runs = [r for r in runs if r["side"] in sides]
+    else:
+        runs = run_schedule(plan, sides, a.seeds)
     summaries = {side: summarize([r for r in runs if r["side"] == side]) for side in sides}
     accuracy = score_runs(runs, plan, a.eval_size) if any(r["ok"] for r in runs) else {}
     for side, curves in accuracy.get("curves", {}).items():
@@ -380,7 +395,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "sides": summaries,
         "plot": plot_accuracy(accuracy.get("curves", {}), folder),
     }
-    if not a.keep:
+    if not (a.keep or a.from_runs):
         shutil.rmtree(plan.work, ignore_errors=True)
     return emit("peer_real", {k: v for k, v in figures.items() if v is not None}, folder)
 
