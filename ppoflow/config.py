@@ -410,6 +410,20 @@ class RewardConfig(_Section):
         ),
     )
 
+    @model_validator(mode="after")
+    def _distinct_names(self) -> "RewardConfig":
+        # Each source's scores are stored under its name (components, shards, metrics): two sources with one name
+        # would overwrite each other. Refused here, with the config, not at the first score stage of a run or fork.
+        names = [s.name or s.kind for s in self.sources]
+        twice = {n: [i for i, m in enumerate(names) if m == n] for n in names if names.count(n) > 1}
+        if twice:
+            where = "; ".join(f"{n!r} at sources {', '.join(map(str, idx))}" for n, idx in twice.items())
+            raise ValueError(
+                f"reward.sources: two sources have the same name ({where}; a source without `name` is named by its "
+                f"kind); give each a distinct `name`"
+            )
+        return self
+
 
 class ScoreConfig(_Section):
     token_budget: int = Field(16384, ge=1, description="Padded tokens per scoring micro-batch (rows sorted by length).")

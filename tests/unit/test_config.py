@@ -213,3 +213,22 @@ def test_a_merge_key_is_not_a_duplicate_and_an_override_is_checked_too(tmp_path)
         "override 'reward.sources=[{kind: model, target: m, kind: model}]': key 'kind' is given twice in "
         "'reward.sources.0'; YAML would keep only the last value: remove one"
     )
+
+
+def test_two_reward_sources_with_one_name_are_refused_with_the_config_and_before_a_fork_is_made(tmp_path):
+    # Two unnamed function sources are both named 'function' (a source is named by its kind): their scores would
+    # overwrite each other. Refused when the config is built, naming both entries; a fork asked for with them is
+    # refused before anything is written (fork_config builds the config before fork_run touches storage).
+    from flows.fork import fork_config
+
+    two = "reward.sources=[{kind: function, target: 'a.py:f'}, {kind: function, target: 'b.py:g'}]"
+    with pytest.raises(ConfigError, match=r"'function' at sources 0, 1.*distinct `name`"):
+        load_config(None, [two])
+    named = two.replace("'a.py:f'}", "'a.py:f', name: len}")
+    assert [s.name for s in load_config(None, [named]).reward.sources] == ["len", None]
+    with pytest.raises(ConfigError, match=r"'len' at sources 0, 2"):
+        load_config(None, [named.replace("]", ", {kind: function, target: 'c.py:h', name: len}]")])
+    parent = load_config(None, [f"run.root={tmp_path}", "run.name=parent"])
+    with pytest.raises(ConfigError, match=r"'function' at sources 0, 1"):
+        fork_config(parent, "child", [two])
+    assert list(tmp_path.iterdir()) == []
