@@ -5,7 +5,7 @@ shared-memory op is wanted depends on the world size and PPOFLOW_DS_SHM_COMM, th
 tests/unit/test_adaptations_deepspeed.py runs DeepSpeed's own code paths without them and fails once upstream
 no longer does what they work around.
 
-Not here: `zero3_counters` (engines/stages/update_ranks.py, DeepSpeed's process-wide ZeRO-3 numbering handed to
+Not here: `zero3_counters` (stages/update_ranks.py, DeepSpeed's process-wide ZeRO-3 numbering handed to
 the ranks of a restarted group), to be removed with issue 36 part 1 (ranks started by torchrun).
 """
 

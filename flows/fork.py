@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from engines.stages.rescore import run_config
 from flows.run_inputs import fingerprint_inputs
 from ppoflow.config import ConfigError, PPOFlowConfig, StorageConfig, apply_overrides, build_config
+from stages.rescore import run_config
 from storage import fs as fsutil
 from storage import lineage
 from storage.checkpoints import checkpoint_owner, latest_iteration, read_commit_marker

@@ -16,14 +16,14 @@ from typing import Any
 
 from prefect import flow
 
-from engines.stages.evaluate import eval_due
-from engines.stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
-from engines.stages.policy import behaviour_policy_ref, policy_ref
 from flows.failure import StageError
 from flows.in_flight import mark_committed, wait_for_previous
 from flows.records import read_metrics, read_stage_record, record_metrics
 from flows.stages import run_stage
 from ppoflow.config import as_config
+from stages.evaluate import eval_due
+from stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
+from stages.policy import behaviour_policy_ref, policy_ref
 from storage.checkpoints import read_commit_marker
 from storage.layout import RunLayout, layout_for
 from storage.lineage import own_first_iteration

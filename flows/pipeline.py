@@ -4,7 +4,7 @@
     iteration i:            rollout  score  .......... update  checkpoint          (k = 1)
 
 The schedule is fixed. Iteration i may start once iteration i-1-k has ended, because its rollout samples
-the policy that iteration committed (engines/stages/policy.behaviour_policy_ref); its rollout and score
+the policy that iteration committed (stages/policy.behaviour_policy_ref); its rollout and score
 then run while the iterations before it update. Its update trains the policy committed at i-1 (the trainer
 moves through the iterations one after another), so it waits for iteration i-1 to commit (`wait_for_previous`).
 Every input of every stage is thus a function of the iteration alone: the stage cache keys stay exact, a

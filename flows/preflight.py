@@ -4,7 +4,7 @@
 2. the deployments named in `pipeline.stage_pools` exist on the Prefect server (the error lists the ones
    that do, so a misspelt name is seen at once instead of as `ObjectNotFound: None` inside iteration 1);
 3. prompt lengths, when the rollout runs in this process: the rollout stage's own PromptSource is built
-   now (engines/stages/held.py `prompt_source_for`, kept warm in this process), so the dataset is tokenised once
+   now (stages/held.py `prompt_source_for`, kept warm in this process), so the dataset is tokenised once
    for both the check and the training, and an over-long prompt is named by its row before any work.
    When the rollout runs on a pool, its worker tokenises the data; tokenising a large dataset here too
    would pay that cost twice, so the lengths are then checked by the worker (first rollout, same error).
@@ -61,7 +61,7 @@ def check_prompt_lengths(cfg: PPOFlowConfig) -> None:
     """Tokenise the dataset through the rollout stage's warm PromptSource (see the module docstring). A
     tokenizer that does not load is the policy folder's problem (model.policy_path), not the data's."""
     from engines.models import TokenizerError
-    from engines.stages.held import prompt_source_for
+    from stages.held import prompt_source_for
 
     try:
         prompt_source_for(cfg)
@@ -73,7 +73,7 @@ def check_prompt_lengths(cfg: PPOFlowConfig) -> None:
 
 def rank_count_problems(cfg: PPOFlowConfig) -> list[str]:
     """A problem when the run's latest checkpoint was saved by a number of ranks it cannot resume on."""
-    from engines.stages.update_ranks import check_saved_ranks
+    from stages.update_ranks import check_saved_ranks
     from storage.checkpoints import latest_iteration, load_checkpoint
     from storage.layout import layout_for
 

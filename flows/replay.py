@@ -5,7 +5,7 @@
 
 Why it is exact at N+1: the fork starts from RUN's checkpoint N, cannot change the seed, the model or the data, and a
 replay refuses a changed rollout section (flows/fork.py), so iteration N+1 would sample exactly the rows RUN sampled
-there (seeds depend on run.seed, the iteration and the prompt only: engines/stages/rollout.py). The replay skips the
+there (seeds depend on run.seed, the iteration and the prompt only: stages/rollout.py). The replay skips the
 generation and takes those rows by reference. Iterations after N+1 (+ pipeline.max_staleness) were sampled by RUN's
 policy, not the fork's: off-policy, so replaying them needs algo.tis_cap (importance weights against the sampler's
 log-probs the rows carry).
@@ -16,7 +16,7 @@ How each stage of a replayed iteration runs:
   `_stages/rollout.json`, with `rollout/replayed: 1` in its metrics. The fork's iteration folder holds no rollout/.
 - score: reads RUN's rollout shards in place (storage.lineage.rollout_owner) after checking their content hash,
   and computes only the reward sources the fork changed; the unchanged sources' scores and the reference
-  log-probs come from RUN's scored rows (engines/stages/rescore.py). Its scored shards are the fork's own.
+  log-probs come from RUN's scored rows (stages/rescore.py). Its scored shards are the fork's own.
 - update, checkpoint, eval: as in any iteration, under the fork's config (its algorithm).
 
 Retention: a replaying fork reads RUN's rollout and scored shards of those iterations while it trains them. Nothing
@@ -28,8 +28,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from engines.stages.manifests import RolloutManifest, provenance
 from flows.records import write_stage_record
+from stages.manifests import RolloutManifest, provenance
 from storage import lineage
 from storage.layout import layout_for
 

@@ -7,9 +7,9 @@ flows/replay.py whether an iteration is replayed; in one module the two would im
 
 from __future__ import annotations
 
-from engines.stages.manifests import ScoreManifest
 from flows.replay import replayed_rollout
 from flows.stages import run_stage_in_process
+from stages.manifests import ScoreManifest
 from storage import lineage
 from storage.layout import RunLayout, layout_for
 from storage.run_identity import read_run_record

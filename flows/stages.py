@@ -28,7 +28,12 @@ from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Crashed
 
 from adaptations import install_process_adaptations
-from engines.stages.manifests import (
+from flows.in_flight import earlier_failure
+from flows.pool_pickup import PoolUnserved, wait_for_pool_run
+from flows.records import read_stage_record, write_stage_record
+from flows.replay import replayed_rollout
+from ppoflow.config import PPOFlowConfig, as_config
+from stages.manifests import (
     STAGE_MANIFESTS,
     CheckpointManifest,
     EvalManifest,
@@ -39,11 +44,6 @@ from engines.stages.manifests import (
     StageManifest,
     UpdateManifest,
 )
-from flows.in_flight import earlier_failure
-from flows.pool_pickup import PoolUnserved, wait_for_pool_run
-from flows.records import read_stage_record, write_stage_record
-from flows.replay import replayed_rollout
-from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
 from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
@@ -206,7 +206,7 @@ def _worker_stage_name(stage: str, name: str) -> str:
 
 def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) -> RolloutManifest:
     """pipeline.rollout_parts = N > 1: N rollout-part task runs, then the rollout-merge task (in this process: no
-    engine) that records the iteration's one RolloutManifest (engines/stages/rollout_parts.py).
+    engine) that records the iteration's one RolloutManifest (stages/rollout_parts.py).
 
     On warm workers every part is submitted before any is awaited, so the workers serving rollout sample the parts
     side by side (each takes one task run at a time). In-process the parts run one after another: they share this

@@ -201,8 +201,8 @@ def _join_torchrun_group(stages: Sequence[str]) -> None:
     commands until it stops them and end their process there; rank 0 returns and serves. Nothing otherwise.
 
     ValueError when such a group is asked to serve a stage other than update and checkpoint."""
-    from engines.stages.update_ranks import follow
     from engines.trainer import torchrun_group
+    from stages.update_ranks import follow
 
     if not torchrun_group.launched():
         return

@@ -2,7 +2,7 @@
 
 A retried flow run recomputes the same keys, finds the persisted results of the stages that completed,
 and resumes at the first stage without one. A changed input or setting changes the key, so a stale result
-is never reused. An input hand-off (engines/stages/manifests.py) counts by its `identity()` (a content
+is never reused. An input hand-off (stages/manifests.py) counts by its `identity()` (a content
 hash), a list of them item by item, any other parameter by its JSON form. The key also holds the run's
 identity (`<run>/run.json`: run id and results epoch), read at each key: `ppoflow runs repair` disowns every
 result persisted before it by moving the epoch on, wherever those results are.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.stages.manifests import HandOff
 from ppoflow.config import PPOFlowConfig, as_config
 from ppoflow.fingerprint import json_hash
+from stages.manifests import HandOff
 from storage.layout import layout_for
 from storage.run_identity import results_identity
 
@@ -57,7 +57,7 @@ def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict
     if stage in ROLLOUT_STAGES and cfg.rollout.environment is not None:
         # The environment's code answers the policy inside the rollout (its source spec alone is in the config):
         # an edited environment is a new key. Only when set, so single-turn keys are what they were.
-        from engines.stages.rollout_env import environment_identity
+        from stages.rollout_env import environment_identity
 
         payload["environment"] = environment_identity(cfg)
     if "reward" in stage_sections(cfg, stage) and stage != "update" and (code := reward_code_identity(cfg)):

@@ -1,6 +1,6 @@
 """The stage tasks (rollout, score, update, checkpoint; eval after the checkpoint): thin Prefect wrappers
-around engines/stages (one function per stage). With pipeline.rollout_parts > 1 the rollout runs as
-rollout-part task runs (one per part) and a rollout-merge (engines/stages/rollout_parts.py).
+around stages (one function per stage). With pipeline.rollout_parts > 1 the rollout runs as
+rollout-part task runs (one per part) and a rollout-merge (stages/rollout_parts.py).
 
 Each task declares its cache key (tasks/cache_keys.py) and persists its result, a typed manifest, as JSON
 under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
@@ -16,13 +16,14 @@ from typing import Any
 from prefect import task
 
 from engines import compute_thread
-from engines.stages import checkpoint as checkpoint_stage
-from engines.stages import evaluate as eval_stage
-from engines.stages import rollout as rollout_stage
-from engines.stages import rollout_parts
-from engines.stages import score as score_stage
-from engines.stages import update as update_stage
-from engines.stages.manifests import (
+from ppoflow.config import PPOFlowConfig, as_config
+from stages import checkpoint as checkpoint_stage
+from stages import evaluate as eval_stage
+from stages import rollout as rollout_stage
+from stages import rollout_parts
+from stages import score as score_stage
+from stages import update as update_stage
+from stages.manifests import (
     CheckpointManifest,
     EvalManifest,
     PolicyRef,
@@ -31,7 +32,6 @@ from engines.stages.manifests import (
     ScoreManifest,
     UpdateManifest,
 )
-from ppoflow.config import PPOFlowConfig, as_config
 from storage.layout import layout_for
 from tasks.cache_keys import cache_key_fn
 from tasks.deadlines import bounded

@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _no_warm_score_cache_across_tests():
-    """The score stage keeps its ScoreCache warm in the process (engines/stages/held.py), holding what it has read.
+    """The score stage keeps its ScoreCache warm in the process (stages/held.py), holding what it has read.
     Tests reuse bucket and folder names on a reset server, so a cache kept from an earlier test would answer
     from entries that this test's storage never held: each test starts without one."""
     yield

@@ -17,7 +17,7 @@ worker ran a round, so a retried or resumed iteration draws exactly the same ext
 - `prompts_to_draw`: how many prompts the next round asks for;
 - `select_groups`: which groups train, and the metrics.
 
-The caller: engines/stages/dynamic.py (the rollout stage's sampling rounds).
+The caller: stages/dynamic.py (the rollout stage's sampling rounds).
 """
 
 from __future__ import annotations

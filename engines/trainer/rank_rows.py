@@ -4,7 +4,7 @@ batch gathered back from every rank's rows.
 Slicing (train.num_ranks = N, an update batch of B rows in the scored shards' order, N dividing B):
 
     rank r holds rows [r * B/N, (r + 1) * B/N)     `rank_rows`; a contiguous block, so it reads only the
-                                                    shard parts that hold it (engines/stages/update_ranks.py)
+                                                    shard parts that hold it (stages/update_ranks.py)
 
 Each rank runs the no-grad forward (old log-probs, values) on its rows only, padded to the widths of the
 whole batch (the longest prompt and response on any rank: `agree_shape`, `pad_to`) and cut into the

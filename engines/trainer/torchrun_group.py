@@ -6,7 +6,7 @@ starts two processes, each given RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / 
 store by torchrun. `ppoflow worker` (flows/workers.py) sees that torchrun launched it (`launched()`), joins the
 process group (`join()`), and then:
 - rank 0 (`current()`) registers with Prefect as any `ppoflow worker --stage update` does and takes the update and
-  checkpoint task runs; its update stage (engines/stages/update_ranks.py) drives the other ranks with `send`;
+  checkpoint task runs; its update stage (stages/update_ranks.py) drives the other ranks with `send`;
 - ranks 1..N-1 never talk to Prefect: they `follow` rank 0's commands until it stops them.
 
 Commands are small JSON documents (references to storage, never tensors) set under `cmd/<n>` in the group's store,

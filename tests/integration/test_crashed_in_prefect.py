@@ -78,7 +78,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
     config_path.write_text(cfg.to_yaml())
     layout = layout_for(cfg)
 
-    first = _killed_train(config_path, "engines.stages.update:train_on@1")
+    first = _killed_train(config_path, "stages.update:train_on@1")
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     with get_client(sync_client=True) as client:
         (run_1,) = _training_runs(client, "crashy")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engines.loop import EngineLoop
 from engines.models import load_policy
 from engines.rollout.registry import get_rollout_engine
+from stages.loop import EngineLoop
 from tests.integration.pipeline_helpers import small_config
 
 

@@ -45,11 +45,11 @@ def _groups(table) -> dict[int, list[float]]:
 
 def test_eval_rows_metrics_and_dynamic_sampling(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch):
     from engines import warm
-    from engines.stages.policy import policy_ref
-    from engines.stages.rollout import run_rollout
     from flows.iteration import ppo_iteration
     from flows.records import read_metrics, read_stage_record
     from flows.training import ppo_training
+    from stages.policy import policy_ref
+    from stages.rollout import run_rollout
     from storage.layout import layout_for
     from storage.shards import read_shards
     from tests.fixtures.faults import count_stage_bodies
@@ -135,7 +135,7 @@ def test_an_eval_lost_between_commit_and_row_runs_again_on_resume(
     whole, broken = config("whole"), config("broken")
     assert ppo_training(config=whole.model_dump(mode="json"), return_state=True).is_completed()
     with _pytest.MonkeyPatch.context() as mp:
-        fail_when(mp, "engines.stages.evaluate", "run_eval", lambda cfg, iteration, *a, **k: iteration == 2)
+        fail_when(mp, "stages.evaluate", "run_eval", lambda cfg, iteration, *a, **k: iteration == 2)
         assert not ppo_training(config=broken.model_dump(mode="json"), return_state=True).is_completed()
     layout = layout_for(broken)
     assert latest_iteration(layout) == 2 and read_stage_record(layout, 2, "eval") is None

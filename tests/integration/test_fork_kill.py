@@ -24,7 +24,7 @@ from tests.integration.test_fork import _digests
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-KILLS = ["engines.stages.score:write_stage_table@1", "engines.stages.update:train_on@1"]
+KILLS = ["stages.score:write_stage_table@1", "stages.update:train_on@1"]
 
 
 def _fork(root: str, kill: str | None) -> subprocess.CompletedProcess:

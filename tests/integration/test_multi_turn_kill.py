@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 # (kill spec, LATEST after the kill), in the order the starts run; each start is a fresh process.
 KILLS = [
     ("engines.rollout.multi_turn:_step@13", None),  # iteration 1's rollout, its second turn (8 conversations)
-    ("engines.stages.update:train_on@1", None),  # iteration 1's update (its rollout and score came from cache)
+    ("stages.update:train_on@1", None),  # iteration 1's update (its rollout and score came from cache)
     ("engines.rollout.multi_turn:_step@13", 1),  # iteration 2's rollout, mid-conversation
 ]
 

@@ -61,7 +61,7 @@ def test_multi_turn_run_retries_from_cache_and_trains_on_policy_tokens_only(
     faulty = _config(root, "mt-faulty", tiny_model_dir, digits_dataset_dir)
     params = {"config": faulty.model_dump(mode="json")}
     with monkeypatch.context() as faults:
-        fail_when(faults, "engines.stages.update", "write_stage_table", lambda cfg, lay, it, *a, **k: it == 2)
+        fail_when(faults, "stages.update", "write_stage_table", lambda cfg, lay, it, *a, **k: it == 2)
         state = ppo_training(**params, return_state=True)
     assert state.is_failed(), state
     layout = layout_for(faulty)

@@ -37,10 +37,10 @@ _DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_
 
 # (kill spec for one start, what must hold after it): in the order the starts run.
 KILLS = [
-    ("engines.stages.rollout:write_stage_table@1", "rollout"),
-    ("engines.stages.score:write_stage_table@1", "score"),
-    ("engines.stages.update:train_on@1", "update"),
-    ("engines.stages.update:save_checkpoint_files@1", "staging"),
+    ("stages.rollout:write_stage_table@1", "rollout"),
+    ("stages.score:write_stage_table@1", "score"),
+    ("stages.update:train_on@1", "update"),
+    ("stages.update:save_checkpoint_files@1", "staging"),
     ("storage.checkpoints:_write_marker@1", "commit"),
     ("flows.iteration:record_metrics@1", "metrics"),
     ("flows.training:ppo_iteration@2", "between iterations"),

@@ -8,10 +8,10 @@ import json
 
 from engines.rollout.registry import get_rollout_engine
 from engines.scoring.scorer import Scorer
-from engines.stages.held import prompt_source_for
-from engines.stages.policy import policy_ref
-from engines.stages.rollout import run_rollout, sample_rollout
-from engines.stages.score import run_score, score_rows
+from stages.held import prompt_source_for
+from stages.policy import policy_ref
+from stages.rollout import run_rollout, sample_rollout
+from stages.score import run_score, score_rows
 from storage.layout import layout_for
 from storage.shards import read_shards
 from tests.integration.pipeline_helpers import small_config
@@ -60,10 +60,10 @@ def test_prompt_set_is_rebuilt_when_the_dataset_file_changes(tmp_path, tiny_mode
 def test_rollout_takes_the_warm_trainers_weights_and_samples_what_the_checkpoint_gives(
     tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
 ):
-    import engines.stages.rollout as rollout_stage
+    import stages.rollout as rollout_stage
     from engines import warm
-    from engines.stages.checkpoint import run_checkpoint
-    from engines.stages.update import run_update
+    from stages.checkpoint import run_checkpoint
+    from stages.update import run_update
 
     cfg = small_config(
         str(tmp_path / "runs"),

@@ -45,7 +45,7 @@ def test_retry_resumes_from_cache_and_matches_uninterrupted(
     with monkeypatch.context() as faults:
         fail_when(
             faults,
-            "engines.stages.update",
+            "stages.update",
             "write_stage_table",
             lambda cfg, layout, iteration, *args, **kwargs: iteration == 2,
         )

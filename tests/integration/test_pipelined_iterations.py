@@ -52,15 +52,15 @@ def _task_runs(flow_run_name: str):
 def test_k1_follows_the_fixed_schedule_overlaps_stages_and_corrects_stale_rows(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
 ):
-    from engines.stages.manifests import RolloutManifest
     from flows.records import read_metrics, read_stage_record
+    from stages.manifests import RolloutManifest
     from storage.layout import layout_for
     from tests.fixtures.faults import slow_down
 
     # The tiny update takes ~0.1 s, less than Prefect takes to begin the next slot's subflow, so without this the
     # overlap below would be a race. Slowed by UPDATE_DELAY_S, a pipelined run must start rollout i+1 inside
     # update i; a sequential one cannot (its rollout i+1 waits for checkpoint i).
-    slow_down(monkeypatch, "engines.stages.update", "run_update", UPDATE_DELAY_S)
+    slow_down(monkeypatch, "stages.update", "run_update", UPDATE_DELAY_S)
 
     k = 1
     cfg = small_config(

@@ -37,9 +37,9 @@ JOIN_S, LOST_S = 6.0, 3.0  # train.rank_agent_join_s, train.rank_heartbeat_lost_
 DRIVER = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     sys.path.insert(0, sys.argv[1])
-    from engines.stages.policy import policy_ref
-    from engines.stages.rollout import run_rollout
-    from engines.stages.score import run_score
+    from stages.policy import policy_ref
+    from stages.rollout import run_rollout
+    from stages.score import run_score
     from engines.trainer import rank_group
     from tests.integration.pipeline_helpers import small_config
     from tests.integration.test_update_ranks import step

@@ -66,7 +66,7 @@ def test_a_retried_run_shows_each_iteration_once_under_its_own_name(
     with monkeypatch.context() as faults:
         fail_when(
             faults,
-            "engines.stages.update",
+            "stages.update",
             "run_update",
             lambda cfg, iteration, *args, **kwargs: iteration == 3,
         )

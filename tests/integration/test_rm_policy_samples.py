@@ -24,11 +24,11 @@ THRESHOLD = 0.77
 
 def _policy_rows(model_dir, data_dir, iterations: int = 3) -> list[dict]:
     from engines.data import PromptSource
-    from engines.loop import make_rollout_engine
     from engines.models import load_tokenizer
     from engines.rollout.registry import shutdown_all
-    from engines.stages.rollout import sample_rollout
     from ppoflow.config import load_config
+    from stages.loop import make_rollout_engine
+    from stages.rollout import sample_rollout
 
     cfg = load_config(
         None,

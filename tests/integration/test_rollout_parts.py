@@ -60,8 +60,8 @@ def _assert_same_run(layout, reference, iterations: int) -> None:
 
 
 def _part_manifests(layout, iteration: int, parts: int):
-    from engines.stages.manifests import RolloutPartManifest
     from flows.records import read_stage_record
+    from stages.manifests import RolloutPartManifest
     from tasks.stages import part_stage_name
 
     return [
@@ -73,8 +73,8 @@ def _part_manifests(layout, iteration: int, parts: int):
 def test_parts_in_process_equal_one_rollout_and_train_the_same_weights(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
-    from engines.stages.manifests import RolloutManifest
     from flows.records import read_stage_record
+    from stages.manifests import RolloutManifest
     from storage.layout import layout_for
 
     root = str(tmp_path / "runs")
@@ -117,8 +117,8 @@ def _wait_for_task_workers(pids: list[int], timeout_s: float = 120.0) -> None:
 def test_two_rollout_workers_sample_one_part_each_and_a_dead_one_is_named(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
-    from engines.stages.manifests import RolloutManifest
     from flows.records import read_stage_record
+    from stages.manifests import RolloutManifest
     from storage.layout import layout_for
     from tasks.leases import read_lease
     from tasks.stages import part_stage_name
@@ -127,7 +127,7 @@ def test_two_rollout_workers_sample_one_part_each_and_a_dead_one_is_named(
     # The second worker SIGKILLs itself when it starts its second part (iteration 2's, below).
     workers = [
         _start_worker(tmp_path, "rollout-a", ["rollout"]),
-        _start_worker(tmp_path, "rollout-b", ["rollout"], kill="engines.stages.rollout_parts:run_rollout_part@2"),
+        _start_worker(tmp_path, "rollout-b", ["rollout"], kill="stages.rollout_parts:run_rollout_part@2"),
     ]
     try:
         _wait_for_task_workers([w.pid for w in workers])

@@ -1,4 +1,4 @@
-"""The score stage (engines.stages.score.run_score, the Prefect task's body) on hand-made rollout shards, on a local
+"""The score stage (stages.score.run_score, the Prefect task's body) on hand-made rollout shards, on a local
 root and on the moto S3 root: retries compute nothing again, duplicates are computed once, new reward-model
 weights miss, and a failing reward fails the stage naming the sample with no scored shard committed.
 
@@ -18,12 +18,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from engines.rewards.base import RewardError
-from engines.stages.held import scorer_for
-from engines.stages.manifests import RolloutManifest
-from engines.stages.score import run_score
-from engines.stages.tables import prompt_hash
 from engines.toy.reward_model import build_tiny_reward_model
 from ppoflow.config import build_config
+from stages.held import scorer_for
+from stages.manifests import RolloutManifest
+from stages.score import run_score
+from stages.tables import prompt_hash
 from storage.fs import list_files
 from storage.layout import RunLayout
 from storage.schema import schema_for
@@ -44,7 +44,7 @@ FAILING_SAMPLE = f"iter {ITERATION} prompt 2 sample 1"
 
 
 def rollout_table() -> pa.Table:
-    """GROUPS as the rollout stage writes them (engines/stages/tables.py): ids from the tokenizer, response text
+    """GROUPS as the rollout stage writes them (stages/tables.py): ids from the tokenizer, response text
     decoded from the response ids, the prompt hash of the prompt ids."""
     rows: dict[str, list] = {name: [] for name in schema_for("rollout").names}
     for prompt_index, (prompt, label, responses) in enumerate(GROUPS):
@@ -233,7 +233,7 @@ def test_a_failing_reward_fails_the_stage_and_commits_no_scored_shard(
 
     with pytest.raises(RewardError, match=f"{message} on {FAILING_SAMPLE}"):
         run_score(bad, ITERATION, rollout)
-    # Decision (engines/stages/score.py): the folder is uncommitted before scoring, so the failed attempt leaves
+    # Decision (stages/score.py): the folder is uncommitted before scoring, so the failed attempt leaves
     # neither the earlier attempt's output nor a mix of both: no manifest and no part at all.
     assert read_manifest(layout.fs, scored_dir) is None
     assert list_files(layout.fs, scored_dir) == {}

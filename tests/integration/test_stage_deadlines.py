@@ -22,7 +22,7 @@ from tests.integration.test_pipeline_crash import _DISTRIBUTED_VARS, COMPARED, R
 
 pytestmark = pytest.mark.slow
 UPDATE_DEADLINE_S = 30  # far above a toy update (1-5 s on 2 cores), far below the hang
-HANG_AT = "engines.stages.update:run_update@2"  # iteration 2's update (iteration 1's has the start-up)
+HANG_AT = "stages.update:run_update@2"  # iteration 2's update (iteration 1's has the start-up)
 
 
 def _config_file(tmp_path: Path, name: str, model_dir, data_dir, **deadlines) -> Path:

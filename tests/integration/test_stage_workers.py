@@ -68,8 +68,8 @@ def _held_out(tmp_path) -> str:
 
 
 def _manifests(layout, stage: str, iterations: int):
-    from engines.stages.manifests import STAGE_MANIFESTS
     from flows.records import read_stage_record
+    from stages.manifests import STAGE_MANIFESTS
 
     return [
         STAGE_MANIFESTS[stage].model_validate(read_stage_record(layout, i, stage)) for i in range(1, iterations + 1)
@@ -80,9 +80,9 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from engines import warm
-    from engines.stages.manifests import EvalManifest
     from flows.records import read_metrics, read_stage_record
     from flows.training import ppo_training
+    from stages.manifests import EvalManifest
     from storage.layout import layout_for
 
     workers = {name: _start_worker(tmp_path, name, stages) for name, stages in WORKERS.items()}
@@ -150,7 +150,7 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
         # SIGKILL the update worker at its 3rd update of the next run (iteration 3; iteration 4's rollout and
         # score are in flight on the other workers meanwhile).
         stop_workers([workers.pop("train")])
-        killer = _start_worker(tmp_path, "train", WORKERS["train"], kill="engines.stages.update:train_on@3")
+        killer = _start_worker(tmp_path, "train", WORKERS["train"], kill="stages.update:train_on@3")
         killed = _worker_config(tmp_path, "warm-k1-killed", tiny_model_dir, digits_dataset_dir, 1)
         state = ppo_training(config=killed.model_dump(mode="json"), return_state=True)
         assert killer.wait(timeout=60) == -signal.SIGKILL

@@ -39,7 +39,7 @@ from tests.integration.test_worker_kills import _train_within
 pytestmark = pytest.mark.slow
 # Rank 1's 4th update reads its rows: the clean run's iterations 1-2, the killed run's 1, then its 2. Rank 0 reads
 # every row with read_shards and never calls it; a restarted rank 1 counts from 0 again.
-KILL = "engines.stages.update_ranks:read_rank_rows@4"
+KILL = "stages.update_ranks:read_rank_rows@4"
 
 
 def _free_port() -> int:

@@ -106,8 +106,8 @@ def compared(row: dict) -> dict:
 
 
 def update_manifests(layout, iterations: int = ITERATIONS):
-    from engines.stages.manifests import UpdateManifest
     from flows.records import read_stage_record
+    from stages.manifests import UpdateManifest
 
     return [UpdateManifest.model_validate(read_stage_record(layout, i, "update")) for i in range(1, iterations + 1)]
 

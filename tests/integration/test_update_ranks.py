@@ -23,12 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines.stages.checkpoint import run_checkpoint
-from engines.stages.policy import policy_ref
-from engines.stages.rollout import run_rollout
-from engines.stages.score import run_score
-from engines.stages.update import run_update
 from engines.trainer import rank_group
+from stages.checkpoint import run_checkpoint
+from stages.policy import policy_ref
+from stages.rollout import run_rollout
+from stages.score import run_score
+from stages.update import run_update
 from storage.checkpoints import read_commit_marker
 from storage.layout import layout_for
 from storage.shards import read_shards

@@ -20,9 +20,9 @@ ITERATIONS = 2
 
 
 def test_the_rank_group_lives_with_the_warm_update_worker(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir):
-    from engines.stages.manifests import UpdateManifest
     from flows.records import read_stage_record
     from flows.training import ppo_training
+    from stages.manifests import UpdateManifest
     from storage.layout import layout_for
 
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}

@@ -36,7 +36,7 @@ from tests.integration.test_pipeline_crash import COMPARED, _digests
 from tests.integration.test_stage_workers import WORKERS, _env, _start_worker, _worker_config
 
 ITERATIONS = 4
-KILLS = {"rollout": "engines.stages.rollout:run_rollout@3", "score": "engines.stages.score:run_score@3"}
+KILLS = {"rollout": "stages.rollout:run_rollout@3", "score": "stages.score:run_score@3"}
 ENDS_WITHIN_S = 180  # the killed runs end in well under a minute when idle; this machine is shared and slow
 
 

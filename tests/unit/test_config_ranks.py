@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from engines.stages.update_ranks import check_saved_ranks
 from ppoflow.config import ConfigError, load_config
+from stages.update_ranks import check_saved_ranks
 
 # The default rollout batch: rollout.prompts_per_iteration 32 x rollout.n_samples 4 = 128 rows per step.
 

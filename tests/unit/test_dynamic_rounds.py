@@ -1,4 +1,4 @@
-"""The rollout stage's dynamic-sampling rounds (engines/stages/dynamic.py), with the round accounting by hand.
+"""The rollout stage's dynamic-sampling rounds (stages/dynamic.py), with the round accounting by hand.
 
 The sampler and the rewards are written here by hand (which rows vary is the test's choice), the prompts come
 from a real PromptSource over the digits dataset, so the rows each round draws are the stage's own.
@@ -10,7 +10,7 @@ import pytest
 from engines.data import PromptSource
 from engines.models import load_tokenizer
 from engines.ppo.dynamic_sampling import extra_prompt_rows
-from engines.stages.dynamic import sample_dynamic
+from stages.dynamic import sample_dynamic
 from tests.integration.pipeline_helpers import small_config
 
 N = 2  # samples per prompt

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engines.stages.evaluate import eval_due, eval_sampling, eval_sampling_seed
-from engines.stages.manifests import PolicyRef
 from ppoflow.config import ConfigError, build_config
+from stages.evaluate import eval_due, eval_sampling, eval_sampling_seed
+from stages.manifests import PolicyRef
 from tasks.cache_keys import stage_cache_key
 
 

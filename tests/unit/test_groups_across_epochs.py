@@ -8,8 +8,8 @@ from engines.data import PromptSource
 from engines.models import load_tokenizer
 from engines.rollout.base import RolloutSample
 from engines.scoring.scorer import ScoreResult
-from engines.stages.tables import experience_batch, group_ids_of, rollout_table, scored_table
 from ppoflow.config import DataConfig
+from stages.tables import experience_batch, group_ids_of, rollout_table, scored_table
 
 N_SAMPLES = 2
 

@@ -75,7 +75,7 @@ def test_an_agent_for_a_node_the_group_lacks_tells_rank_0(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
     spec = {
         "id": "g1",
-        "entry": "engines.stages.update_ranks",
+        "entry": "stages.update_ranks",
         "timeout_s": 5.0,
         "world": 2,
         "master_addr": "127.0.0.1",

@@ -14,9 +14,9 @@ from engines.rollout.base import RolloutSample
 from engines.rollout.multi_turn import ConversationSample
 from engines.scoring.cached import score_with_cache
 from engines.scoring.scorer import Scorer
-from engines.stages.tables import experience_batch, rollout_table, scored_table, scoring_inputs
 from engines.toy.model import build_tokenizer
 from ppoflow.config import PPOFlowConfig
+from stages.tables import experience_batch, rollout_table, scored_table, scoring_inputs
 from storage import shards
 from storage.schema import MULTI_TURN_COLUMNS, SchemaMismatchError
 

@@ -290,7 +290,7 @@ class TestRecipeMirror:
 
 
 class TestRunEngineLoop:
-    """The harness around engines/loop.py's EngineLoop (the real loop runs in the benchmark, not here)."""
+    """The harness around stages/loop.py's EngineLoop (the real loop runs in the benchmark, not here)."""
 
     class _Loop:
         def __init__(self, rewards, fail_at=None):

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from engines.stages.update_ranks import read_rank_rows
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.rank_rows import agree_shape, gather_rows, pad_to, rank_rows, step_share
+from stages.update_ranks import read_rank_rows
 from storage.shards import ShardCorruptError, read_shards, write_shards
 from storage.synthetic import synthetic_table
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from engines.stages.update_ranks import check_saved_ranks
 from engines.trainer.reshard import PARTITIONED, REPLICATED, other_count_mode, repartition
 from ppoflow.config import load_config
+from stages.update_ranks import check_saved_ranks
 
 
 def _checkpoint(tmp_path, world: int, zero_stage: int, dtype: str = "float32") -> str:

@@ -3,9 +3,9 @@ prompts are split, and the merge's cache key over its parts."""
 
 import pytest
 
-from engines.stages.manifests import RolloutPartManifest
-from engines.stages.rollout_parts import merge_rollout_parts, split_prompts
 from ppoflow.config import ConfigError, load_config
+from stages.manifests import RolloutPartManifest
+from stages.rollout_parts import merge_rollout_parts, split_prompts
 from tasks.cache_keys import stage_cache_key
 
 # The default rollout: rollout.prompts_per_iteration 32. Each refusal: the overrides, then what its message names.

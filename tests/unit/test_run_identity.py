@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from engines.stages.manifests import PolicyRef
 from flows.run_inputs import InputsChangedError, accept_inputs, start_run
 from ppoflow.config import PPOFlowConfig
+from stages.manifests import PolicyRef
 from storage.layout import layout_for
 from storage.run_identity import disown_results, read_run_record
 from tasks.cache_keys import stage_cache_key

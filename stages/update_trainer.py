@@ -13,9 +13,9 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engines.stages.manifests import PolicyRef, UpdateManifest, provenance
-from engines.stages.policy import local_checkpoint_dir
 from engines.trainer.ppo_trainer import PPOTrainer
+from stages.manifests import PolicyRef, UpdateManifest, provenance
+from stages.policy import local_checkpoint_dir
 from storage.layout import RunLayout
 
 

@@ -10,7 +10,7 @@ kept (SampledGroup.has_signal). reward.normalize is affine, so it keeps equal re
 
 Where the filter lives, and why here: the reward is the score stage's, but whether a round must draw more
 prompts depends on it, and only the rollout stage can sample more. So the rollout stage scores each round's
-candidate groups with the score stage's own scorer and cache (`score_rows`, engines/stages/held.py's warm
+candidate groups with the score stage's own scorer and cache (`score_rows`, stages/held.py's warm
 scorer) and writes only the kept groups as its shards. The hand-offs keep their types and meanings: the
 rollout shards are the rows to train on, the score stage scores them as ever (every kept pair is already
 in the score cache, so it computes nothing again when score.cache is on), the update trains on all of its
@@ -20,7 +20,7 @@ input. The cost: a rollout worker with dynamic sampling on also loads the reward
 Rounds (round 0 = the iteration's own prompts, rounds 1.. = extra prompts):
 - round r >= 1 draws `prompts_to_draw(target, kept, sampled)` dataset rows, chosen by
   `extra_prompt_rows(rows, run.seed, iteration, r, ...)` among the rows not drawn yet this iteration; each
-  row is sampled with its own seed (engines/stages/rollout.py), so a retried or resumed stage draws the
+  row is sampled with its own seed (stages/rollout.py), so a retried or resumed stage draws the
   same prompts and the same samples, hence the same rows;
 - it stops when `target` = prompts_per_iteration groups with variance are kept, when
   rollout.dynamic_sampling.max_rounds rounds ran, or when no undrawn row is left;
@@ -48,8 +48,8 @@ RewardsOf = Callable[[pa.Table], list[float]]  # rollout rows -> the scalar rewa
 def stage_rewards(cfg) -> RewardsOf:
     """Rewards of rollout rows as the score stage computes them: its warm scorer, through the score cache when
     score.cache is on (so the score stage reads the kept rows' scores back instead of computing them)."""
-    from engines.stages.held import score_cache_for, scorer_for
-    from engines.stages.score import score_rows
+    from stages.held import score_cache_for, scorer_for
+    from stages.score import score_rows
     from storage.layout import layout_for
 
     def rewards_of(table: pa.Table) -> list[float]:

@@ -5,7 +5,7 @@
     environment_identity(cfg) -> str | None               what the rollout's cache key holds of it
 
 The compute is engines/rollout/multi_turn.py; this layer finds the environment, the dataset rows it is reset
-with and the rows' seeds, exactly as the single-turn path finds its prompts (engines/stages/rollout.py), so
+with and the rows' seeds, exactly as the single-turn path finds its prompts (stages/rollout.py), so
 dynamic sampling and rollout parts go through it unchanged.
 """
 
@@ -21,7 +21,7 @@ from engines.data import PromptSource, load_rows
 from engines.environments.loader import EnvironmentFactory, load_environment_factory
 from engines.rollout.base import RolloutEngine, SamplingSettings
 from engines.rollout.multi_turn import ConversationStart, TurnLimits, run_conversations
-from engines.stages.tables import rollout_table
+from stages.tables import rollout_table
 
 
 @functools.lru_cache(maxsize=4)

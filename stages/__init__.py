@@ -10,9 +10,9 @@ With pipeline.rollout_parts > 1 the rollout is rollout_parts.run_rollout_part pe
 then rollout_parts.merge_rollout_parts (-> the iteration's RolloutManifest).
 
 The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stages.py) and the in-process
-pipeline call exactly these; the bare loop (engines/loop.py) calls their compute halves (`sample_rollout`,
+pipeline call exactly these; the bare loop (stages/loop.py) calls their compute halves (`sample_rollout`,
 `score_rows`, `train_on`) with the tables in memory instead of shards. This is the one place in engines/
-that reads and writes the run's storage; the hand-offs are typed (engines/stages/manifests.py) and the
-engines a worker keeps warm between stages are in engines/stages/held.py. With train.num_ranks > 1,
+that reads and writes the run's storage; the hand-offs are typed (stages/manifests.py) and the
+engines a worker keeps warm between stages are in stages/held.py. With train.num_ranks > 1,
 run_update drives a group of ranks kept between iterations (update_ranks.py; the bare loop trains on one rank).
 """

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from engines.stages.manifests import PolicyRef
 from ppoflow.fingerprint import folder_fingerprint, json_hash
+from stages.manifests import PolicyRef
 from storage.checkpoints import load_checkpoint, read_commit_marker
 from storage.layout import layout_for
 

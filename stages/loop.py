@@ -2,7 +2,7 @@
 
     sample_rollout -> score_rows -> train_on -> sync (the actor's weights into the rollout engine)
 
-The three compute steps are the stages' own (engines/stages/rollout.py, score.py, update.py): the pipeline
+The three compute steps are the stages' own (stages/rollout.py, score.py, update.py): the pipeline
 runs the same functions and writes their tables to shards in between, this loop passes the tables in
 memory. `EngineLoop` strings them together and times each under `timing/<stage>`; it is the baseline the
 overhead and peer benchmarks measure the pipeline against.
@@ -20,11 +20,11 @@ from engines.data import PromptSource
 from engines.models import load_tokenizer
 from engines.rollout.base import RolloutEngine
 from engines.scoring.scorer import Scorer
-from engines.stages.dynamic import sample_dynamic
-from engines.stages.rollout import sample_records, sample_rollout
-from engines.stages.score import score_rows
-from engines.stages.update import train_on
 from engines.trainer.ppo_trainer import PPOTrainer
+from stages.dynamic import sample_dynamic
+from stages.rollout import sample_records, sample_rollout
+from stages.score import score_rows
+from stages.update import train_on
 
 
 def sync_policy(trainer: PPOTrainer, engine: RolloutEngine, policy_dir: str | Path, version: int) -> None:
@@ -101,7 +101,7 @@ class EngineLoop:
 
     def _sample(self, iteration: int):
         """The rollout rows, and dynamic sampling's rollout/* metrics ({} when rollout.dynamic_sampling is off):
-        the stage's own rounds (engines/stages/dynamic.py), scored by this loop's scorer without a cache."""
+        the stage's own rounds (stages/dynamic.py), scored by this loop's scorer without a cache."""
         if not self.cfg.rollout.dynamic_sampling.enabled:
             return sample_rollout(self.engine, self.prompt_source, self.cfg, iteration), {}
         source, cfg = self.prompt_source, self.cfg

@@ -8,7 +8,7 @@
     write_stage_table(cfg, layout, iteration, kind, rows)    the rows as the iteration's shards of that kind
                                                             (or, with folder=, a rollout part's shards)
 
-The pipeline writes these tables to shards between stages; the bare loop (engines/loop.py) passes them
+The pipeline writes these tables to shards between stages; the bare loop (stages/loop.py) passes them
 in memory. Both go through these functions, so a row means the same thing on either path.
 """
 
@@ -156,7 +156,7 @@ def write_stage_table(
 ) -> Manifest:
     """Write `table` as iteration `iteration`'s `kind` shards (rollout, scored, experience), replacing what the
     folder held (manifest last); every part's schema metadata names the run, iteration, stage and config.
-    folder: another folder than the iteration's `kind` folder (a rollout part's own, engines/stages/rollout.py)."""
+    folder: another folder than the iteration's `kind` folder (a rollout part's own, stages/rollout.py)."""
     return write_shards(
         layout.fs,
         folder or layout.stage_dir(iteration, kind),

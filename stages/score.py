@@ -12,7 +12,7 @@ Failure and retry (the decision for a stage that fails half-way):
   retry computes only what it has not computed before (a retry of a completed stage computes nothing).
 
 A fork that replays this iteration (flows/replay.py) reads its parent's rollout shards in place, and scores them
-through a ReplayScorer (engines/stages/rescore.py): only the reward sources the fork changed run.
+through a ReplayScorer (stages/rescore.py): only the reward sources the fork changed run.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import pyarrow as pa
 from engines import warm
 from engines.scoring.cached import CacheStats, ScoreCacheLike, score_with_cache
 from engines.scoring.scorer import Scorer
-from engines.stages.held import score_cache_for, scorer_for
-from engines.stages.manifests import RolloutManifest, ScoreManifest, provenance
-from engines.stages.rescore import replay_scorer, run_config
-from engines.stages.tables import scored_table, scoring_inputs, write_stage_table
+from stages.held import score_cache_for, scorer_for
+from stages.manifests import RolloutManifest, ScoreManifest, provenance
+from stages.rescore import replay_scorer, run_config
+from stages.tables import scored_table, scoring_inputs, write_stage_table
 from storage.layout import layout_for
 from storage.lineage import rollout_owner
 from storage.shards import clear_stage_dir, read_shards, require_manifest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engines.stages.manifests import CheckpointManifest, UpdateManifest, provenance
+from stages.manifests import CheckpointManifest, UpdateManifest, provenance
 from storage.checkpoints import commit_checkpoint
 from storage.layout import layout_for
 

@@ -40,23 +40,23 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from engines import warm
-from engines.stages.held import trainer_key
-from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
-from engines.stages.policy import checkpoint_weights_id, local_checkpoint_dir
-from engines.stages.tables import experience_batch, experience_table, write_stage_table
-from engines.stages.update_trainer import build_trainer, staleness, update_manifest
 from engines.trainer import rank_group, rank_link, torchrun_group
 from engines.trainer.hostfile import placement_for
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
 from engines.trainer.reshard import other_count_mode
+from stages.held import trainer_key
+from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
+from stages.policy import checkpoint_weights_id, local_checkpoint_dir
+from stages.tables import experience_batch, experience_table, write_stage_table
+from stages.update_trainer import build_trainer, staleness, update_manifest
 from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
 from storage.schema import schema_for
 from storage.scratch import checkpoint_scratch
 from storage.shards import read_part, read_shards, require_manifest
 
-ENTRY = "engines.stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
+ENTRY = "stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
 
 
 def check_saved_ranks(ckpt: Optional[str], ranks: int, cfg=None) -> None:

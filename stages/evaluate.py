@@ -30,11 +30,11 @@ import time
 from engines import warm
 from engines.evaluation import eval_metrics
 from engines.rollout.base import SamplingSettings
-from engines.stages.held import eval_prompt_source_for, score_cache_for, scorer_for
-from engines.stages.manifests import EvalManifest, PolicyRef
-from engines.stages.rollout import rollout_engine_for, sample_table, sampled_manifest
-from engines.stages.score import score_rows
-from engines.stages.tables import write_stage_table
+from stages.held import eval_prompt_source_for, score_cache_for, scorer_for
+from stages.manifests import EvalManifest, PolicyRef
+from stages.rollout import rollout_engine_for, sample_table, sampled_manifest
+from stages.score import score_rows
+from stages.tables import write_stage_table
 from storage.layout import layout_for
 
 

@@ -10,7 +10,7 @@ cheap (no engine: it reads the parts' shards and writes the iteration's rollout 
 and everything after it see one RolloutManifest, exactly as with one part.
 
 Why the merged rows equal the unsplit ones, row for row: the parts are contiguous slices of the iteration's
-prompt list, concatenated in part order, and each prompt is sampled with its own seed (engines/stages/rollout.py),
+prompt list, concatenated in part order, and each prompt is sampled with its own seed (stages/rollout.py),
 so which other prompts share an engine call is moot. Except in the last bits of `rollout_logprobs`: the HF
 sampler left-pads a batch to its longest prompt, and fp32 sums over a row padded otherwise round otherwise
 (seen: 4.8e-7; the tokens, and the weights trained at max_staleness 0 without TIS, are bitwise equal).
@@ -27,10 +27,10 @@ import time
 import pyarrow as pa
 
 from engines import warm
-from engines.stages.held import prompt_source_for
-from engines.stages.manifests import PolicyRef, RolloutManifest, RolloutPartManifest
-from engines.stages.rollout import rollout_engine_for, sample_records, sampled_manifest
-from engines.stages.tables import write_stage_table
+from stages.held import prompt_source_for
+from stages.manifests import PolicyRef, RolloutManifest, RolloutPartManifest
+from stages.rollout import rollout_engine_for, sample_records, sampled_manifest
+from stages.tables import write_stage_table
 from storage.fs import join
 from storage.layout import RunLayout, layout_for
 from storage.shards import read_shards, require_manifest

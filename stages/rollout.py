@@ -1,12 +1,12 @@
 """The rollout stage: sample the iteration's prompts with the policy it starts from, write rollout shards.
 
-    sample_rollout(engine, source, cfg, iteration) -> rollout rows   (the compute, shared with engines/loop.py)
+    sample_rollout(engine, source, cfg, iteration) -> rollout rows   (the compute, shared with stages/loop.py)
     run_rollout(cfg, iteration, policy) -> RolloutManifest          (the stage: engine, compute, shards)
 
-With pipeline.rollout_parts > 1 the stage runs as parts and a merge instead (engines/stages/rollout_parts.py).
+With pipeline.rollout_parts > 1 the stage runs as parts and a merge instead (stages/rollout_parts.py).
 
 With rollout.dynamic_sampling.enabled the stage samples in rounds and keeps only groups with reward
-variance (engines/stages/dynamic.py); the manifest's `metrics` then holds the rounds' accounting.
+variance (stages/dynamic.py); the manifest's `metrics` then holds the rounds' accounting.
 
 Seeds: dataset row r in iteration i is sampled with `prompt_sampling_seed(run.seed, i, r)`, so an
 iteration's samples depend only on (seed, iteration, policy weights), not on what ran before in the
@@ -24,11 +24,11 @@ from engines import warm
 from engines.data import PromptSource
 from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_sampling_seed
 from engines.rollout.registry import get_rollout_engine, serve_in_memory
-from engines.stages.dynamic import sample_dynamic, stage_rewards
-from engines.stages.held import prompt_source_for, trainer_key
-from engines.stages.manifests import PolicyRef, RolloutManifest, ShardsManifest, provenance
-from engines.stages.policy import local_policy_dir
-from engines.stages.tables import rollout_table, write_stage_table
+from stages.dynamic import sample_dynamic, stage_rewards
+from stages.held import prompt_source_for, trainer_key
+from stages.manifests import PolicyRef, RolloutManifest, ShardsManifest, provenance
+from stages.policy import local_policy_dir
+from stages.tables import rollout_table, write_stage_table
 from storage.layout import layout_for
 from storage.shards import Manifest
 
@@ -44,10 +44,10 @@ def sample_rollout(engine: RolloutEngine, source: PromptSource, cfg, iteration: 
 def sample_records(engine: RolloutEngine, source: PromptSource, cfg, iteration: int, records: list) -> pa.Table:
     """These prompts (PromptRecord), n samples each, as rollout rows ordered by (prompt, sample); row r of the
     dataset is sampled with its own seed (module docstring), so which other prompts share the call is moot.
-    With rollout.environment each sample is a conversation (engines/stages/rollout_env.py)."""
+    With rollout.environment each sample is a conversation (stages/rollout_env.py)."""
     seeds = [prompt_sampling_seed(cfg.run.seed, iteration, r.index) for r in records]
     if cfg.rollout.environment is not None:  # multi-turn: conversations with the environment
-        from engines.stages.rollout_env import sample_conversations
+        from stages.rollout_env import sample_conversations
 
         return sample_conversations(engine, source, cfg, iteration, records, seeds)
     return sample_table(engine, source, records, SamplingSettings.from_config(cfg.rollout), seeds, iteration)

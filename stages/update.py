@@ -18,13 +18,13 @@ import time
 import pyarrow as pa
 
 from engines import warm
-from engines.stages.held import trainer_key
-from engines.stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
-from engines.stages.policy import checkpoint_weights_id
-from engines.stages.tables import experience_batch, experience_table, write_stage_table
-from engines.stages.update_trainer import build_trainer, staleness, update_manifest
 from engines.trainer import rank_group, torchrun_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
+from stages.held import trainer_key
+from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
+from stages.policy import checkpoint_weights_id
+from stages.tables import experience_batch, experience_table, write_stage_table
+from stages.update_trainer import build_trainer, staleness, update_manifest
 from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
 from storage.scratch import checkpoint_scratch
@@ -61,7 +61,7 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     kept between iterations (update_ranks.py).
     """
     if cfg.train.num_ranks > 1 or torchrun_group.current() is not None:
-        from engines.stages.update_ranks import run_update_on_ranks
+        from stages.update_ranks import run_update_on_ranks
 
         return run_update_on_ranks(cfg, iteration, policy, scored)
     if rank_group.current() is not None:  # this process ran with several ranks before: back to a world of one
