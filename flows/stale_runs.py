@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 from ppoflow.config import ConfigError
 from storage.fs import join, read_json, remove_files, write_json
 from storage.layout import RunLayout
-from storage.scratch import pid_alive
+from storage.liveness import ProcessMark, this_process, why_dead
 
 LIVE_STATES = ("RUNNING", "PENDING")
 
@@ -48,37 +48,22 @@ def active_record_path(layout: RunLayout) -> str:
     return join(layout.run_dir, "_active.json")
 
 
-def process_start_time(pid: int) -> Optional[int]:
-    """When process `pid` of this host started, in clock ticks after boot (/proc/PID/stat field 22); None where
-    there is no /proc or no such process. With the pid it names one process: a reused pid has another."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)", which may hold spaces: state is [0]
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def this_process_record(flow_run_id: Optional[str], flow_run_name: Optional[str]) -> dict[str, Any]:
+    me = this_process()
     return {
         "flow_run_id": flow_run_id,
         "flow_run_name": flow_run_name,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": process_start_time(os.getpid()),
+        "host": me.host,
+        "pid": me.pid,
+        "started": me.started,
     }
 
 
 def is_dead_here(record: dict[str, Any]) -> bool:
     """True when `record` names a process of this host that no longer runs (its pid gone, or reused by a process
-    started at another time)."""
-    if record.get("host") != socket.gethostname():
-        return False
-    pid = int(record.get("pid", -1))
-    if not pid_alive(pid):
-        return True
-    started, now = record.get("started"), process_start_time(pid)
-    return started is not None and now is not None and started != now
+    started at another time: storage/liveness.py). A claim keeps no heartbeat: another host's is Prefect's to judge."""
+    mark = ProcessMark.of(record)
+    return mark.here and why_dead(mark) is not None
 
 
 def holds_run(

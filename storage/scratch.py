@@ -16,6 +16,7 @@ import tempfile
 
 from storage import fs as fsutil
 from storage.layout import RunLayout
+from storage.liveness import ProcessMark, why_dead
 
 log = logging.getLogger(__name__)
 
@@ -26,22 +27,6 @@ _SCRATCH_PREFIX = ".ppoflow-ckpt."
 def _host_tag() -> str:
     """This machine's name as it appears in scratch folder names (letters, digits and dashes only)."""
     return "".join(c if c.isalnum() else "-" for c in socket.gethostname()) or "host"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host still runs; a zombie (dead, not yet reaped by its parent) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]  # the field after "(comm)", which may hold spaces
-    except (OSError, IndexError):  # no /proc (macOS): os.kill said it exists
-        return True
-    return state not in (b"Z", b"X")
 
 
 def remove_stale_scratch(parent: str) -> list[str]:
@@ -62,7 +47,7 @@ def remove_stale_scratch(parent: str) -> list[str]:
         parts = name[len(_SCRATCH_PREFIX) :].split(".") if name.startswith(_SCRATCH_PREFIX) else []
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
             continue
-        if int(parts[1]) == os.getpid() or pid_alive(int(parts[1])):
+        if int(parts[1]) == os.getpid() or why_dead(ProcessMark(socket.gethostname(), int(parts[1]))) is None:
             continue
         path = os.path.join(parent, name)
         shutil.rmtree(path, ignore_errors=True)

@@ -24,16 +24,14 @@ that nobody has taken while no worker has been present for its task for pipeline
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
-import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
 from typing import Any, Iterator, Optional
 
 from storage.fs import join, read_json, write_json
 from storage.layout import RunLayout
-from storage.scratch import pid_alive
+from storage.liveness import ProcessMark, this_process, why_dead
 
 HEARTBEAT_S = 5.0
 STALE_S = 60.0  # 12 missed heartbeats: a busy worker's thread still gets scheduled well within this
@@ -56,7 +54,7 @@ def _held(layout: RunLayout, iteration: int, stage: str) -> Iterator[None]:
     stop = threading.Event()
 
     def beat() -> None:
-        write_json(layout.fs, path, {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat_unix": time.time()})
+        write_json(layout.fs, path, asdict(this_process(heartbeat=True)))
 
     def keep_beating() -> None:
         while not stop.wait(HEARTBEAT_S):
@@ -99,7 +97,7 @@ def presence_key(task_key: str) -> str:
 
 def presence_id() -> str:
     """How this process is listed as present: `host:pid`, as leases and stage manifests name a worker."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return this_process().name
 
 
 def serving_workers(task_key: str) -> Optional[list[str]]:
@@ -118,13 +116,10 @@ def serving_workers(task_key: str) -> Optional[list[str]]:
 
 
 def lease_holder_dead(lease: Optional[dict[str, Any]], now: Optional[float] = None) -> Optional[str]:
-    """Why the worker holding `lease` is dead, or None when it lives or no worker has taken the stage yet."""
+    """Why the worker holding `lease` is dead (storage/liveness.py: its process gone on this host, or no heartbeat
+    for STALE_S on any host), or None when it lives or no worker has taken the stage yet."""
     if lease is None:
         return None
-    worker = f"{lease.get('host')}:{lease.get('pid')}"
-    if lease.get("host") == socket.gethostname() and not pid_alive(int(lease.get("pid", -1))):
-        return f"worker {worker} is gone (no such process on this host)"
-    age = (time.time() if now is None else now) - float(lease.get("heartbeat_unix", 0))
-    if age > STALE_S:
-        return f"worker {worker} sent no heartbeat for {age:.0f} s"
-    return None
+    mark = ProcessMark.of(lease)
+    why = why_dead(mark, STALE_S, now)
+    return f"worker {mark.name} {why}" if why else None

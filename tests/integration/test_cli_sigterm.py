@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.scratch import pid_alive
+from storage.liveness import pid_alive
 from tests.integration.test_cli_terminal import SMALL
 
 REPO = Path(__file__).resolve().parents[2]

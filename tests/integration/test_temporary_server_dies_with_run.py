@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from storage.scratch import pid_alive
+from storage.liveness import pid_alive
 from tests.integration.pipeline_helpers import small_config
 
 REPO = Path(__file__).resolve().parents[2]

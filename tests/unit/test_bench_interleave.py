@@ -101,7 +101,7 @@ def test_a_controller_stopped_with_sigterm_takes_its_sides_with_it():
     import subprocess
     from pathlib import Path
 
-    from storage.scratch import pid_alive
+    from storage.liveness import pid_alive
 
     repo = str(Path(__file__).resolve().parents[2])
     controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, repo], stdout=subprocess.PIPE, text=True)

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from storage.layout import RunLayout
-from storage.scratch import pid_alive
+from storage.liveness import pid_alive
 from tasks import leases
 
 

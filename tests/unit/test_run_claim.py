@@ -15,13 +15,13 @@ from flows.stale_runs import (
     active_record_path,
     claim_run,
     holds_run,
-    process_start_time,
     release_run,
     this_process_record,
 )
 from ppoflow.config import ConfigError, StorageConfig
 from storage.fs import read_json, write_json
 from storage.layout import RunLayout
+from storage.liveness import process_start_time
 
 HOST = socket.gethostname()
 
