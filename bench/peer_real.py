@@ -1,7 +1,9 @@
 """ppoflow against TRL's GRPOTrainer on a pretrained model: SmolLM2-135M-Instruct on configs/real_arithmetic.yaml.
 
     python -m bench.peer_real                                  # 2 seeds x 12 iterations, every side (idle machine:
-                                                               # ~2 h on 2 cores, estimated, not yet run)
+                                                               # ~80 min on 2 cores)
+    python -m bench.peer_real --iterations 8                   # the published line (2026-11-26): 49 min of sides,
+                                                               # 4 min of held-out scoring on 2 idle cores
     python -m bench.peer_real --seeds 1 --iterations 2 --eval-every 1 --eval-size 8 \
         --set rollout.prompts_per_iteration=4 --set train.train_batch_size=8 --set train.micro_batch_size=8 \
         --results-dir /tmp/peer_real_smoke                     # a smoke run of the same code

@@ -61,3 +61,19 @@ def test_an_overhead_line_from_before_workloads_were_named_counts_as_tiny(tmp_pa
     )
     # the old line is the tiny variant's, so the newer tiny line replaces it instead of both being listed
     assert [line["x"] for line in report.latest("overhead")] == [3, 2]
+
+
+def test_the_real_model_peer_table_reads_the_peer_side_and_derives_ratios(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    assert report.peer_real_table() == ""  # not run: no table, no placeholder figures
+    sides = {
+        "trl_hf": {"iter_s_with_first": 40.0, "iter_s_steady": 50.0, "peak_rss_gib": 6.0},
+        "ppoflow_pipeline": {"iter_s_with_first": 30.0, "iter_s_steady": 25.0, "peak_rss_gib": 9.0},
+    }
+    line = {"peer": "trl_hf", "sides": sides, "ratio_with_first": 0.75, "orchestration_share": 1.1, "date": "2026"}
+    _write(tmp_path, "peer_real", [line])
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in report.peer_real_table().splitlines() if r.startswith("| ")}
+    assert rows["s per iteration, first included"].endswith("| 30 | 40 | 0.75 |")  # the line's own ratio
+    assert rows["s per iteration, steady"].endswith("| 25 | 50 | 0.5 |")  # 25 / 50, derived by the table
+    assert rows["peak RSS, GiB"].endswith("| 9 | 6 | 1.5 |")
+    assert rows["held-out accuracy at equal wall time"].endswith("|  |  |  |")  # absent values stay empty
