@@ -3,7 +3,7 @@ function whose docstring names the version it was written against and what upstr
 
 Nothing here acts on import. The adaptations that hold for a whole process are installed by its entry point,
 with `install_process_adaptations()`: the `ppoflow` commands that run, serve or submit flows (flows/cli.py), the
-flows a deployment runs (flows/training.py, flows/stages.py, flows/rm_training.py: the first thing they do),
+flows a deployment runs (flows/training.py, flows/stage_runs.py, flows/rm_training.py: the first thing they do),
 the benchmark drivers that run flows in-process, and tests/conftest.py. The others are called where the
 condition they depend on is known (a world size, a built engine, one save, a model's tied head).
 

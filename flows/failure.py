@@ -6,7 +6,7 @@
       resume:  ppoflow demo --root /tmp/runs
 
 The stage and iteration come from the traceback: the innermost frame of ppoflow's own code that holds
-an int `iteration` and a stage name in `stage` (flows/stages.py runs every stage that way). Object
+an int `iteration` and a stage name in `stage` (flows/stage_runs.py runs every stage that way). Object
 storage errors add the root URL and its endpoint. The resume command is the command that failed:
 a run resumes at LATEST + 1, and inside the failed iteration at the first stage without a cached result.
 """

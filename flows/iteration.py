@@ -19,7 +19,7 @@ from prefect import flow
 from flows.failure import StageError
 from flows.in_flight import mark_committed, wait_for_previous
 from flows.records import read_metrics, read_stage_record, record_metrics
-from flows.stages import run_stage
+from flows.stage_runs import run_stage
 from ppoflow.config import as_config
 from stages.evaluate import eval_due
 from stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest

@@ -11,7 +11,7 @@ policy, not the fork's: off-policy, so replaying them needs algo.tis_cap (import
 log-probs the rows carry).
 
 How each stage of a replayed iteration runs:
-- rollout: no task, no engine; `replayed_rollout` answers run_stage (flows/stages.py) with RUN's rollout manifest
+- rollout: no task, no engine; `replayed_rollout` answers run_stage (flows/stage_runs.py) with RUN's rollout manifest
   of that iteration (its content hash, rows, the parent's folder as its uri), recorded as the fork's
   `_stages/rollout.json`, with `rollout/replayed: 1` in its metrics. The fork's iteration folder holds no rollout/.
 - score: reads RUN's rollout shards in place (storage.lineage.rollout_owner) after checking their content hash,

@@ -22,7 +22,7 @@ subscription with the run received makes the server put a run it was handing ove
 a worker with a free slot. It overrides Prefect's private subscription loop (prefect 3.7.7, pinned).
 Two more things it does there: it holds a second subscription, on presence keys, for as long as it runs, so that
 the submitting flow can tell a busy worker from none (tasks/leases.py); and it drops, unrun, a task run that was
-cancelled while it waited in the server's queue (flows/stages.py cancels a submission that no worker had taken
+cancelled while it waited in the server's queue (flows/stage_runs.py cancels a submission that no worker had taken
 when it gives up waiting: a worker started later must not run a stage its flow no longer waits for).
 
 Several update ranks (engines/trainer/torchrun_group.py): `torchrun --nproc-per-node=N --no-python ppoflow worker
@@ -169,7 +169,7 @@ def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> Non
     one trainer or sampler must not run two stages at the same time)."""
     from engines import compute_thread
     from tasks.leases import serve_as_worker
-    from tasks.stages import STAGE_TASKS
+    from tasks.stage_tasks import STAGE_TASKS
 
     unknown = sorted(set(stages) - set(STAGES))
     if unknown or not stages:

@@ -9,7 +9,7 @@
 With pipeline.rollout_parts > 1 the rollout is rollout_parts.run_rollout_part per part (-> RolloutPartManifest),
 then rollout_parts.merge_rollout_parts (-> the iteration's RolloutManifest).
 
-The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stages.py) and the in-process
+The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stage_runs.py) and the in-process
 pipeline call exactly these; the bare loop (stages/loop.py) calls their compute halves (`sample_rollout`,
 `score_rows`, `train_on`) with the tables in memory instead of shards. This is the one place in engines/
 that reads and writes the run's storage; the hand-offs are typed (stages/manifests.py) and the

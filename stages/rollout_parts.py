@@ -4,7 +4,7 @@
     run_rollout_part(cfg, iteration, policy, part, parts)       sample one part -> RolloutPartManifest
     merge_rollout_parts(cfg, iteration, part manifests)         all parts' rows -> the iteration's RolloutManifest
 
-Each part is a stage task run of its own (tasks/stages.py): cached and retried alone, so a worker that dies
+Each part is a stage task run of its own (tasks/stage_tasks.py): cached and retried alone, so a worker that dies
 loses only its part, and several warm rollout workers sample an iteration's parts side by side. The merge is
 cheap (no engine: it reads the parts' shards and writes the iteration's rollout shards), so the score stage
 and everything after it see one RolloutManifest, exactly as with one part.

@@ -62,7 +62,7 @@ def _assert_same_run(layout, reference, iterations: int) -> None:
 def _part_manifests(layout, iteration: int, parts: int):
     from flows.records import read_stage_record
     from stages.manifests import RolloutPartManifest
-    from tasks.stages import part_stage_name
+    from tasks.stage_tasks import part_stage_name
 
     return [
         RolloutPartManifest.model_validate(read_stage_record(layout, iteration, part_stage_name(p, parts)))
@@ -100,7 +100,7 @@ def _wait_for_task_workers(pids: list[int], timeout_s: float = 120.0) -> None:
     """Wait until the Prefect server lists a task worker of each process serving the rollout parts (subscribed)."""
     import httpx
 
-    from tasks.stages import STAGE_TASKS
+    from tasks.stage_tasks import STAGE_TASKS
 
     wanted = {f"{socket.gethostname()}-{pid}" for pid in pids}  # Prefect's task worker id: host-pid
     url = f"{os.environ['PREFECT_API_URL']}/task_workers/filter"
@@ -121,7 +121,7 @@ def test_two_rollout_workers_sample_one_part_each_and_a_dead_one_is_named(
     from stages.manifests import RolloutManifest
     from storage.layout import layout_for
     from tasks.leases import read_lease
-    from tasks.stages import part_stage_name
+    from tasks.stage_tasks import part_stage_name
 
     host = socket.gethostname()
     # The second worker SIGKILLs itself when it starts its second part (iteration 2's, below).

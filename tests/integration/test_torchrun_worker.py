@@ -64,7 +64,7 @@ def serving_update(timeout_s: float = 240, other_than: str | None = None, logs: 
     """The workers (`host:pid`) the Prefect server lists as serving the update stage, once it lists one (other than
     `other_than`, a worker that is to go away)."""
     from tasks.leases import serving_workers
-    from tasks.stages import STAGE_TASKS
+    from tasks.stage_tasks import STAGE_TASKS
 
     deadline = time.monotonic() + timeout_s
     while True:

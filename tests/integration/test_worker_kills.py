@@ -69,7 +69,7 @@ def _picked_up_within(pickup_s: float, cfg):
 def _served(worker: subprocess.Popen, stages: list[str], timeout_s: float = 180) -> None:
     """Wait until `worker` is listed at the Prefect server as serving each of `stages`."""
     from tasks.leases import serving_workers
-    from tasks.stages import STAGE_TASKS
+    from tasks.stage_tasks import STAGE_TASKS
 
     me = f"{socket.gethostname()}:{worker.pid}"
     deadline = time.monotonic() + timeout_s
@@ -82,7 +82,7 @@ class _PresenceWatch:
     """Counts, while a run goes on, the moments at which a stage had no worker serving it (busy ones included)."""
 
     def __init__(self, stages: list[str]):
-        from tasks.stages import STAGE_TASKS
+        from tasks.stage_tasks import STAGE_TASKS
 
         self.keys = {s: STAGE_TASKS[s].task_key for s in stages}
         self.missing: list[str] = []

@@ -96,7 +96,7 @@ def test_worker_subscribes_again_after_a_handshake_timeout(prefect_api, caplog):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        # as flows/stages.py submits: the submission (Prefect's run context) pickled, the result JSON
+        # as flows/stage_runs.py submits: the submission (Prefect's run context) pickled, the result JSON
         future = echo.with_options(result_serializer="pickle").delay(41)
         for _ in range(90):  # the worker exiting (the failure this test is about) ends the wait at once
             if errors or future.state.is_final():

@@ -165,3 +165,18 @@ def test_the_graph_reads_the_real_tree():
     assert ("stages.update", "stages.update_trainer") in edges
     assert ("flows.preflight", "flows.preflight_static") in edges
     assert len(edges) > 300
+
+
+def test_no_flow_file_shadows_a_package():
+    # Prefect loads a deployment's entrypoint (flows/training.py:ppo_training) as a script, with flows/ first on
+    # sys.path: a flows/stages.py there made `import stages` (the stage bodies) find that file instead, and every
+    # flow run on a work pool crashed before it started. The same holds for each folder holding an entrypoint.
+    import yaml
+
+    entry_dirs = {
+        e["entrypoint"].split(":")[0].rsplit("/", 1)[0]
+        for e in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    }
+    packages = set(FLOORS)
+    shadows = [f"{d}/{p.stem}.py" for d in sorted(entry_dirs) for p in (REPO / d).glob("*.py") if p.stem in packages]
+    assert entry_dirs and not shadows, f"these files shadow a package when Prefect runs a flow: {shadows}"

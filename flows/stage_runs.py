@@ -47,7 +47,7 @@ from stages.manifests import (
 from storage.layout import layout_for
 from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
-from tasks.stages import STAGE_TASKS, part_stage_name
+from tasks.stage_tasks import STAGE_TASKS, part_stage_name
 
 
 class StageFailed(RuntimeError):
