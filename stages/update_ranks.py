@@ -47,7 +47,7 @@ from engines.trainer.hostfile import placement_for
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
 from engines.trainer.reshard import other_count_mode
-from stages.handed import open_handed, read_handed
+from stages.handed import open_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from stages.policy import checkpoint_weights_id, local_checkpoint_dir
@@ -57,7 +57,7 @@ from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
 from storage.schema import schema_for
 from storage.scratch import checkpoint_scratch
-from storage.shards import Manifest, read_part, require_manifest
+from storage.shards import Manifest, read_part, read_shards, require_manifest
 
 ENTRY = "stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
 
@@ -150,7 +150,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     """run_update with train.num_ranks > 1 (see the module docstring); this process is rank 0."""
     started = time.perf_counter()
     layout = layout_for(cfg)
-    table = read_handed(cfg.storage, scored, "update", iteration)  # checked before any rank is told anything
+    scored_fs, scored_dir, found = open_handed(cfg.storage, scored, "update", iteration)  # before any rank is told
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
     check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
     led = torchrun_group.current()  # the torchrun group this worker is rank 0 of, if any
@@ -170,6 +170,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
             warm.count_build(warm.Role.TRAINER.value)
         group.holds = None  # from here on the ranks' weights move past `policy`
         group.send({"op": "update", "iteration": iteration, "scored": scored.model_dump(mode="json")})
+        table = read_shards(scored_fs, scored_dir, manifest=found)  # all rows (the experience shards), as checked
         start, stop = rank_rows(table.num_rows, 0, group.world)
         result = train_on_rows(trainer, table.slice(start, stop - start))
         exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
