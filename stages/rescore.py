@@ -33,11 +33,13 @@ import yaml
 
 from engines.scoring.scorer import Scorer, ScoreResult, ScoringInput, build_reward_sources
 from ppoflow.config import PPOFlowConfig, build_config
+from stages.handed import read_handed
+from stages.manifests import ScoreManifest
 from storage import lineage
 from storage.layout import RunLayout
-from storage.shards import read_shards
 
 _PriorKey = tuple
+_PRIOR = ["prompt_ids", "response_ids", "label", "data_source", "reward_components", "ref_logprobs"]  # what is reused
 
 
 def _prior_key(prompt_ids, response_ids, label, data_source) -> _PriorKey:
@@ -126,7 +128,8 @@ def _parent_sources(cfg, scorer: Scorer, parent_cfg) -> list[_Named]:
 
 def replay_scorer(cfg, scorer: Scorer, owner: RunLayout, parent_cfg, iteration: int) -> Optional[ReplayScorer]:
     """A ReplayScorer over `owner`'s (the parent's) scored rows of `iteration`, or None when they cannot be trusted
-    or are absent (then the caller scores from scratch). See the module docstring."""
+    or are absent (then the caller scores from scratch). See the module docstring. HandedShardsError
+    (stages/handed.py) when the parent's scored folder holds other shards than its score record names."""
     record = lineage.stage_record(owner, iteration, "score")
     if record is None:
         return None
@@ -138,7 +141,9 @@ def replay_scorer(cfg, scorer: Scorer, owner: RunLayout, parent_cfg, iteration: 
         return None
     known = {(s.name, s.identity) for s in parent_sources}
     changed = [s for s in scorer.sources if (s.name, s.identity) not in known]
-    prior, logprobs = _prior_rows(read_shards(owner.fs, owner.stage_dir(iteration, "scored")))
+    # the parent's scored shards as its score record names them (its uri, checked against its content hash)
+    scored = read_handed(owner.storage_cfg, ScoreManifest.model_validate(record), "replay score", iteration, _PRIOR)
+    prior, logprobs = _prior_rows(scored)
     reference = _PriorReference(logprobs, getattr(scorer.reference, "fingerprint", None))
     return ReplayScorer(cfg, scorer, changed, prior, reference)
 
@@ -150,7 +155,7 @@ def run_config(layout: RunLayout) -> PPOFlowConfig:
 
 def _prior_rows(table: pa.Table) -> tuple[dict[_PriorKey, dict[str, float]], dict[tuple, list[float]]]:
     """The parent's components by (tokens, label, data_source) and reference log-probs by tokens."""
-    cols = table.select(["prompt_ids", "response_ids", "label", "data_source", "reward_components", "ref_logprobs"])
+    cols = table.select(_PRIOR)
     d = cols.to_pydict()
     prior, logprobs = {}, {}
     for p, r, label, source, components, ref in zip(*(d[c] for c in cols.column_names)):

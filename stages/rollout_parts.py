@@ -27,13 +27,13 @@ import time
 import pyarrow as pa
 
 from engines import warm
+from stages.handed import read_handed
 from stages.held import prompt_source_for
 from stages.manifests import PolicyRef, RolloutManifest, RolloutPartManifest
 from stages.rollout import rollout_engine_for, sample_records, sampled_manifest
 from stages.tables import write_stage_table
 from storage.fs import join
 from storage.layout import RunLayout, layout_for
-from storage.shards import read_shards, require_manifest
 
 
 def split_prompts(records: list, part: int, parts: int) -> list:
@@ -91,21 +91,13 @@ def _check_parts(iteration: int, parts: list[RolloutPartManifest]) -> None:
 def merge_rollout_parts(cfg, iteration: int, parts: list[RolloutPartManifest]) -> RolloutManifest:
     """Write the parts' rows, in part order, as iteration `iteration`'s rollout shards (manifest last).
 
-    Errors: ValueError when `parts` is not parts 0..N-1 of this iteration sampled by one policy, or when a part's
-    folder now holds other shards than its manifest names (rewritten since); the shard readers' errors
-    (NotCommittedError, ShardCorruptError) name the part's folder."""
+    Each part is read at its manifest's uri (stages/handed.py). Errors: ValueError when `parts` is not parts 0..N-1
+    of this iteration sampled by one policy; HandedShardsError when a part's folder is gone or holds other shards
+    than its manifest names (rewritten since); ShardCorruptError naming a part file."""
     started = time.perf_counter()
     _check_parts(iteration, parts)
     layout = layout_for(cfg)
-    tables = []
-    for p in parts:
-        folder = part_dir(layout, iteration, p.part, p.parts)
-        if (found := require_manifest(layout.fs, folder).content_hash) != p.content_hash:
-            raise ValueError(
-                f"rollout part {p.part} of {p.parts}, iteration {iteration}: {layout.url(folder)} holds shards "
-                f"{found[:12]}, the part's manifest names {p.content_hash[:12]} (the folder was rewritten since)"
-            )
-        tables.append(read_shards(layout.fs, folder))
+    tables = [read_handed(cfg.storage, p, "rollout merge", iteration) for p in parts]
     written = write_stage_table(cfg, layout, iteration, "rollout", pa.concat_tables(tables))
     return sampled_manifest(
         RolloutManifest,

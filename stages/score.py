@@ -11,8 +11,10 @@ Failure and retry (the decision for a stage that fails half-way):
 - Scores already computed by a previous attempt are not lost with it: they live in the score cache, so a
   retry computes only what it has not computed before (a retry of a completed stage computes nothing).
 
-A fork that replays this iteration (flows/replay.py) reads its parent's rollout shards in place, and scores them
-through a ReplayScorer (stages/rescore.py): only the reward sources the fork changed run.
+What it reads: the rollout shards at the handed manifest's uri, refused (stages/handed.py) unless they have its
+content hash; a refusal happens before anything is written. A fork that replays this iteration (flows/replay.py) is
+handed its parent's rollout manifest, so it reads the parent's folder in place, and scores the rows through a
+ReplayScorer (stages/rescore.py): only the reward sources the fork changed run.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import pyarrow as pa
 from engines import warm
 from engines.scoring.cached import CacheStats, ScoreCacheLike, score_with_cache
 from engines.scoring.scorer import Scorer
+from stages.handed import read_handed
 from stages.held import score_cache_for, scorer_for
 from stages.manifests import RolloutManifest, ScoreManifest, provenance
 from stages.rescore import replay_scorer, run_config
 from stages.tables import scored_table, scoring_inputs, write_stage_table
 from storage.layout import layout_for
 from storage.lineage import rollout_owner
-from storage.shards import clear_stage_dir, read_shards, require_manifest
+from storage.shards import clear_stage_dir
 
 
 def score_rows(scorer: Scorer, rollout: pa.Table, cache: Optional[ScoreCacheLike]) -> tuple[pa.Table, CacheStats]:
@@ -42,16 +45,14 @@ def score_rows(scorer: Scorer, rollout: pa.Table, cache: Optional[ScoreCacheLike
 
 
 def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
-    """Score the iteration's rollout shards and write its scored shards (see the module docstring on failure)."""
+    """Score the rollout shards `rollout` names and write the iteration's scored shards (see the module docstring on
+    failure). HandedShardsError (stages/handed.py) when the shards at rollout.uri are not the ones it names."""
     started = time.perf_counter()
     layout = layout_for(cfg)
+    table = read_handed(cfg.storage, rollout, "score", iteration)
     stage_dir = layout.stage_dir(iteration, "scored")
     clear_stage_dir(layout.fs, stage_dir)  # uncommitted until this attempt succeeds: see the module docstring
     owner = rollout_owner(layout, iteration)  # the parent, for a fork that replays this iteration
-    rollout_dir = owner.stage_dir(iteration, "rollout")
-    if owner is not layout and require_manifest(owner.fs, rollout_dir).content_hash != rollout.content_hash:
-        raise ValueError(f"{owner.url(rollout_dir)} no longer holds the rollout replayed iteration {iteration} named")
-    table = read_shards(owner.fs, rollout_dir)
     with warm.stage_lock("score"):  # pipelined iterations: one scorer, one score at a time
         scorer = scorer_for(cfg)
         if owner is not layout:

@@ -20,6 +20,7 @@ import pyarrow as pa
 from engines import warm
 from engines.trainer import rank_group, torchrun_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
+from stages.handed import read_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from stages.policy import checkpoint_weights_id
@@ -28,7 +29,6 @@ from stages.update_trainer import build_trainer, staleness, update_manifest
 from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
 from storage.scratch import checkpoint_scratch
-from storage.shards import read_shards
 
 
 def train_on(trainer: PPOTrainer, scored: pa.Table) -> UpdateResult:
@@ -55,8 +55,9 @@ def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
 
 
 def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
-    """Train on iteration `iteration`'s scored shards starting from `policy`; stage the new checkpoint.
+    """Train on the scored shards `scored` names starting from `policy`; stage the new checkpoint.
 
+    The shards are read at scored.uri, refused (HandedShardsError, stages/handed.py) unless they have its content hash.
     With train.num_ranks > 1, or on a worker that torchrun started as a group, the update runs on a group of ranks
     kept between iterations (update_ranks.py).
     """
@@ -68,7 +69,7 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
         rank_group.shutdown()
     started = time.perf_counter()
     layout = layout_for(cfg)
-    table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
+    table = read_handed(cfg.storage, scored, "update", iteration)
     trainer = take_trainer(cfg, policy)
     result = train_on(trainer, table)
     exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))

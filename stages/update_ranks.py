@@ -6,18 +6,20 @@ iteration rank 0 sends them small JSON commands, each followed by the same call 
 
     build   {config, policy, checkpoint_dir,   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
              zero3_counters}                   trainers do not hold the policy: a new group, another run, a retry)
-    update  {iteration, rows}                  read this rank's rows of the scored shards, train on them
+    update  {iteration, scored}                read this rank's rows of the scored shards `scored` (the stage's
+                                               ScoreManifest) names, checked against its hash; train on them
     save    {dir, extra_state}                 trainer.save(dir): rank 0 writes policy/, critic/, trainer.json;
                                                every rank its optimizer partition and RNG state
 
-Each rank reads its rows of the scored shards itself (nothing but the command travels from rank 0): of the
-iteration's B rows in manifest order, rank r takes rows [r*B/N, (r+1)*B/N) (`read_rank_rows`: only the
-parts holding some of them are fetched, each verified whole). It runs the old log-prob / value forward on
-them only; the trainer then all-gathers every rank's rows with those outputs, computes group baselines and
-advantage whitening over the whole batch on every rank, and each rank trains on its share of every
-optimizer step with the whole step's denominators (engines/trainer/rank_rows.py, ppo_trainer.py), so N ranks
-take the 1-rank update. Rank 0 also reads every row: it writes the iteration's experience shards, which
-carry all the scored columns.
+Each rank reads its rows of the scored shards itself (nothing but the command travels from rank 0), at the handed
+manifest's uri after checking that the shards there have its content hash (stages/handed.py; rank 0 checks before
+any command is sent, every rank again as it reads): of the iteration's B rows in manifest order, rank r takes rows
+[r*B/N, (r+1)*B/N) (`read_rank_rows`: only the parts holding some of them are fetched, each verified whole). It
+runs the old log-prob / value forward on them only; the trainer then all-gathers every rank's rows with those
+outputs, computes group baselines and advantage whitening over the whole batch on every rank, and each rank trains
+on its share of every optimizer step with the whole step's denominators (engines/trainer/rank_rows.py,
+ppo_trainer.py), so N ranks take the 1-rank update. Rank 0 also reads every row: it writes the iteration's
+experience shards, which carry all the scored columns.
 
 Failure: any exception during the commands tears the group down (rank_group.failed); a rank that died is
 named with its exit code or signal. The retry starts a new group whose trainers are built from the
@@ -45,6 +47,7 @@ from engines.trainer.hostfile import placement_for
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
 from engines.trainer.reshard import other_count_mode
+from stages.handed import open_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from stages.policy import checkpoint_weights_id, local_checkpoint_dir
@@ -54,7 +57,7 @@ from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
 from storage.schema import schema_for
 from storage.scratch import checkpoint_scratch
-from storage.shards import read_part, read_shards, require_manifest
+from storage.shards import Manifest, read_part, read_shards, require_manifest
 
 ENTRY = "stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
 
@@ -95,14 +98,17 @@ def check_sees_storage(cfg, checkpoint_dir: Optional[str]) -> None:
         )
 
 
-def read_rank_rows(fs, stage_dir: str, rank: int, world: int, expected_rows: int) -> pa.Table:
+def read_rank_rows(
+    fs, stage_dir: str, rank: int, world: int, expected_rows: int, manifest: Optional[Manifest] = None
+) -> pa.Table:
     """Rank `rank`'s rows [r*B/N, (r+1)*B/N) of the committed shards in `stage_dir` (B rows in manifest order).
 
-    Only the parts that hold some of those rows are read, each verified whole (size, sha256, schema) as
-    read_shards verifies it. Raises ValueError when the manifest lists another number of rows than
+    manifest: the folder's shard manifest as the caller read and checked it (stages/handed.open_handed), else read
+    here. Only the parts that hold some of those rows are read, each verified whole (size, sha256, schema) against it
+    as read_shards verifies them. Raises ValueError when the manifest lists another number of rows than
     `expected_rows` (what rank 0 read), plus read_part's errors naming a part.
     """
-    manifest = require_manifest(fs, stage_dir)
+    manifest = manifest or require_manifest(fs, stage_dir)
     if manifest.rows != expected_rows:
         raise ValueError(f"scored shards {manifest.uri} hold {manifest.rows} rows, rank 0 expects {expected_rows}")
     start, stop = rank_rows(manifest.rows, rank, world)
@@ -144,6 +150,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     """run_update with train.num_ranks > 1 (see the module docstring); this process is rank 0."""
     started = time.perf_counter()
     layout = layout_for(cfg)
+    scored_fs, scored_dir, found = open_handed(cfg.storage, scored, "update", iteration)  # before any rank is told
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
     check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
     led = torchrun_group.current()  # the torchrun group this worker is rank 0 of, if any
@@ -162,8 +169,8 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
             trainer = build_trainer(cfg, policy, ckpt)
             warm.count_build(warm.Role.TRAINER.value)
         group.holds = None  # from here on the ranks' weights move past `policy`
-        group.send({"op": "update", "iteration": iteration, "rows": scored.rows})
-        table = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))  # all rows: the experience shards
+        group.send({"op": "update", "iteration": iteration, "scored": scored.model_dump(mode="json")})
+        table = read_shards(scored_fs, scored_dir, manifest=found)  # all rows (the experience shards), as checked
         start, stop = rank_rows(table.num_rows, 0, group.world)
         result = train_on_rows(trainer, table.slice(start, stop - start))
         exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
@@ -217,10 +224,10 @@ class _Rank:
                 zero3_counters(command["zero3_counters"])
             self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])
         elif op == "update":
-            layout = layout_for(self.cfg)
-            stage_dir = layout.stage_dir(command["iteration"], "scored")
+            scored = ScoreManifest.model_validate(command["scored"])
+            fs, stage_dir, found = open_handed(self.cfg.storage, scored, "update", command["iteration"])
             rank, world = self.trainer.actor.global_rank, self.trainer.actor.world_size
-            train_on_rows(self.trainer, read_rank_rows(layout.fs, stage_dir, rank, world, command["rows"]))
+            train_on_rows(self.trainer, read_rank_rows(fs, stage_dir, rank, world, scored.rows, found))
         elif op == "save":
             self.trainer.save(command["dir"], extra_state=command["extra_state"])
         else:

@@ -360,14 +360,21 @@ def read_part(
 
 
 def read_shards(
-    fs: fsspec.AbstractFileSystem, stage_dir: str, columns: Optional[Sequence[str]] = None, verify: bool = True
+    fs: fsspec.AbstractFileSystem,
+    stage_dir: str,
+    columns: Optional[Sequence[str]] = None,
+    verify: bool = True,
+    manifest: Optional[Manifest] = None,
 ) -> pa.Table:
     """The committed table of `stage_dir` (only the listed parts), optionally only some columns.
 
+    manifest: the folder's manifest as the caller read it (require_manifest) and checked: the parts it lists are
+    read and each verified against it, so the table is the one that manifest's content_hash names even if the
+    folder is rewritten meanwhile (a part replaced since fails its check). None: read the folder's manifest here.
     Raises NotCommittedError (no manifest), ShardCorruptError (a part missing, truncated, hash
     mismatch, unreadable; names the part), SchemaMismatchError (other schema version or columns).
     """
-    manifest = require_manifest(fs, stage_dir)
+    manifest = manifest or require_manifest(fs, stage_dir)
     selected = check_columns(manifest.kind, columns)
     if selected is not None and manifest.schema_version < MULTI_TURN_VERSION:
         missing = [c for c in selected if c in MULTI_TURN_COLUMNS]
