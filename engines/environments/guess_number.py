@@ -6,7 +6,8 @@ turn), and the episode ends with reward 1 when a guess is right, or with reward 
 reply without an integer costs a guess too ("Reply with one whole number from 1 to 10."). Binary search finds
 any secret from 1 to 10 in 4 guesses, so reward 1 is reachable on every row; four distinct guesses at random
 find it 4 times in 10, and a policy that ignores the feedback cannot do better than that on average, so the
-reward rises above 0.4 only as the policy uses what the environment tells it.
+reward rises above 0.4 only as the policy uses what the environment tells it. Every step's info holds the guess
+(None without one) and "is_success" (the guess was right), so the eval stage's eval/accuracy is the games won.
 
 ShapedGuessTheNumber is the same game with partial credit (a guess still possible given the feedback) and more
 reward for fewer guesses, so a policy that has not won yet still has a gradient (configs/multi_turn_guess_number.yaml).
@@ -56,13 +57,14 @@ class GuessTheNumber:
         found = _INTEGER.search(messages[-1]["content"])
         guess = int(found.group()) if found else None
         self.guesses_left -= 1
+        info = {"guess": guess, "is_success": guess == self.secret}  # is_success: eval/accuracy is games won
         if guess == self.secret:
-            return Observation(reward=1.0, done=True, info={"guess": guess})
+            return Observation(reward=1.0, done=True, info=info)
         if self.guesses_left == 0:
-            return Observation(reward=0.0, done=True, info={"guess": guess})
+            return Observation(reward=0.0, done=True, info=info)
         if guess is None:
-            return Observation(text=f"Reply with one whole number from 1 to {self.high}.")
-        return Observation(text="Higher." if self.secret > guess else "Lower.", info={"guess": guess})
+            return Observation(text=f"Reply with one whole number from 1 to {self.high}.", info=info)
+        return Observation(text="Higher." if self.secret > guess else "Lower.", info=info)
 
     def close(self) -> None:
         pass

@@ -35,12 +35,17 @@ def test_heeding_every_turn_scores_one():
         ("", "user", True),
     ]
     assert sum(o.reward for o in observations) == pytest.approx(1.0)
+    assert [o.info["is_success"] for o in observations] == [False, False, True]  # every turn perfect: a success
 
 
 def test_ignoring_the_environment_scores_by_hand():
     # Turn 1 right (1/3); turn 2 repeats 3 where 7 is wanted (0); turn 3: four 1s in eight words (0.5 / 3).
     observations = _play({"prompt": "say 3 :", "label": "3 7 1"}, ["3 3 3 3 3 3 3 3", "3 3 3", "1 1 1 1 2 2 2 2"])
     assert [o.reward for o in observations] == pytest.approx([1 / 3, 0.0, 0.5 / 3])
+    assert observations[-1].info == {"is_success": False}
+    # all three digits repeated, but turn 2 with 7 words of 8 (7/8): not a success
+    almost = _play({"prompt": "say 3 :", "label": "3 7 1"}, ["3 3 3 3 3 3 3 3", "7 7 7 7 7 7 7", "1 1 1 1 1 1 1 1"])
+    assert sum(o.reward for o in almost) == pytest.approx((1 + 7 / 8 + 1) / 3) and not almost[-1].info["is_success"]
 
 
 def test_observations_stay_inside_the_tiny_vocabulary():
@@ -142,6 +147,9 @@ def test_guess_feedback_and_a_reply_without_a_number():
         ("Lower.", 0.0, False),
         ("", 0.0, True),
     ]
+    assert [o.info for o in observations] == [{"guess": g, "is_success": False} for g in (5, None, 9, None)]
+    won = _play({"prompt": "guess", "label": "7", "high": 10, "guesses": 4}, ["5", "My guess is 7."], GUESS)
+    assert won[-1].done and won[-1].info == {"guess": 7, "is_success": True}
 
 
 def test_guess_rows_are_deterministic_and_a_bad_label_is_named():
