@@ -81,7 +81,7 @@ def _eval_set(path: Path) -> str:
     return str(path)
 
 
-def _config(tmp_path, tiny_model_dir, digits_dataset_dir, env="SuccessDigitGuessEnv", **eval_settings):
+def _config(tmp_path, tiny_model_dir, digits_dataset_dir, env="SuccessDigitGuessEnv", rollout=(), **eval_settings):
     from engines.toy.run_config import toy_config
 
     sections = {
@@ -93,6 +93,7 @@ def _config(tmp_path, tiny_model_dir, digits_dataset_dir, env="SuccessDigitGuess
             "max_new_tokens": 4,
             # max_turns 2 < DigitGuessEnv's GIVE_UP 3: a policy that misses twice is cut by the limit (a truncation)
             "environment": {"source": ENV + env, "max_turns": 2, "max_total_tokens": 48},
+            **dict(rollout),
         },
         "reward": {"sources": [{"kind": "environment"}]},
         "eval": {"data_path": _eval_set(tmp_path / "held_out.jsonl"), "n_samples": 2, **eval_settings},
@@ -100,10 +101,39 @@ def _config(tmp_path, tiny_model_dir, digits_dataset_dir, env="SuccessDigitGuess
     return toy_config(tmp_path / "runs", "mt-eval", tiny_model_dir, digits_dataset_dir, seed=3, sections=sections)
 
 
-def _read_eval_shards(folder: Path) -> pa.Table:
-    """The eval shards as a person reads them: every part, pyarrow alone, in part order."""
-    parts = sorted(folder.glob("part-*.arrow"))
-    return pa.concat_tables([pyarrow.ipc.open_file(str(p)).read_all() for p in parts])
+def eval_rows(cfg, iteration: int) -> list[dict]:
+    """Iteration `iteration`'s eval shards as a person reads them: every part with pyarrow alone, in part order;
+    they are multi-turn shards (schema version 2)."""
+    from storage.layout import layout_for
+
+    layout = layout_for(cfg)
+    parts = sorted(Path(layout.url(layout.stage_dir(iteration, "eval"))).glob("part-*.arrow"))
+    tables = [pyarrow.ipc.open_file(str(p)).read_all() for p in parts]
+    assert parts and all(t.schema.metadata[b"ppoflow.schema_version"] == b"2" for t in tables)
+    return pa.concat_tables(tables).to_pylist()
+
+
+def assert_rows_are_the_drivers(rows: list[dict], engine, tok, cfg) -> None:
+    """The second path: the rollout driver itself on `engine`, from starts rendered here by the tiny template
+    ("{role} : {content} "), with eval's sampling settings and row seeds: the eval rows are its conversations."""
+    from engines.environments.loader import load_environment_factory
+    from engines.rollout.multi_turn import ConversationStart, TurnLimits, run_conversations
+    from stages.evaluate import eval_sampling, eval_sampling_seed
+
+    starts = []
+    for index, (prompt, secret, source) in enumerate(EVAL_ROWS):
+        text = f"user : {prompt} assistant : "
+        row = {"prompt": prompt, "label": secret, "data_source": source, "index": index}
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        starts.append(ConversationStart(index, row, prompt, text, ids, eval_sampling_seed(cfg.run.seed, index)))
+    factory = load_environment_factory(cfg.rollout.environment.source)
+    direct = run_conversations(engine, tok, factory, starts, eval_sampling(cfg), TurnLimits(2, 48))
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(s.prompt_index, s.sample_index) for s in direct]
+    for row, sample in zip(rows, direct):
+        assert row["prompt_ids"] == starts[sample.prompt_index].prompt_ids
+        assert (row["response_ids"], row["token_owner"]) == (sample.response_ids, sample.token_owner)
+        assert (row["turns"], row["truncation"]) == (sample.turns, sample.truncation)
+        assert row["env_reward"] == pytest.approx(sample.env_reward)
 
 
 def _replies(row: dict, tokenizer) -> list[list[str]]:
@@ -127,38 +157,17 @@ def _by_hand(row: dict, tokenizer) -> tuple[float, bool, int]:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_eval_plays_the_held_out_rows_as_the_driver_does(tmp_path, tiny_model_dir, digits_dataset_dir, temperature):
-    from engines.environments.loader import load_environment_factory
     from engines.models import load_tokenizer
     from engines.rollout.hf import HFRolloutEngine
-    from engines.rollout.multi_turn import ConversationStart, TurnLimits, run_conversations
-    from stages.evaluate import eval_sampling, eval_sampling_seed
     from stages.policy import initial_policy_ref
-    from storage.layout import layout_for
 
     cfg = _config(tmp_path, tiny_model_dir, digits_dataset_dir, temperature=temperature)
     manifest = run_eval(cfg, 0, initial_policy_ref(cfg))
-    table = _read_eval_shards(Path(layout_for(cfg).url(layout_for(cfg).stage_dir(0, "eval"))))
-    rows = table.to_pylist()
+    rows = eval_rows(cfg, 0)
     assert manifest.rows == len(rows) == 2 * len(EVAL_ROWS)
-    assert json.loads(table.schema.metadata[b"ppoflow.schema_version"]) == 2  # the multi-turn columns
 
-    # The second path: the driver itself, on starts rendered here by the tiny template ("{role} : {content} ").
     tok = load_tokenizer(str(tiny_model_dir))
-    starts = []
-    for index, (prompt, secret, source) in enumerate(EVAL_ROWS):
-        text = f"user : {prompt} assistant : "
-        row = {"prompt": prompt, "label": secret, "data_source": source, "index": index}
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        starts.append(ConversationStart(index, row, prompt, text, ids, eval_sampling_seed(cfg.run.seed, index)))
-    engine = HFRolloutEngine(str(tiny_model_dir), seed=0, max_batch_size=8)
-    factory = load_environment_factory(ENV + "SuccessDigitGuessEnv")
-    direct = run_conversations(engine, tok, factory, starts, eval_sampling(cfg), TurnLimits(2, 48))
-    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(s.prompt_index, s.sample_index) for s in direct]
-    for row, sample in zip(rows, direct):
-        assert row["prompt_ids"] == starts[sample.prompt_index].prompt_ids
-        assert (row["response_ids"], row["token_owner"]) == (sample.response_ids, sample.token_owner)
-        assert (row["turns"], row["truncation"]) == (sample.turns, sample.truncation)
-        assert row["env_reward"] == pytest.approx(sample.env_reward)
+    assert_rows_are_the_drivers(rows, HFRolloutEngine(str(tiny_model_dir), seed=0, max_batch_size=8), tok, cfg)
 
     # Each conversation's reward and success by the environment's rule, from the shard's columns alone.
     hand = [_by_hand(row, tok) for row in rows]
@@ -213,3 +222,14 @@ def test_a_broken_environment_is_named_as_the_rollout_names_it(tmp_path, tiny_mo
         run_eval(cfg, 0, initial_policy_ref(cfg))
     with pytest.raises(EnvironmentFailed, match=rf"^environment '{ENV}{env}' \(row \d+, sample 0\) {what}"):
         run_rollout(cfg, 1, initial_policy_ref(cfg))
+
+
+def test_the_guess_recipe_evaluates_before_and_after_training():
+    """configs/multi_turn_guess_number.yaml loads, and its eval is the before / after of the README: the initial
+    policy and the last iteration only, on every secret (the --every-secret set), several games each."""
+    from ppoflow.config import load_config
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "multi_turn_guess_number.yaml"))
+    assert cfg.rollout.environment is not None and cfg.eval.before_training
+    assert cfg.eval.every == cfg.run.iterations and cfg.eval.n_samples > 1 and cfg.eval.temperature > 0
+    assert cfg.eval.data_path.endswith("guess-number-eval.jsonl")
