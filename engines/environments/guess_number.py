@@ -16,6 +16,10 @@ Deterministic given the row. Config: `rollout.environment.source: engines.enviro
 with a dataset built by
 
     python -m engines.environments.guess_number ./runs/_data/guess-number.jsonl [--rows 512] [--seed 0]
+
+and a held-out set of every secret from 1 to 10, K rows each (the recipe's eval.data_path), by
+
+    python -m engines.environments.guess_number ./runs/_data/guess-number-eval.jsonl --every-secret K
 """
 
 from __future__ import annotations
@@ -109,13 +113,27 @@ def make_rows(num_rows: int = 512, seed: int = 0, high: int = 10, guesses: int =
     ]
 
 
-def build_dataset(out: str | Path, num_rows: int = 512, seed: int = 0) -> Path:
-    """Write make_rows(...) as a .jsonl file (one row a line) and return its path."""
-    return write_rows(out, make_rows(num_rows, seed))
+def every_secret_rows(per_secret: int = 1, high: int = 10, guesses: int = 4) -> list[dict]:
+    """Every secret 1..high, `per_secret` rows each, in order: a held-out set that weighs every secret alike
+    (the eval set of configs/multi_turn_guess_number.yaml); no randomness."""
+    prompt = PROMPT.format(high=high, guesses=guesses)
+    return [
+        {"prompt": prompt, "label": str(secret), "high": high, "guesses": guesses, "data_source": "guess"}
+        for secret in range(1, high + 1)
+        for _ in range(per_secret)
+    ]
+
+
+def build_dataset(out: str | Path, num_rows: int = 512, seed: int = 0, every_secret: int = 0) -> Path:
+    """Write make_rows(num_rows, seed), or with every_secret > 0 every_secret_rows(every_secret), as a .jsonl file
+    (one row a line) and return its path."""
+    rows = every_secret_rows(every_secret) if every_secret > 0 else make_rows(num_rows, seed)
+    return write_rows(out, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    toy_main(__doc__, build_dataset, {"--rows": "num_rows", "--seed": "seed"}, argv)
+    options = {"--rows": "num_rows", "--seed": "seed", "--every-secret": "every_secret"}
+    toy_main(__doc__, build_dataset, options, argv)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ through the rollout driver) and GuessTheNumber (binary search always wins, a pol
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engines.environments.checked import CheckedEnvironment, EnvironmentFailed
@@ -152,11 +154,17 @@ def test_guess_feedback_and_a_reply_without_a_number():
     assert won[-1].done and won[-1].info == {"guess": 7, "is_success": True}
 
 
-def test_guess_rows_are_deterministic_and_a_bad_label_is_named():
+def test_guess_rows_are_deterministic_and_a_bad_label_is_named(tmp_path):
     from engines.environments.guess_number import make_rows as guess_rows
 
     rows = guess_rows(200, seed=1)
     assert rows == guess_rows(200, seed=1) and {r["label"] for r in rows} == {str(n) for n in range(1, 11)}
+    from engines.environments.guess_number import main
+
+    held_out = tmp_path / "held-out.jsonl"
+    main([str(held_out), "--every-secret", "2"])  # the recipe's eval set: every secret, K rows each, in order
+    labels = [json.loads(line)["label"] for line in held_out.read_text().splitlines()]
+    assert labels == [str(n) for n in range(1, 11) for _ in range(2)]
     env = CheckedEnvironment.start(load_environment_factory(GUESS), row_index=4)
     with pytest.raises(EnvironmentFailed, match=r"\(row 4\) reset: raised ValueError: the row needs a label from 1"):
         env.reset({"prompt": "guess", "label": "11"})
