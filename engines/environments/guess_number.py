@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from engines.environments.base import Message, Observation
 from engines.environments.datasets import write_rows
@@ -82,7 +82,12 @@ class ShapedGuessTheNumber(GuessTheNumber):
     On finding the secret with guess k (1-based): 1.0 - 0.1 * (k - 1) more, so fewer guesses score more.
     A sample's reward is the sum over its turns: at most 1.1 (right at once), at least 0.8 when it wins at all,
     at most 0.4 when it does not (four possible guesses, none right): a win is env_reward > 0.5.
+
+    `credit` (a class attribute; the factory takes no arguments) picks the per-guess credit: "possible" (above),
+    or "information" (InformativeGuessTheNumber).
     """
+
+    credit: Literal["possible", "information"] = "possible"
 
     def reset(self, row: Mapping[str, Any]) -> Optional[str]:
         first = super().reset(row)
@@ -93,14 +98,39 @@ class ShapedGuessTheNumber(GuessTheNumber):
         found = _INTEGER.search(messages[-1]["content"])
         guess = int(found.group()) if found else None
         self.guesses_made += 1
-        credit = 0.1 if guess is not None and self.low <= guess <= self.top else 0.0
+        possible, before = guess is not None and self.low <= guess <= self.top, self.top - self.low + 1
         if guess is not None and guess != self.secret:  # what the feedback will tell
             self.low, self.top = (
                 (max(self.low, guess + 1), self.top) if self.secret > guess else (self.low, min(self.top, guess - 1))
             )
+        if self.credit == "possible":
+            credit = 0.1 if possible else 0.0
+        else:  # the share of the still-possible numbers this guess rules out; a right guess leaves only itself
+            after = 1 if guess == self.secret else self.top - self.low + 1
+            credit = INFORMATION_WEIGHT * (before - after) / before
         outcome = super().step(messages)
         bonus = 1.0 - 0.1 * (self.guesses_made - 1) if outcome.reward > 0 else 0.0
         return Observation(outcome.text, outcome.role, credit + bonus, outcome.done, outcome.info)
+
+
+INFORMATION_WEIGHT = 0.2
+
+
+class InformativeGuessTheNumber(ShapedGuessTheNumber):
+    """ShapedGuessTheNumber whose per-guess credit grows with what the guess teaches: 0.2 x the share of the numbers
+    still possible before it that its feedback rules out ((before - after) / before; a right guess rules out all
+    but itself). A guess that halves the range earns ~0.1 whatever the secret; counting up from 1 earns 0.02 for
+    "1" (1 of 10 ruled out), 0.022 for "2", ...; a contradicting guess or no number rules out nothing: 0.
+
+    Why: with "possible" credit every still-possible guess earns the same 0.1, so counting up 1, 2, 3, 4 (deaf
+    to the feedback) earns as much partial credit as halving, and that is what the 135M policy learned (README).
+    Bounds (1 to 10, 4 guesses): four guesses that miss rule out shares f1..f4 with (1 - f1)...(1 - f4) >= 1/10
+    (the secret is left), so f1 + ... + f4 <= 4 x (1 - 10^(-1/4)) ~ 1.75 and a lost game scores at most ~0.35; a
+    win scores at least its 0.7 bonus: a win is still env_reward > 0.5.
+    Config: configs/multi_turn_guess_number_information.yaml.
+    """
+
+    credit = "information"
 
 
 def make_rows(num_rows: int = 512, seed: int = 0, high: int = 10, guesses: int = 4) -> list[dict]:

@@ -229,7 +229,13 @@ def test_the_guess_recipe_evaluates_before_and_after_training():
     policy and the last iteration only, on every secret (the --every-secret set), several games each."""
     from ppoflow.config import load_config
 
-    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "multi_turn_guess_number.yaml"))
+    configs = Path(__file__).parents[2] / "configs"
+    cfg = load_config(str(configs / "multi_turn_guess_number.yaml"))
     assert cfg.rollout.environment is not None and cfg.eval.before_training
     assert cfg.eval.every == cfg.run.iterations and cfg.eval.n_samples > 1 and cfg.eval.temperature > 0
     assert cfg.eval.data_path.endswith("guess-number-eval.jsonl")
+    # the information-credit variant differs in its name and its environment only, so its eval rows compare
+    variant = load_config(str(configs / "multi_turn_guess_number_information.yaml")).model_dump(mode="json")
+    variant["run"]["name"] = cfg.run.name
+    variant["rollout"]["environment"]["source"] = cfg.rollout.environment.source
+    assert variant == cfg.model_dump(mode="json")
