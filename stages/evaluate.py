@@ -77,7 +77,8 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
     samples as the iteration's eval shards (replacing what the folder held, manifest last).
 
     Errors: a missing or malformed eval dataset is PromptSource's error naming the file and row; a reward
-    source's error propagates and names the sample ("iter 3 prompt 12 sample 1").
+    source's error propagates and names the sample ("iter 3 prompt 12 sample 1"); multi-turn, an environment
+    that breaks its contract is the rollout's EnvironmentFailed naming it, the held-out row, the sample and the turn.
     """
     started = time.perf_counter()
     source = eval_prompt_source_for(cfg)
