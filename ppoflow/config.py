@@ -877,11 +877,6 @@ class PPOFlowConfig(_Section):
                 f"rollout.environment.max_total_tokens={env.max_total_tokens} must be > data.max_prompt_tokens="
                 f"{self.data.max_prompt_tokens}: a prompt of the allowed length must leave room for a turn"
             )
-        if self.eval.data_path:
-            raise ValueError(
-                "rollout.environment with eval.data_path: the eval stage samples single-turn; multi-turn eval is not "
-                "built yet (leave eval.data_path unset)"
-            )
         if self.reward.overlong is not None:
             raise ValueError(
                 "rollout.environment with reward.overlong: the overlong penalty measures one response against "

@@ -19,17 +19,27 @@ What it computes, and the choices made:
 - scored by the score stage's scorer (reward sources + reference) through the score cache, so the rows
   are scored rows and `eval/reward_mean` is the mean of their `reward` column;
 - metrics: engines/evaluation.eval_metrics: eval/reward_mean, and when every reward is 0 or 1, eval/pass@1
-  and eval/pass@k for k = eval.n_samples (the unbiased estimator).
+  and eval/pass@k for k = eval.n_samples (the unbiased estimator); when the held-out rows name two data sources
+  or more, the same per source as eval/<data_source>/<metric> (per_data_source);
+- multi-turn (rollout.environment set): each held-out row is played through the environment by the rollout's
+  driver, with the sampling above and rollout.environment's limits; the shards have the multi-turn columns and the
+  metrics are stages/evaluate_multi_turn.py's (eval/reward_mean, eval/env_reward_mean, eval/accuracy and
+  eval/pass@k where the environment defines success, eval/turns_mean, eval/truncated_fraction).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from engines import warm
 from engines.evaluation import eval_metrics
 from engines.rollout.base import SamplingSettings
+from stages.evaluate_multi_turn import multi_turn_eval_metrics, sample_eval_conversations
 from stages.held import eval_prompt_source_for, score_cache_for, scorer_for
 from stages.manifests import EvalManifest, PolicyRef
 from stages.rollout import rollout_engine_for, sample_table, sampled_manifest
@@ -67,22 +77,48 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
     samples as the iteration's eval shards (replacing what the folder held, manifest last).
 
     Errors: a missing or malformed eval dataset is PromptSource's error naming the file and row; a reward
-    source's error propagates and names the sample ("iter 3 prompt 12 sample 1").
+    source's error propagates and names the sample ("iter 3 prompt 12 sample 1"); multi-turn, an environment
+    that breaks its contract is the rollout's EnvironmentFailed naming it, the held-out row, the sample and the turn.
     """
     started = time.perf_counter()
     source = eval_prompt_source_for(cfg)
     records = source.records(list(range(len(source))))
     seeds = [eval_sampling_seed(cfg.run.seed, r.index) for r in records]
+    multi_turn = cfg.rollout.environment is not None
     with warm.stage_lock("rollout"):  # pipelined iterations: the rollout engine serves one stage at a time
         engine = rollout_engine_for(cfg, policy)
-        table = sample_table(engine, source, records, eval_sampling(cfg), seeds, iteration)
+        if multi_turn:
+            table = sample_eval_conversations(engine, source, cfg, records, eval_sampling(cfg), seeds, iteration)
+        else:
+            table = sample_table(engine, source, records, eval_sampling(cfg), seeds, iteration)
     layout = layout_for(cfg)
     scorer = scorer_for(cfg)
     cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
     scored, _ = score_rows(scorer, table, cache)
     written = write_stage_table(cfg, layout, iteration, "eval", scored)
+    metrics_of = multi_turn_eval_metrics if multi_turn else single_turn_eval_metrics
     n = cfg.eval.n_samples
-    metrics = eval_metrics(scored.column("reward").to_pylist(), n, ks=sorted({1, n}))
+    metrics = {**metrics_of(scored, n), **per_data_source(metrics_of, scored, n)}
     return sampled_manifest(
         EvalManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, metrics=metrics
     )
+
+
+def single_turn_eval_metrics(scored: pa.Table, n: int) -> dict[str, float]:
+    """engines/evaluation.eval_metrics of the scored rows' rewards, n consecutive rows per held-out prompt."""
+    return eval_metrics(scored.column("reward").to_pylist(), n, ks=sorted({1, n}))
+
+
+def per_data_source(metrics_of: Callable[[pa.Table, int], dict], scored: pa.Table, n: int) -> dict[str, float]:
+    """`metrics_of` over each data_source's rows alone, as eval/<data_source>/<metric>, when the held-out rows
+    name two data sources or more (one source would repeat the overall figures); rows without one count only in
+    the overall figures. A prompt's n samples share its data_source, so each subset is whole groups."""
+    column = scored.column("data_source")
+    sources = sorted({s for s in column.to_pylist() if s is not None})
+    if len(sources) < 2:
+        return {}
+    out: dict[str, float] = {}
+    for source in sources:
+        subset = scored.filter(pc.equal(column, source))
+        out.update({f"eval/{source}/{k.removeprefix('eval/')}": v for k, v in metrics_of(subset, n).items()})
+    return out

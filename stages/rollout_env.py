@@ -55,24 +55,24 @@ def _dataset(path: str, file_state: tuple):
     return load_rows(path)
 
 
-def _dataset_rows(cfg, indices: list[int]) -> list[dict]:
-    """The dataset rows (every column, as read from data.path, plus "index") that env.reset sees."""
-    path = cfg.data.path
+def _dataset_rows(path: str, indices: list[int]) -> list[dict]:
+    """The rows `indices` of the dataset at `path` (every column as read, plus "index"): what env.reset sees."""
     stat = os.stat(path)
     rows = _dataset(os.path.abspath(path), (stat.st_mtime_ns, stat.st_size))
     return [{**rows[i], "index": i} for i in indices]
 
 
 def conversation_starts(source: PromptSource, cfg, records: list, seeds: list[int]) -> list[ConversationStart]:
-    """One ConversationStart per prompt record; ValueError unless the prompts were rendered with a chat template
-    (multi-turn appends messages to it)."""
+    """One ConversationStart per prompt record of `source` (the training prompts, or the eval stage's held-out
+    ones: the rows env.reset sees are read from the file `source` was read from); ValueError unless the prompts
+    were rendered with a chat template (multi-turn appends messages to it)."""
     if not source.use_chat_template:
         raise ValueError(
             f"rollout.environment needs the tokenizer of {cfg.model.policy_path!r} to have a chat template and "
             f"model.apply_chat_template=true: the conversation is built with it turn by turn"
         )
-    rows = _dataset_rows(cfg, [r.index for r in records])
-    key = cfg.data.prompt_key
+    rows = _dataset_rows(source.cfg.path, [r.index for r in records])
+    key = source.cfg.prompt_key
     return [
         ConversationStart(
             index=r.index, row=row, prompt=row[key], prompt_text=r.text, prompt_ids=list(r.prompt_ids), seed=seed

@@ -11,7 +11,8 @@ rollout:    iteration, prompt_index, sample_index (int32), prompt_hash (sha256 h
 scored:     rollout + reward (float32, weighted and clipped), reward_components (JSON object
             name -> float), ref_logprobs (list<float32>, len = response), score_cache_hit (bool)
 experience: scored + old_logprobs, values, advantages, returns (list<float32>, len = response)
-eval:       the scored columns, for the eval stage's samples of the held-out prompts (eval.data_path)
+eval:       the scored columns, for the eval stage's samples of the held-out prompts (eval.data_path); with
+            rollout.environment set they are conversations, with the multi-turn columns below
 
 Multi-turn rows (rollout.environment set, engines/rollout/multi_turn.py) carry four more columns, right after
 the rollout columns in every kind; `response_ids` then holds everything after the first prompt, the policy's
@@ -88,11 +89,9 @@ SCHEMAS: dict[str, pa.Schema] = {
     "experience": pa.schema(_ROLLOUT + _SCORED_EXTRA + _EXPERIENCE_EXTRA),
     "eval": pa.schema(_ROLLOUT + _SCORED_EXTRA),  # the eval stage's samples of held-out prompts, scored
 }
-# The same kinds with the multi-turn columns after the rollout ones (eval samples are single-turn).
+# The same kinds with the multi-turn columns after the rollout ones.
 _MULTI_TURN_SCHEMAS: dict[str, pa.Schema] = {
-    kind: pa.schema(_ROLLOUT + _MULTI_TURN + list(schema)[len(_ROLLOUT) :])
-    for kind, schema in SCHEMAS.items()
-    if kind != "eval"
+    kind: pa.schema(_ROLLOUT + _MULTI_TURN + list(schema)[len(_ROLLOUT) :]) for kind, schema in SCHEMAS.items()
 }
 
 
@@ -102,7 +101,7 @@ class SchemaMismatchError(ValueError):
 
 def schema_for(kind: str, multi_turn: bool = False) -> pa.Schema:
     """The Arrow schema of shard kind `kind`, with the multi-turn columns when `multi_turn`. Raises ValueError
-    listing the kinds when unknown (or, with multi_turn, for "eval": its samples are single-turn)."""
+    listing the kinds when unknown."""
     try:
         return _MULTI_TURN_SCHEMAS[kind] if multi_turn else SCHEMAS[kind]
     except KeyError:
@@ -166,7 +165,7 @@ def check_columns(kind: str, columns: Optional[Sequence[str]]) -> Optional[list[
     """Validate a column selection for `kind`; raises SchemaMismatchError naming unknown columns."""
     if columns is None:
         return None
-    names = schema_for(kind, kind != "eval").names  # multi-turn columns are selectable (present in v2 shards)
+    names = schema_for(kind, True).names  # multi-turn columns are selectable (present in v2 shards)
     unknown = [c for c in columns if c not in names]
     if unknown:
         raise SchemaMismatchError(f"columns {unknown} are not in the {kind} schema; available: {', '.join(names)}")

@@ -39,6 +39,7 @@ class CalculatorArithmetic(ToolCallingEnvironment):
         "calc": SandboxedTool("engines.environments.calculator:evaluate", "calculator", ToolLimits(5.0, 128)),
     }
     max_tool_calls = 3
+    success_reward = 1.0  # the right product: info "is_success", eval/accuracy
 
     def reset(self, row: Mapping[str, Any]) -> Optional[str]:
         if not _INTEGER.fullmatch(str(row.get("label", "")).strip()):

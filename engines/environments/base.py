@@ -14,7 +14,8 @@ One environment instance serves one sample (one prompt row, one of its `n` sampl
     env.close()
 
 The sample's environment reward is the sum of the `reward`s of every Observation it returned. Only the
-policy's own (assistant) tokens are trained on and take KL; the observation tokens are context.
+policy's own (assistant) tokens are trained on and take KL; the observation tokens are context. Success, for the
+eval stage's accuracy, is the environment's to say: `info["is_success"]` (see Observation).
 
 Failure modes an implementation must meet with one clear error naming the environment, the row and the turn:
 `reset`/`step` raising, returning the wrong type, or never returning `done` within the turn limit (recorded as a
@@ -38,6 +39,11 @@ class Observation:
     reward: this turn's reward; the sample's environment reward is the sum over its turns.
     done:   the episode is over; no further policy turn is generated.
     info:   JSON-able extra facts recorded with the sample (e.g. {"tool_error": "..."}); never read by training.
+            One key has a meaning: "is_success" (a bool), gymnasium's and Stable-Baselines3's success flag. A
+            conversation succeeded when the last step it got says {"is_success": True}; an environment that sets
+            the key defines success, and the eval stage then reports eval/accuracy and eval/pass@k over it
+            (stages/evaluate_multi_turn.py). Set it on every step (False until won), so a conversation a limit
+            cut short counts as a failure and the metric exists even when no episode was won.
     """
 
     text: str = ""

@@ -16,7 +16,7 @@ What becomes an EnvironmentFailed (message: "environment 'spec' (row 17, sample 
 - reset, step or close raising (the exception is chained), or calling sys.exit / os._exit;
 - reset returning anything but a non-empty str or None; step returning anything but an Observation, or one
   whose fields break base.py's types (text str, role "user"/"tool", reward a finite number, done a bool,
-  info a JSON-able mapping);
+  info a JSON-able mapping whose "is_success", when present, is a bool);
 - a call that does not return within `call_timeout_s`: each call runs in this environment's own daemon
   thread (engines/rewards/threaded.py ThreadCaller), abandoned on a timeout, so a hung environment fails
   its sample instead of stalling the rollout. `call_timeout_s=None` calls inline (for environments that
@@ -170,6 +170,8 @@ def observation_problem(obs: Any) -> Optional[str]:
         json.dumps(dict(obs.info), allow_nan=False)
     except (TypeError, ValueError) as e:
         return f"returned an Observation whose info is not JSON-able ({e})"
+    if not isinstance(obs.info.get("is_success", False), bool):  # eval's success flag (base.py): a bool or absent
+        return f"returned an Observation with info['is_success'] {_show(obs.info['is_success'])}: expected a bool"
     return None
 
 

@@ -5,7 +5,8 @@ policy turn the environment names the next one ("now repeat 7 :"), in words the 
 vocabulary holds (engines/toy/model.py), so nothing becomes <unk>. Turn t's reward is the digits toy task's
 (engines/toy/task.py digit_reward: the share of the reply's words equal to the digit, over at least 8 words)
 divided by the number of turns, so a sample's reward, the sum over its turns, lies in [0, 1]: about 0.02 for
-a random policy, 1 for one that repeats the newest digit. Only the environment's turns say which digit is
+a random policy, 1 for one that repeats the newest digit (a success, info "is_success": every reply was the
+digit alone, at least 8 times; the eval stage's eval/accuracy). Only the environment's turns say which digit is
 wanted after turn 1: a policy that ignores them and repeats the first digit scores 1/T + 0.1 (T-1)/T on
 average over T turns (0.4 for 3), one that heeds them 1.
 
@@ -33,21 +34,24 @@ class DigitEcho:
     def __init__(self):
         self.digits: list[str] = []
         self.turn = 0
+        self.perfect = True  # every reply so far was the digit only, at least 8 times (digit_reward 1)
 
     def reset(self, row: Mapping[str, Any]) -> Optional[str]:
         digits = str(row.get("label", "")).split()
         if not digits or not all(len(d) == 1 and d.isdigit() for d in digits):
             got = row.get("label")
             raise ValueError(f"the row's label must be digits separated by spaces (one per turn), got {got!r}")
-        self.digits, self.turn = digits, 0
+        self.digits, self.turn, self.perfect = digits, 0, True
         return None
 
     def step(self, messages: list[Message]) -> Observation:
-        reward = digit_reward(messages[-1]["content"], self.digits[self.turn]) / len(self.digits)
+        share = digit_reward(messages[-1]["content"], self.digits[self.turn])
+        self.perfect = self.perfect and share == 1.0
         self.turn += 1
         if self.turn == len(self.digits):
-            return Observation(reward=reward, done=True)
-        return Observation(text=f"now repeat {self.digits[self.turn]} :", reward=reward)
+            return Observation(reward=share / len(self.digits), done=True, info={"is_success": self.perfect})
+        text = f"now repeat {self.digits[self.turn]} :"
+        return Observation(text=text, reward=share / len(self.digits), info={"is_success": False})
 
     def close(self) -> None:
         pass

@@ -22,6 +22,9 @@ class ToolCallingEnvironment:
 
     tools: Mapping[str, SandboxedTool] = {}
     max_tool_calls: int = 4
+    # A final answer scoring at least this is a success (info "is_success", the eval stage's eval/accuracy);
+    # None: the task defines no success, and eval reports none.
+    success_reward: Optional[float] = None
 
     def __init__(self):
         self.row: Mapping[str, Any] = {}
@@ -38,7 +41,10 @@ class ToolCallingEnvironment:
         reply = messages[-1]["content"]
         call = self._call.search(reply) if self._call else None
         if call is None:
-            return Observation(reward=self.score(reply), done=True, info={"tool_calls": self.tool_calls})
+            reward, info = self.score(reply), {"tool_calls": self.tool_calls}
+            if self.success_reward is not None:
+                info["is_success"] = reward >= self.success_reward
+            return Observation(reward=reward, done=True, info=info)
         self.tool_calls += 1
         if self.tool_calls > self.max_tool_calls:
             return Observation(done=True, info={"stopped": "max_tool_calls", "tool_calls": self.max_tool_calls})

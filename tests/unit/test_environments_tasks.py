@@ -4,6 +4,8 @@ through the rollout driver) and GuessTheNumber (binary search always wins, a pol
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engines.environments.checked import CheckedEnvironment, EnvironmentFailed
@@ -35,12 +37,17 @@ def test_heeding_every_turn_scores_one():
         ("", "user", True),
     ]
     assert sum(o.reward for o in observations) == pytest.approx(1.0)
+    assert [o.info["is_success"] for o in observations] == [False, False, True]  # every turn perfect: a success
 
 
 def test_ignoring_the_environment_scores_by_hand():
     # Turn 1 right (1/3); turn 2 repeats 3 where 7 is wanted (0); turn 3: four 1s in eight words (0.5 / 3).
     observations = _play({"prompt": "say 3 :", "label": "3 7 1"}, ["3 3 3 3 3 3 3 3", "3 3 3", "1 1 1 1 2 2 2 2"])
     assert [o.reward for o in observations] == pytest.approx([1 / 3, 0.0, 0.5 / 3])
+    assert observations[-1].info == {"is_success": False}
+    # all three digits repeated, but turn 2 with 7 words of 8 (7/8): not a success
+    almost = _play({"prompt": "say 3 :", "label": "3 7 1"}, ["3 3 3 3 3 3 3 3", "7 7 7 7 7 7 7", "1 1 1 1 1 1 1 1"])
+    assert sum(o.reward for o in almost) == pytest.approx((1 + 7 / 8 + 1) / 3) and not almost[-1].info["is_success"]
 
 
 def test_observations_stay_inside_the_tiny_vocabulary():
@@ -142,13 +149,22 @@ def test_guess_feedback_and_a_reply_without_a_number():
         ("Lower.", 0.0, False),
         ("", 0.0, True),
     ]
+    assert [o.info for o in observations] == [{"guess": g, "is_success": False} for g in (5, None, 9, None)]
+    won = _play({"prompt": "guess", "label": "7", "high": 10, "guesses": 4}, ["5", "My guess is 7."], GUESS)
+    assert won[-1].done and won[-1].info == {"guess": 7, "is_success": True}
 
 
-def test_guess_rows_are_deterministic_and_a_bad_label_is_named():
+def test_guess_rows_are_deterministic_and_a_bad_label_is_named(tmp_path):
     from engines.environments.guess_number import make_rows as guess_rows
 
     rows = guess_rows(200, seed=1)
     assert rows == guess_rows(200, seed=1) and {r["label"] for r in rows} == {str(n) for n in range(1, 11)}
+    from engines.environments.guess_number import main
+
+    held_out = tmp_path / "held-out.jsonl"
+    main([str(held_out), "--every-secret", "2"])  # the recipe's eval set: every secret, K rows each, in order
+    labels = [json.loads(line)["label"] for line in held_out.read_text().splitlines()]
+    assert labels == [str(n) for n in range(1, 11) for _ in range(2)]
     env = CheckedEnvironment.start(load_environment_factory(GUESS), row_index=4)
     with pytest.raises(EnvironmentFailed, match=r"\(row 4\) reset: raised ValueError: the row needs a label from 1"):
         env.reset({"prompt": "guess", "label": "11"})
@@ -169,9 +185,9 @@ def test_shaped_guess_credits_possible_guesses_and_early_wins_by_hand():
     assert [o.reward for o in _play({**row, "label": "5"}, ["5"], SHAPED)] == pytest.approx([1.1])
 
 
-def _shaped_episode(secret: int, replies) -> tuple[float, int, bool]:
-    """(summed reward, guesses, won) of `replies(feedback so far)` against ShapedGuessTheNumber."""
-    env = CheckedEnvironment.start(load_environment_factory(SHAPED), row_index=0)
+def _shaped_episode(secret: int, replies, spec: str = SHAPED) -> tuple[float, int, bool]:
+    """(summed reward, guesses, won) of `replies(feedback so far)` against ShapedGuessTheNumber (or `spec`)."""
+    env = CheckedEnvironment.start(load_environment_factory(spec), row_index=0)
     env.reset({"prompt": "guess", "label": str(secret)})
     messages, feedback, total = [{"role": "user", "content": "guess"}], [], 0.0
     while True:
@@ -198,3 +214,41 @@ def test_shaped_guess_a_win_is_a_reward_above_one_half():
         secret = rng.randint(1, 10)
         total, _, won = _shaped_episode(secret, lambda feedback: rng.choice(["x", *map(str, range(0, 12))]))
         assert (total > 0.5) == won and (0.8 - 1e-9 <= total <= 1.1 + 1e-9 if won else total <= 0.4 + 1e-9)
+
+
+INFORMATIVE = "engines.environments.guess_number:InformativeGuessTheNumber"
+
+
+def test_information_credit_by_hand():
+    row = {"prompt": "guess", "label": "7", "high": 10, "guesses": 4}
+    # halving: 5 -> Higher, [6, 10]: 5 of 10 ruled out, 0.2 * 5/10; 9 -> Lower, [6, 8]: 2 of 5; 6 -> Higher, [7, 8]:
+    # 1 of 3; 7 right with guess 4: 1 of the 2 left ruled out, 0.2 * 1/2, plus the 1.0 - 0.3 bonus
+    halving = _play(row, ["5", "9", "6", "My guess is 7."], INFORMATIVE)
+    assert [o.reward for o in halving] == pytest.approx([0.1, 0.08, 0.2 / 3, 0.1 + 0.7]) and halving[-1].done
+    # counting up, deaf to "Higher.": 1 of 10, 1 of 9, 1 of 8, 1 of 7 ruled out; lost
+    counting = _play(row, ["1", "2", "3", "4"], INFORMATIVE)
+    assert [o.reward for o in counting] == pytest.approx([0.2 / 10, 0.2 / 9, 0.2 / 8, 0.2 / 7])
+    # a guess the feedback already ruled out (3 after "Higher." on 5), no number, a number out of range: nothing
+    wasted = _play(row, ["5", "3", "no idea", "11"], INFORMATIVE)
+    assert [o.reward for o in wasted] == pytest.approx([0.1, 0.0, 0.0, 0.0])
+    assert [o.info["is_success"] for o in halving] == [False, False, False, True]
+
+
+def test_information_credit_favours_the_middle_and_a_win_stays_above_one_half():
+    """The mean first-guess credit over the 10 secrets is highest at 5 and 6: a guess g rules out 11 - g numbers
+    when the secret is below it, g when above, 9 when right: mean 0.2 * ((g-1)(11-g) + (10-g) g + 9) / 100."""
+    import random
+
+    for g in range(1, 11):
+        credits = [_play({"prompt": "guess", "label": str(s)}, [str(g)], INFORMATIVE)[0].reward for s in range(1, 11)]
+        bonus = 1.0  # the secret g is found at once
+        mean = (sum(credits) - bonus) / 10
+        assert mean == pytest.approx(0.2 * ((g - 1) * (11 - g) + (10 - g) * g + 9) / 100), g
+    assert max(range(1, 11), key=lambda g: (g - 1) * (11 - g) + (10 - g) * g) in (5, 6)
+    rng = random.Random(1)
+    for _ in range(300):
+        secret = rng.randint(1, 10)
+        total, _, won = _shaped_episode(
+            secret, lambda feedback: rng.choice(["x", *map(str, range(0, 12))]), INFORMATIVE
+        )
+        assert (total > 0.5) == won and (total >= 0.7 - 1e-9 if won else total <= 0.36)

@@ -113,7 +113,9 @@ def test_arithmetic_rewards_the_calculators_answer():
         ("user", "", 1.0, True),
     ]
     assert used[0].info == {"tool": "calc"}
-    assert _episode([str(int(product) + 1)], row)[0].reward == 0.0
+    assert used[1].info == {"tool_calls": 1, "is_success": True}  # success_reward 1.0: the right product
+    wrong = _episode([str(int(product) + 1)], row)[0]
+    assert (wrong.reward, wrong.info["is_success"]) == (0.0, False)
 
 
 def test_arithmetic_tool_errors_come_back_and_calls_are_bounded():
