@@ -8,7 +8,10 @@ reward_model/: the trained HF sequence-classification folder that `reward.source
 <root>/<run>/reward_model}]` and `model.critic_path` load as they are, with rm_train.json (config, eval
 metrics) and, with rm_train.normalize, reward_normalization.json beside the weights.
 A new flow run with the same run.name resumes at LATEST + 1; a Retry of a failed run does too, and the
-finished tasks come back from their cache keys (tasks/rm_train.py).
+finished tasks come back from their cache keys (tasks/cache_keys.py). The stages (stages/reward_model.py) hand each
+other typed manifests (RMPlan, RMCheckpointRef, RMUnitManifest, RMExportManifest) and run through
+flows/stages.run_stage, in this process (flows/stages.placement), each recorded as `iter-<unit>/_stages/<stage>.json`
+(the prepare's as iter-000000).
 """
 
 from __future__ import annotations
@@ -24,33 +27,34 @@ from engines.precision import cpu_autocast_problem
 from flows.preflight_static import PreflightError, format_problems
 from flows.records import read_metrics, record_metrics
 from flows.run_names import named_after_run
+from flows.stage_runs import run_stage
 from ppoflow.config import PPOFlowConfig, as_config
+from stages.manifests import RMExportManifest, RMPlan
+from stages.reward_model import start_ref
 from storage.checkpoints import latest_iteration, read_commit_marker
 from storage.layout import layout_for
-from tasks.results import result_storage_for
-from tasks.rm_train import rm_export_task, rm_prepare_task, rm_unit_task, start_ref
 
 
-def unit_row(unit: int, plan: dict[str, Any], manifest: dict[str, Any], seconds: float | None) -> dict[str, Any]:
-    """The metrics.jsonl line of one unit ("iteration" first, as every line of that file)."""
-    row: dict[str, Any] = {"iteration": unit, **manifest["metrics"], "rm/train_pairs": plan["train_pairs"]}
-    row.update({f"rm/dropped/{k}": v for k, v in plan["dropped"].items()})
+def unit_row(unit: int, plan: RMPlan, metrics: dict[str, Any], seconds: float | None) -> dict[str, Any]:
+    """The metrics.jsonl line of one unit from its metrics ("iteration" first, as every line of that file)."""
+    row: dict[str, Any] = {"iteration": unit, **metrics, "rm/train_pairs": plan.train_pairs}
+    row.update({f"rm/dropped/{k}": v for k, v in plan.dropped.items()})
     if seconds is not None:
         row["timing/unit"] = seconds
     row["time/finished_unix"] = time.time()
     return row
 
 
-def restore_last_row(layout, plan: dict[str, Any], latest: int | None) -> None:
+def restore_last_row(layout, plan: RMPlan, latest: int | None) -> None:
     """Put the last committed unit's metrics line back when a crash came between its commit and that line.
 
-    The commit marker's meta holds the unit's metrics (tasks/rm_train.py), so the line is rebuilt from what
+    The commit marker's meta holds the unit's metrics (stages/reward_model.py), so the line is rebuilt from what
     was committed; only the flow's own wall time of that unit (timing/unit) is not known any more.
     """
     if latest is None or any(row["iteration"] == latest for row in read_metrics(layout)):
         return
     marker = read_commit_marker(layout, latest)
-    row = unit_row(latest, plan, {"metrics": marker["meta"]["metrics"]}, seconds=None)
+    row = unit_row(latest, plan, marker["meta"]["metrics"], seconds=None)
     record_metrics(layout, row)
 
 
@@ -59,7 +63,7 @@ def _artifact_key(cfg: PPOFlowConfig) -> str:
 
 
 @flow(name="rm-training", flow_run_name=named_after_run("rm-training"))
-def rm_training(config: dict[str, Any]) -> dict[str, Any]:
+def rm_training(config: dict[str, Any]) -> RMExportManifest:
     """Train the reward model described by `config` (PPOFlowConfig as JSON); returns the export manifest."""
     install_process_adaptations()  # a deployment's run enters here (the CLI installed them already: idempotent)
     cfg = as_config(config)
@@ -68,30 +72,24 @@ def rm_training(config: dict[str, Any]) -> dict[str, Any]:
     layout = layout_for(cfg)
     layout.write_config_once(cfg.to_yaml())
     logger = get_run_logger()
-    delays = [cfg.pipeline.retry_delay_s * 2**k for k in range(cfg.pipeline.retries)] or 0
-    options = {
-        "retries": cfg.pipeline.retries,
-        "retry_delay_seconds": delays,
-        "result_storage": result_storage_for(cfg),
-    }
-    plan = rm_prepare_task.with_options(**options)(cfg)
+    plan = run_stage(cfg, "rm-prepare", 0)
     latest = latest_iteration(layout)
     restore_last_row(layout, plan, latest)
     start = (latest or 0) + 1
     logger.info(
         "reward model %s: %d train / %d eval pairs, %d steps in %d units; units %d..%d to run",
         cfg.run.name,
-        plan["train_pairs"],
-        plan["eval_pairs"],
-        plan["total_steps"],
-        plan["units"],
+        plan.train_pairs,
+        plan.eval_pairs,
+        plan.total_steps,
+        plan.units,
         start,
-        plan["units"],
+        plan.units,
     )
-    for unit in range(start, plan["units"] + 1):
+    for unit in range(start, plan.units + 1):
         started = time.perf_counter()
-        manifest = rm_unit_task.with_options(**options)(cfg, unit, plan, start_ref(cfg, unit))
-        row = unit_row(unit, plan, manifest, time.perf_counter() - started)
+        manifest = run_stage(cfg, "rm-unit", unit, plan=plan, start=start_ref(cfg, unit))
+        row = unit_row(unit, plan, manifest.metrics, time.perf_counter() - started)
         record_metrics(layout, row)
         create_table_artifact(
             table=[{"metric": k, "value": v} for k, v in row.items()],
@@ -105,10 +103,10 @@ def rm_training(config: dict[str, Any]) -> dict[str, Any]:
             row.get("rm/eval_accuracy"),
             row["timing/unit"],
         )
-    return rm_export_task.with_options(**options)(cfg, plan, start_ref(cfg, plan["units"] + 1))
+    return run_stage(cfg, "rm-export", plan.units, plan=plan, final=start_ref(cfg, plan.units + 1))
 
 
-def train_reward_model(cfg: PPOFlowConfig, console: Any = None) -> dict[str, Any]:
+def train_reward_model(cfg: PPOFlowConfig, console: Any = None) -> RMExportManifest:
     """Run the flow in this process and print one line per unit and where the model is on `console` (a rich
     Console; `ppoflow train-rm` passes the one its output capture leaves on the terminal). ConfigError first when
     PREFECT_API_URL names a server that does not answer (flows/prefect_api.py)."""
@@ -126,12 +124,12 @@ def train_reward_model(cfg: PPOFlowConfig, console: Any = None) -> dict[str, Any
             f"train acc {row['rm/accuracy']:.3f}  eval acc {row.get('rm/eval_accuracy', float('nan')):.3f}  "
             f"{seconds}"
         )
-    ev = result["eval"]
+    ev = result.eval
     held_out = (
         f"eval accuracy {ev['rm/eval_accuracy']:.3f} on {ev['rm/eval_pairs']} pairs, loss {ev['rm/eval_loss']:.4f}"
         if ev.get("rm/eval_pairs")
         else "no eval pairs"
     )
-    console.print(f"reward model: {result['uri']}  ({held_out})", highlight=False)
-    console.print(f"use it:       --set 'reward.sources=[{{kind: model, target: {result['uri']}}}]'")
+    console.print(f"reward model: {result.uri}  ({held_out})", highlight=False)
+    console.print(f"use it:       --set 'reward.sources=[{{kind: model, target: {result.uri}}}]'")
     return result

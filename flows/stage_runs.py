@@ -15,12 +15,15 @@ On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}`): `
 stage's flow (below) on that deployment's work pool, waits for it, checks its final state, and reads the
 manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
 the same; only the process (and machine) differs.
+
+`placement` is the one place that makes this choice (and the replay of a fork's rollout); `run_stage` dispatches on
+it. The reward-model stages (tasks/rm_train.py) run through the same `run_stage`, always in-process.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Literal, NoReturn, Optional
 
 from prefect import Flow, flow
 from prefect.client.schemas.objects import State
@@ -45,19 +48,25 @@ from stages.manifests import (
     UpdateManifest,
 )
 from storage.layout import layout_for
+from storage.lineage import rollout_owner
 from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
+from tasks.rm_train import RM_STAGE_TASKS
 from tasks.stage_tasks import STAGE_TASKS, part_stage_name
+
+# Every task run_stage_in_process can run: the PPO stages (which pools and warm workers serve too) and the
+# reward-model stages (in-process only, see placement).
+_TASKS = {**STAGE_TASKS, **RM_STAGE_TASKS}
 
 
 class StageFailed(RuntimeError):
     """A stage flow run on a work pool did not complete; names the stage, iteration and flow run."""
 
 
-def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, record: str = "", **inputs) -> StageManifest:
-    """Run the stage task here; its manifest is recorded as `_stages/<record or stage>.json`."""
+def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, record: str = "", **inputs) -> HandOff:
+    """Run the stage task here; its manifest is recorded as `<run>/iter-<iteration>/_stages/<record or stage>.json`."""
     delays = [cfg.pipeline.retry_delay_s * 2**k for k in range(cfg.pipeline.retries)] or 0
-    configured = STAGE_TASKS[stage].with_options(
+    configured = _TASKS[stage].with_options(
         retries=cfg.pipeline.retries, retry_delay_seconds=delays, result_storage=result_storage_for(cfg)
     )
     manifest = configured(cfg, iteration, **inputs)
@@ -214,7 +223,7 @@ def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) 
     stage, parts = "rollout", cfg.pipeline.rollout_parts  # `stage`: what a failure names (flows/failure.py)
     names = [part_stage_name(part, parts) for part in range(parts)]
     inputs = [{"policy": policy, "part": part, "parts": parts} for part in range(parts)]
-    if stage in cfg.pipeline.stage_workers:
+    if placement(cfg, "rollout-part", iteration) == "worker":
         futures = [submit_to_worker(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
         manifests = [wait_for_worker(cfg, f, "rollout-part", iteration, n) for f, n in zip(futures, names)]
     else:
@@ -222,15 +231,48 @@ def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) 
     return run_stage_in_process(cfg, "rollout-merge", iteration, stage, parts=manifests)
 
 
-def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
-    if stage == "rollout" and (replayed := replayed_rollout(cfg, iteration)) is not None:
-        return replayed  # a fork replaying its parent's saved rollout: nothing is sampled (flows/replay.py)
-    deployment = (cfg.pipeline.stage_pools or {}).get(stage)
-    if deployment:
-        return run_stage_on_pool(cfg, stage, deployment, iteration, **inputs)
+Placement = Literal["replay", "pool", "parts", "worker", "process"]
+
+
+def placement(cfg: PPOFlowConfig, stage: str, iteration: int) -> Placement:
+    """Where `stage` of `iteration` runs; the first that applies, in this order:
+
+        replay   rollout of an iteration that this run, a fork, replays from its parent (its run.json, read through
+                 storage/lineage.py): nothing is sampled, the parent's manifest is taken (flows/replay.py)
+        pool     pipeline.stage_pools names the stage: a flow run of that deployment on its work pool
+        parts    rollout with pipeline.rollout_parts > 1: a task run per part, each placed as "rollout-part" (on
+                 the rollout's warm workers, or in-process), then the merge in-process
+        worker   pipeline.stage_workers names the stage, or the stage whose workers run it (WORKER_STAGE: eval and
+                 a rollout part go where rollout goes): a warm worker
+        process  the stage task in this process (the default)
+
+    Everything else is decided from the config. The reward-model stages (rm-prepare, rm-unit, rm-export) always come
+    out "process": pipeline.stage_pools and pipeline.stage_workers take only the PPO stages' names (the config
+    refuses `stage_pools: {rm-unit: ...}` or `stage_workers: [rm-unit]` when it is built, naming the field), since
+    no deployment per RM stage exists and `ppoflow worker` serves only the PPO stages' tasks. A train-rm run whose
+    config sends PPO stages to pools or workers trains its reward model in-process all the same."""
+    if stage == "rollout" and rollout_owner(layout := layout_for(cfg), iteration) is not layout:
+        return "replay"
+    if (cfg.pipeline.stage_pools or {}).get(stage):
+        return "pool"
     if stage == "rollout" and cfg.pipeline.rollout_parts > 1:
-        return run_rollout_in_parts(cfg, iteration, **inputs)
+        return "parts"
     if WORKER_STAGE.get(stage, stage) in cfg.pipeline.stage_workers:
+        return "worker"
+    return "process"
+
+
+def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> HandOff:
+    """Run `stage` of `iteration` where `placement` says, with its input hand-offs -> its manifest (recorded as
+    `_stages/<stage>.json`). Raises the stage's error, or StageFailed from a pool or a warm worker."""
+    where = placement(cfg, stage, iteration)
+    if where == "replay":  # a fork replaying its parent's saved rollout: nothing is sampled (flows/replay.py)
+        return replayed_rollout(cfg, iteration)
+    if where == "pool":
+        return run_stage_on_pool(cfg, stage, cfg.pipeline.stage_pools[stage], iteration, **inputs)
+    if where == "parts":
+        return run_rollout_in_parts(cfg, iteration, **inputs)
+    if where == "worker":
         return run_stage_on_worker(cfg, stage, iteration, **inputs)
     return run_stage_in_process(cfg, stage, iteration, **inputs)
 

@@ -154,3 +154,72 @@ STAGE_MANIFESTS: dict[str, type[StageManifest]] = {
     "checkpoint": CheckpointManifest,
     "eval": EvalManifest,
 }
+
+
+# Reward-model training (`ppoflow train-rm`, flows/rm_training.py; bodies in stages/reward_model.py). "iteration" is
+# the unit there, as in its checkpoints and metrics.jsonl: rm-prepare runs at 0 (before unit 1), rm-unit u at u, and
+# rm-export at the last unit.
+class RMPlan(HandOff):
+    """The reward-model run's plan (rm-prepare -> every unit and the export): the pairs that were checked and
+    tokenized, and how the run's optimizer steps are cut into units.
+
+    Identity: data_id, the hash of the pair files' and the backbone's contents, the rm_train section and run.seed
+    (stages/reward_model.data_identity); every other field is a function of those."""
+
+    identity_field = "data_id"
+    stage: Literal["rm-prepare"] = "rm-prepare"
+    train_pairs: int = Field(ge=1)
+    eval_pairs: int = Field(ge=0)
+    dropped: dict[str, int] = Field(description="pairs dropped by rm_train.bad_rows / truncation: drop, by reason")
+    steps_per_epoch: int = Field(ge=1)
+    total_steps: int = Field(ge=1, description="steps_per_epoch x rm_train.epochs")
+    steps_per_unit: int = Field(ge=1, description="rm_train.steps_per_unit, or one epoch; at most total_steps")
+    units: int = Field(ge=1, description="ceil(total_steps / steps_per_unit)")
+    data_id: str
+
+    def unit_steps(self, unit: int) -> tuple[int, int]:
+        """(first step, the step after the last) of `unit` (1-based); ValueError outside 1..units."""
+        if not 1 <= unit <= self.units:
+            raise ValueError(f"unit {unit} is outside 1..{self.units}")
+        first = (unit - 1) * self.steps_per_unit
+        return first, min(first + self.steps_per_unit, self.total_steps)
+
+
+class RMCheckpointRef(HandOff):
+    """The weights a reward-model unit starts from (-> rm-unit), or the last unit's (-> rm-export): unit 0 is the
+    backbone folder, unit u >= 1 the checkpoint unit u committed.
+
+    content_id: "initial-<fingerprint of the folder's files>" for the backbone; "ckpt-<hash of the committed files'
+    sha256 list>" for a checkpoint (stages/reward_model.checkpoint_id), the same value as the RMUnitManifest.content_id
+    of the unit that committed it, so a trainer kept warm under that id is found again."""
+
+    identity_field = "content_id"
+    unit: int = Field(ge=0)
+    uri: str
+    content_id: str
+
+
+class RMUnitManifest(StageManifest):
+    """One unit of reward-model training (rm-unit -> the flow's metrics row; its committed checkpoint is the next
+    unit's RMCheckpointRef). Identity: content_id, the committed checkpoint's (see RMCheckpointRef)."""
+
+    identity_field = "content_id"
+    stage: Literal["rm-unit"] = "rm-unit"
+    steps: tuple[int, int] = Field(description="(first step, the step after the last) the unit trained")
+    metrics: dict[str, MetricValue] = Field(description="rm/* of the unit's steps and the eval, optim/*, timing/step")
+    checkpoint_uri: str
+    content_id: str
+
+
+class RMExportManifest(StageManifest):
+    """The exported reward model (rm-export): <run>/reward_model/, loadable by `kind: model` and model.critic_path.
+    Identity: content_id of the last unit's checkpoint it was copied from."""
+
+    identity_field = "content_id"
+    stage: Literal["rm-export"] = "rm-export"
+    uri: str
+    eval: dict[str, MetricValue] = Field(description="the rm/eval_* metrics of the last unit")
+    normalization: Optional[dict[str, float]] = Field(
+        None, description="{mean, std} of the eval scores with rm_train.normalize, else None"
+    )
+    content_id: str

@@ -30,6 +30,11 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("run",),
     # eval: the committed policy (its PolicyRef input), the held-out set and its sampling, the reward
     "eval": ("model", "data", "rollout", "reward", "eval"),
+    # Reward-model training (tasks/rm_train.py; "iteration" is the unit). The prepare's key also holds the contents
+    # of the pair files and the backbone (below), which its RMPlan's identity carries on into every unit's key.
+    "rm-prepare": ("model", "rm_train"),
+    "rm-unit": ("model", "train", "rm_train"),
+    "rm-export": ("model", "train", "rm_train"),
 }
 
 
@@ -64,6 +69,11 @@ def stage_cache_key(cfg: PPOFlowConfig, stage: str, iteration: int, inputs: dict
         # A reward function's code is not in the config (only its spec): an edited reward file is a new key, so a
         # retried or resumed iteration scores with the code it now has. Only when there is a function source.
         payload["reward_code"] = code
+    if stage == "rm-prepare":
+        # The pairs and the backbone are files the config names by path only: edited pairs are a new key.
+        from stages.reward_model import data_identity
+
+        payload["data"] = data_identity(cfg)
     digest = json_hash(payload)
     return f"{cfg.run.name}-iter-{iteration:06d}-{stage}-{digest}"
 

@@ -147,3 +147,27 @@ def test_a_failing_rm_run_gives_one_message_and_the_traceback_in_the_log(prefect
     log_file = Path(next(line for line in output.splitlines() if line.strip().startswith("log:")).split()[1])
     assert log_file.parent == tmp_path / "runs" / "broken" / "logs"
     assert "Traceback (most recent call last)" in log_file.read_text()
+
+
+def test_a_finished_unit_comes_back_from_its_cache(prefect_api, tmp_path, tiny_model_dir):
+    """What a Retry of a failed rm-training flow run does for the stages that had finished: the same stage again,
+    with the same inputs, finds its persisted manifest by its key (tasks/cache_keys.py) instead of running. Running
+    unit 1 again would not even be possible: its checkpoint is committed and is never overwritten."""
+    from engines.toy.preferences import build_preferences
+    from flows.records import read_stage_record
+    from flows.stage_runs import run_stage
+    from ppoflow.config import load_config
+    from stages.reward_model import start_ref
+    from storage.layout import layout_for
+
+    data = build_preferences(tmp_path / "pairs.jsonl", num_pairs=24, seed=3)  # 18 train pairs: 2 steps an epoch
+    cfg = load_config(str(_config(tmp_path, "cached", tiny_model_dir, data)))  # 2 epochs, units of <= 5 steps
+    plan = run_stage(cfg, "rm-prepare", 0)
+    unit = run_stage(cfg, "rm-unit", 1, plan=plan, start=start_ref(cfg, 1))
+    assert (plan.units, unit.steps) == (1, (0, 4))
+    assert read_stage_record(layout_for(cfg), 1, "rm-unit") == unit.model_dump(mode="json")
+
+    plan_again = run_stage(cfg, "rm-prepare", 0)
+    assert plan_again == plan
+    # equal to the field, the first run's wall seconds included: the persisted result, not a second run
+    assert run_stage(cfg, "rm-unit", 1, plan=plan_again, start=start_ref(cfg, 1)) == unit
