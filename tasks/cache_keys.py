@@ -38,8 +38,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-# The stages that run the policy against rollout.environment (the eval stage samples single-turn).
-ROLLOUT_STAGES = ("rollout", "rollout-part")
+# The stages that run the policy against rollout.environment (eval plays the held-out rows through it too).
+ROLLOUT_STAGES = ("rollout", "rollout-part", "eval")
 
 
 def stage_sections(cfg: PPOFlowConfig, stage: str) -> tuple[str, ...]:

@@ -158,10 +158,12 @@ def test_single_turn_config_dumps_as_before_and_the_environment_code_is_in_the_r
     cfg = _config(tiny_model_dir, source=f"{env_file}:Env").model_copy(
         update={"run": plain.run.model_copy(update={"root": str(tmp_path)})}
     )
-    before = stage_cache_key(cfg, "rollout", 1, {})
-    assert stage_cache_key(cfg, "rollout", 1, {}) == before
+    before = {stage: stage_cache_key(cfg, stage, 1, {}) for stage in ("rollout", "eval")}
+    assert {stage: stage_cache_key(cfg, stage, 1, {}) for stage in ("rollout", "eval")} == before
     env_file.write_text(env_file.read_text() + "# an edit to the environment's code, same spec\n")
-    assert stage_cache_key(cfg, "rollout", 1, {}) != before
+    # the eval stage plays the held-out rows through the same environment: its key follows the code too
+    for stage in ("rollout", "eval"):
+        assert stage_cache_key(cfg, stage, 1, {}) != before[stage], stage
 
 
 def test_preflight_names_an_environment_that_cannot_be_imported():
