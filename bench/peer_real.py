@@ -2,8 +2,8 @@
 
     python -m bench.peer_real                                  # 2 seeds x 12 iterations, every side (idle machine:
                                                                # ~80 min on 2 cores)
-    python -m bench.peer_real --iterations 8                   # the published line (2026-11-26): 49 min of sides,
-                                                               # 4 min of held-out scoring on 2 idle cores
+    python -m bench.peer_real --iterations 8                   # the published line (2026-11-26): 47 min of sides,
+                                                               # 2 min of held-out scoring on 2 idle cores
     python -m bench.peer_real --seeds 1 --iterations 2 --eval-every 1 --eval-size 8 \
         --set rollout.prompts_per_iteration=4 --set train.train_batch_size=8 --set train.micro_batch_size=8 \
         --results-dir /tmp/peer_real_smoke                     # a smoke run of the same code

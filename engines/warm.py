@@ -44,7 +44,7 @@ class Role(str, enum.Enum):
     SCORER = "scorer"
     SCORE_CACHE = "score-cache"
     TRAINER = "trainer"
-    RM_DATA = "rm-data"  # reward-model training (tasks/rm_train.py): tokenised preference pairs
+    RM_DATA = "rm-data"  # reward-model training (stages/reward_model.py): tokenised preference pairs
     RM_TRAINER = "rm-trainer"
 
 

@@ -9,6 +9,13 @@
 With pipeline.rollout_parts > 1 the rollout is rollout_parts.run_rollout_part per part (-> RolloutPartManifest),
 then rollout_parts.merge_rollout_parts (-> the iteration's RolloutManifest).
 
+Reward-model training (`ppoflow train-rm`, flows/rm_training.py) has its stages here too, typed the same way
+(reward_model.py; "iteration" is the unit):
+
+    reward_model.run_rm_prepare(cfg)                             -> RMPlan
+    reward_model.run_rm_unit(cfg, unit, RMPlan, RMCheckpointRef) -> RMUnitManifest
+    reward_model.run_rm_export(cfg, RMPlan, RMCheckpointRef)     -> RMExportManifest
+
 The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stage_runs.py) and the in-process
 pipeline call exactly these; the bare loop (stages/loop.py) calls their compute halves (`sample_rollout`,
 `score_rows`, `train_on`) with the tables in memory instead of shards. This is the one place in engines/
