@@ -33,30 +33,51 @@ class HandedShardsError(ValueError):
 
 
 def open_handed(
-    storage_cfg, handed: ShardsManifest, stage: str, iteration: int
+    storage_cfg, handed: ShardsManifest, stage: str, iteration: int, moved_to: Optional[str] = None
 ) -> tuple[fsspec.AbstractFileSystem, str, Manifest]:
     """The filesystem and path of `handed.uri` and the shard manifest committed there, which has `handed`'s
     content_hash. `storage_cfg`: the run's StorageConfig (S3 endpoint and options for an s3:// uri); `stage`
     ("score", "update", "rollout merge"...) and `iteration`: the reader, for the error.
 
     Raises HandedShardsError naming the stage, the iteration, the folder, the expected and the found hash (or that
-    none is committed there) and what to do; ShardCorruptError / SchemaMismatchError for an unreadable manifest."""
+    none is committed there) and what to do; ShardCorruptError / SchemaMismatchError for an unreadable manifest.
+
+    moved_to: where the reading run keeps that folder now (its layout's URL for the stage's folder). Used only when
+    nothing is committed at `handed.uri` and the shards there have `handed`'s content hash: the run was moved to
+    another root or bucket after the stage that made the folder, and the persisted hand-off still names the old
+    place. The same content hash is the same rows, so that is no weaker a check."""
     fs, path = resolve(handed.uri, storage_cfg)
-    try:
-        found: Optional[Manifest] = require_manifest(fs, path)
-    except NotCommittedError:
-        found = None
+    found = _committed(fs, path)
+    if found is None and moved_to is not None and moved_to != handed.uri:
+        here_fs, here = resolve(moved_to, storage_cfg)
+        there = _committed(here_fs, here)
+        if there is not None and there.content_hash == handed.content_hash:
+            return here_fs, here, there
     if found is None or found.content_hash != handed.content_hash:
         raise HandedShardsError(_refusal(handed, stage, iteration, found))
     return fs, path, found
 
 
+def _committed(fs: fsspec.AbstractFileSystem, path: str) -> Optional[Manifest]:
+    try:
+        return require_manifest(fs, path)
+    except NotCommittedError:
+        return None
+
+
 def read_handed(
-    storage_cfg, handed: ShardsManifest, stage: str, iteration: int, columns: Optional[Sequence[str]] = None
+    storage_cfg,
+    handed: ShardsManifest,
+    stage: str,
+    iteration: int,
+    columns: Optional[Sequence[str]] = None,
+    *,
+    moved_to: Optional[str] = None,
 ) -> pa.Table:
-    """The rows of the shards `handed` names (optionally only `columns`), read at its uri after open_handed's check;
-    each part verified against the checked manifest. Errors: open_handed's, then read_shards' naming a part."""
-    fs, path, found = open_handed(storage_cfg, handed, stage, iteration)
+    """The rows of the shards `handed` names (optionally only `columns`), read at its uri after open_handed's check
+    (or at `moved_to`, see there); each part verified against the checked manifest. Errors: open_handed's, then
+    read_shards' naming a part."""
+    fs, path, found = open_handed(storage_cfg, handed, stage, iteration, moved_to)
     return read_shards(fs, path, columns=columns, manifest=found)
 
 

@@ -142,7 +142,14 @@ def replay_scorer(cfg, scorer: Scorer, owner: RunLayout, parent_cfg, iteration: 
     known = {(s.name, s.identity) for s in parent_sources}
     changed = [s for s in scorer.sources if (s.name, s.identity) not in known]
     # the parent's scored shards as its score record names them (its uri, checked against its content hash)
-    scored = read_handed(owner.storage_cfg, ScoreManifest.model_validate(record), "replay score", iteration, _PRIOR)
+    scored = read_handed(
+        owner.storage_cfg,
+        ScoreManifest.model_validate(record),
+        "replay score",
+        iteration,
+        _PRIOR,
+        moved_to=owner.url(owner.stage_dir(iteration, "scored")),
+    )
     prior, logprobs = _prior_rows(scored)
     reference = _PriorReference(logprobs, getattr(scorer.reference, "fingerprint", None))
     return ReplayScorer(cfg, scorer, changed, prior, reference)

@@ -97,7 +97,8 @@ def merge_rollout_parts(cfg, iteration: int, parts: list[RolloutPartManifest]) -
     started = time.perf_counter()
     _check_parts(iteration, parts)
     layout = layout_for(cfg)
-    tables = [read_handed(cfg.storage, p, "rollout merge", iteration) for p in parts]
+    here = {p.part: layout.url(part_dir(layout, iteration, p.part, p.parts)) for p in parts}  # a moved run
+    tables = [read_handed(cfg.storage, p, "rollout merge", iteration, moved_to=here[p.part]) for p in parts]
     written = write_stage_table(cfg, layout, iteration, "rollout", pa.concat_tables(tables))
     return sampled_manifest(
         RolloutManifest,

@@ -49,7 +49,9 @@ def run_score(cfg, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
     failure). HandedShardsError (stages/handed.py) when the shards at rollout.uri are not the ones it names."""
     started = time.perf_counter()
     layout = layout_for(cfg)
-    table = read_handed(cfg.storage, rollout, "score", iteration)
+    table = read_handed(
+        cfg.storage, rollout, "score", iteration, moved_to=layout.url(layout.stage_dir(iteration, "rollout"))
+    )
     stage_dir = layout.stage_dir(iteration, "scored")
     clear_stage_dir(layout.fs, stage_dir)  # uncommitted until this attempt succeeds: see the module docstring
     owner = rollout_owner(layout, iteration)  # the parent, for a fork that replays this iteration

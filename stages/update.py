@@ -69,7 +69,9 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
         rank_group.shutdown()
     started = time.perf_counter()
     layout = layout_for(cfg)
-    table = read_handed(cfg.storage, scored, "update", iteration)
+    table = read_handed(
+        cfg.storage, scored, "update", iteration, moved_to=layout.url(layout.stage_dir(iteration, "scored"))
+    )
     trainer = take_trainer(cfg, policy)
     result = train_on(trainer, table)
     exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))

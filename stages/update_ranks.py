@@ -150,7 +150,10 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     """run_update with train.num_ranks > 1 (see the module docstring); this process is rank 0."""
     started = time.perf_counter()
     layout = layout_for(cfg)
-    scored_fs, scored_dir, found = open_handed(cfg.storage, scored, "update", iteration)  # before any rank is told
+    here = layout.url(layout.stage_dir(iteration, "scored"))  # where a moved run keeps it (handed.py)
+    scored_fs, scored_dir, found = open_handed(
+        cfg.storage, scored, "update", iteration, here
+    )  # before any rank is told
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
     check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
     led = torchrun_group.current()  # the torchrun group this worker is rank 0 of, if any
@@ -225,7 +228,9 @@ class _Rank:
             self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])
         elif op == "update":
             scored = ScoreManifest.model_validate(command["scored"])
-            fs, stage_dir, found = open_handed(self.cfg.storage, scored, "update", command["iteration"])
+            layout = layout_for(self.cfg)
+            here = layout.url(layout.stage_dir(command["iteration"], "scored"))
+            fs, stage_dir, found = open_handed(self.cfg.storage, scored, "update", command["iteration"], here)
             rank, world = self.trainer.actor.global_rank, self.trainer.actor.world_size
             train_on_rows(self.trainer, read_rank_rows(fs, stage_dir, rank, world, scored.rows, found))
         elif op == "save":

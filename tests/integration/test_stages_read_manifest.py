@@ -197,3 +197,27 @@ def test_the_rollout_merge_refuses_a_rewritten_part_and_reads_each_part_where_it
     merged = merge_rollout_parts(cfg, ITERATION, [parts[0], moved])
     assert merged.rows == own[0].num_rows + copy.num_rows
     assert read_shards(layout.fs, merged_dir).equals(pa.concat_tables([own[0], copy]))
+
+
+def test_a_run_moved_after_its_rollout_is_scored_where_it_is_now(rollout_run, tmp_path):
+    # The README's promise: a run moved to another root finds its completed stages again. The rollout's persisted
+    # hand-off still names the old folder; the run's own folder at its new root has the same content hash, so
+    # score reads it there. A moved copy with other rows is still refused, naming the old place.
+    import shutil
+
+    cfg, layout, rollout = rollout_run
+    own = read_shards(layout.fs, layout.stage_dir(ITERATION, "rollout"))
+    new_root = tmp_path / "moved"
+    shutil.copytree(layout.url(layout.run_dir), new_root / cfg.run.name)
+    shutil.rmtree(layout.url(layout.run_dir))
+    moved = cfg.model_copy(update={"run": cfg.run.model_copy(update={"root": str(new_root)})})
+    there = layout_for(moved)
+    assert not os.path.exists(rollout.uri) and there.url(there.stage_dir(ITERATION, "rollout")) != rollout.uri
+    scored = run_score(moved, ITERATION, rollout)
+    rows = read_shards(there.fs, there.stage_dir(ITERATION, "scored"))
+    assert scored.rows == rows.num_rows == own.num_rows
+    assert rows.select(schema_for("rollout").names).equals(own)
+    rewritten = _rewrite(there, "rollout", _tampered(own, "response", "tampered after the move"))
+    with pytest.raises(HandedShardsError, match="no committed shards are there") as refused:
+        run_score(moved, ITERATION, rollout)
+    assert rollout.uri in str(refused.value) and rewritten not in str(refused.value)
