@@ -14,9 +14,10 @@ How each stage of a replayed iteration runs:
 - rollout: no task, no engine; `replayed_rollout` answers run_stage (flows/stage_runs.py) with RUN's rollout manifest
   of that iteration (its content hash, rows, the parent's folder as its uri), recorded as the fork's
   `_stages/rollout.json`, with `rollout/replayed: 1` in its metrics. The fork's iteration folder holds no rollout/.
-- score: reads RUN's rollout shards in place (storage.lineage.rollout_owner) after checking their content hash,
-  and computes only the reward sources the fork changed; the unchanged sources' scores and the reference
-  log-probs come from RUN's scored rows (stages/rescore.py). Its scored shards are the fork's own.
+- score: reads RUN's rollout shards in place (the hand-off it is given names them: stages/handed.py) after
+  checking their content hash, and computes only the reward sources the fork changed; the unchanged sources'
+  scores and the reference log-probs come from RUN's scored rows (stages/rescore.py). Its scored shards are the
+  fork's own.
 - update, checkpoint, eval: as in any iteration, under the fork's config (its algorithm).
 
 Retention: a replaying fork reads RUN's rollout and scored shards of those iterations while it trains them. Nothing

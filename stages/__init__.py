@@ -18,8 +18,8 @@ Reward-model training (`ppoflow train-rm`, flows/rm_training.py) has its stages 
 
 The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stage_runs.py) and the in-process
 pipeline call exactly these; the bare loop (stages/loop.py) calls their compute halves (`sample_rollout`,
-`score_rows`, `train_on`) with the tables in memory instead of shards. This is the one place in engines/
-that reads and writes the run's storage; the hand-offs are typed (stages/manifests.py), a stage reads the shards a
+`score_rows`, `train_on`) with the tables in memory instead of shards. This is the floor that reads and writes the
+run's storage for the stages; the hand-offs are typed (stages/manifests.py), a stage reads the shards a
 hand-off names at its uri, checked against its content hash (handed.py), and the
 engines a worker keeps warm between stages are in stages/held.py. With train.num_ranks > 1,
 run_update drives a group of ranks kept between iterations (update_ranks.py; the bare loop trains on one rank).
