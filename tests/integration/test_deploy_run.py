@@ -76,7 +76,11 @@ def test_a_deployment_run_without_run_name_fails_naming_the_bad_field(prefect_ap
                 time.sleep(2)
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=60)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # seen once in CI under load: the worker's own shutdown is not under test
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
     worker_log = (tmp_path / "worker.log").read_text()[-3000:]
     assert run.state.is_failed(), (run.state, worker_log)
     assert run.name == "ppo-training-demo"  # run.name's default (RunConfig), which the flow then trains under
