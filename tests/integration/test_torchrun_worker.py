@@ -84,6 +84,20 @@ def serving_update(timeout_s: float = 240, other_than: str | None = None, logs: 
         time.sleep(0.5)
 
 
+def serving_as_rank_0(agent: subprocess.Popen, log: Path, timeout_s: float = 240) -> tuple[str, dict[int, int]]:
+    """(`host:pid` of the agent's rank 0, {RANK: pid}) once the server lists that rank 0, and only it, as serving the
+    update (a group stopped just before may stay listed for a moment after its processes ended)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks = ranks_of(agent.pid)
+        leader = f"{socket.gethostname()}:{ranks[0]}" if 0 in ranks else None
+        if serving_update(timeout_s=timeout_s, logs=(log,)) == [leader]:
+            return leader, ranks
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank 0 of torchrun {agent.pid} ({ranks}) is not the one update worker listed")
+        time.sleep(0.5)
+
+
 def ranks_of(agent_pid: int) -> dict[int, int]:
     """{RANK: pid} of the processes a torchrun agent started (read from their environment)."""
     import psutil
@@ -230,9 +244,8 @@ def test_two_ranks_by_the_flow_or_by_hand_take_the_one_rank_update_and_survive_a
         log = tmp_path / "torchrun.log"
         agent = start_torchrun(log, ["--standalone", "--nproc-per-node=2"], ["--no-python", PPOFLOW])
         try:
-            (leader,) = serving_update(logs=(log,))
-            ranks = ranks_of(agent.pid)
-            assert sorted(ranks) == [0, 1] and leader == f"{socket.gethostname()}:{ranks[0]}", (leader, ranks)
+            leader, ranks = serving_as_rank_0(agent, log)
+            assert sorted(ranks) == [0, 1], ranks
             # A run whose train.num_ranks is not the group's size is refused by name, before any command: the group
             # serves on unharmed (the run below).
             workers = {"stage_workers": ["update", "checkpoint"]}
