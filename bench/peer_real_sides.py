@@ -46,13 +46,19 @@ class Plan:
     profile_dir: Optional[Path] = None  # every side's main process under cProfile, <side>-s<seed>.prof here
 
 
+SIDE_SETS = {  # what a ppoflow side changes in the shared recipe
+    "ppoflow_k1": ["pipeline.max_staleness=1"],
+    "ppoflow_rollout_old": ["algo.old_logprobs=rollout"],
+}
+
+
 def side_sets(plan: Plan, side: str, seed: int) -> list[str]:
     """The recipe overrides of a ppoflow side's run: its own root and name, no held-out rows, no eval stage."""
     name = f"{side}-s{seed}"
     sets = [f"run.root={plan.work / 'runs'}", f"run.name={name}", f"run.seed={seed}"]
     sets += [f"run.iterations={plan.iterations}", f"model.policy_path={plan.model_dir}"]
     sets += ["eval.before_training=false", "data.reasoning_gym.eval_size=0", *plan.sets]
-    return sets + (["pipeline.max_staleness=1"] if side == "ppoflow_k1" else [])
+    return sets + SIDE_SETS.get(side, [])
 
 
 def side_env(plan: Plan, side: str, seed: int) -> dict:

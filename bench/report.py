@@ -223,6 +223,27 @@ PEER_REAL_ROWS = [
     ),
     ("peak RSS, GiB", "", "sides.ppoflow_pipeline.peak_rss_gib", "sides.{peer}.peak_rss_gib", None),
     ("pipeline / bare engine loop (orchestration share)", "<= 1.03", "orchestration_share", None, None),
+    (
+        "with algo.old_logprobs=rollout: s per iteration, first included",
+        "",
+        "sides.ppoflow_rollout_old.iter_s_with_first",
+        "sides.{peer}.iter_s_with_first",
+        "ratio_rollout_old_with_first",
+    ),
+    (
+        "with algo.old_logprobs=rollout: s per iteration, steady",
+        "",
+        "sides.ppoflow_rollout_old.iter_s_steady",
+        "sides.{peer}.iter_s_steady",
+        "ratio_rollout_old",
+    ),
+    (
+        "with algo.old_logprobs=rollout: held-out accuracy at equal wall time",
+        "",
+        "rollout_old_accuracy_at_equal_time.ppoflow_rollout_old",
+        "rollout_old_accuracy_at_equal_time.{peer}",
+        None,
+    ),
 ]
 
 

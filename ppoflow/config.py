@@ -503,6 +503,18 @@ class AlgoConfig(_Section):
         ),
     )
 
+    old_logprobs: Literal["recompute", "rollout"] = Field(
+        "recompute",
+        description=(
+            "Where the update's old log-probs (the PPO ratio's denominator, and the KL's policy side) come from: "
+            "recompute = a no-grad forward of the actor over the batch before the first step (exact, ~a quarter "
+            "of an update's compute when the batch is several optimizer steps); rollout = the sampler's own "
+            "log-probs of the tokens it drew (no forward; the ratio is then against the sampling policy, so it "
+            "also covers samples from an older policy, as in textbook off-policy PPO, and carries the "
+            "sampler/trainer numeric mismatch)."
+        ),
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _removed_fields(cls, data: Any) -> Any:
@@ -533,6 +545,16 @@ class AlgoConfig(_Section):
                 "algo.kl_estimator='k1' with algo.kl_in_reward=false: as a loss term k1 has zero expected "
                 "gradient (only noise); use algo.kl_estimator=k3 (the GRPO paper's) or k2 for the KL in the "
                 "loss, or algo.kl_in_reward=true to keep k1 in the reward"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_old_logprobs(self) -> "AlgoConfig":
+        if self.old_logprobs == "rollout" and self.tis_cap is not None:
+            raise ValueError(
+                f"algo.tis_cap={self.tis_cap} with algo.old_logprobs='rollout': the importance weight "
+                "exp(old_logprobs - rollout_logprobs) is then 1 on every token (the old log-probs ARE the "
+                "sampler's); drop algo.tis_cap, or use algo.old_logprobs=recompute to correct the mismatch"
             )
         return self
 

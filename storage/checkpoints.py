@@ -28,7 +28,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from storage import fs as fsutil
 from storage import lineage
@@ -138,9 +138,16 @@ def save_checkpoint_files(
 
 
 def commit_checkpoint(
-    layout: RunLayout, iteration: int, meta: Optional[dict[str, Any]] = None, keep_last: int = 2
+    layout: RunLayout,
+    iteration: int,
+    meta: Optional[dict[str, Any]] = None,
+    keep_last: int = 2,
+    verify_staged: Optional[Callable[[dict[str, Any]], None]] = None,
 ) -> dict[str, Any]:
     """Commit the staged checkpoint of `iteration`: marker, then LATEST, then retention. Idempotent.
+
+    verify_staged: called with the staged {relative path: {"bytes", "sha256"}} before the marker is written (not
+    when the iteration is committed already); whatever it raises refuses the commit, and nothing is written.
 
     Returns the marker. Raises CheckpointError when nothing is staged or a staged file is missing or
     has another size than staged (the error names the file).
@@ -148,7 +155,7 @@ def commit_checkpoint(
     target = layout.checkpoint_dir(iteration)
     marker = read_commit_marker(layout, iteration)
     if marker is None:
-        marker = _write_marker(layout, iteration, meta or {})
+        marker = _write_marker(layout, iteration, meta or {}, verify_staged)
     latest = latest_iteration(layout)
     if latest is None or latest <= iteration:
         fsutil.write_json(
@@ -160,7 +167,9 @@ def commit_checkpoint(
     return marker
 
 
-def _write_marker(layout: RunLayout, iteration: int, meta: dict[str, Any]) -> dict[str, Any]:
+def _write_marker(
+    layout: RunLayout, iteration: int, meta: dict[str, Any], verify_staged: Optional[Callable] = None
+) -> dict[str, Any]:
     target = layout.checkpoint_dir(iteration)
     try:
         staged = fsutil.read_json(layout.fs, fsutil.join(target, STAGED_NAME))
@@ -171,6 +180,8 @@ def _write_marker(layout: RunLayout, iteration: int, meta: dict[str, Any]) -> di
             f"cannot commit iteration {iteration}: nothing staged at {layout.url(target)} "
             f"(no {STAGED_NAME}; did the update stage finish?)"
         )
+    if verify_staged is not None:
+        verify_staged(staged["files"])
     present = fsutil.list_files(layout.fs, target)
     for rel, info in staged["files"].items():
         if present.get(rel) != info["bytes"]:

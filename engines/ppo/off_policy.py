@@ -27,7 +27,10 @@ ASYNC_IS_CAP = 2.0  # C when samples may be stale and algo.tis_cap is unset (veR
 
 
 def behaviour_is_cap(cfg) -> Optional[float]:
-    """C of the importance weights pi_prox / pi_behav the update applies; None = no weights (on-policy PPO)."""
+    """C of the importance weights pi_prox / pi_behav the update applies; None = no weights (on-policy PPO, or
+    algo.old_logprobs = rollout, where the old log-probs are pi_behav's own and every weight would be 1)."""
+    if cfg.algo.old_logprobs == "rollout":
+        return None
     if cfg.algo.tis_cap is not None:
         return float(cfg.algo.tis_cap)
     return ASYNC_IS_CAP if cfg.pipeline.max_staleness >= 1 else None

@@ -4,7 +4,9 @@ An update reads as its stages in order:
   1. old log-probs (actor) and old values (critic), no grad, in micro-batches, over this rank's rows -- or,
      when the whole batch is one optimizer step of one micro-batch per rank (the common single-minibatch
      recipe), taken from the first epoch's own forward pass, which runs before any weight moves (see
-     `_first_forward`); with several ranks, every rank's rows and outputs are then gathered (rank_rows.py);
+     `_first_forward`); with algo.old_logprobs = rollout the old log-probs are the sampler's (the rows'
+     rollout_logprobs) and only the critic runs here; with several ranks, every rank's rows and outputs are
+     then gathered (rank_rows.py);
   2. the scalar reward shaped (engines.ppo.reward_shaping: reward.normalize, then reward.overlong);
      per-token KL to the reference (algo.kl_estimator); token rewards (KL folded in when algo.kl_in_reward);
   3. advantages and returns (engines.ppo.compute_advantages, the estimator of algo.name's registry entry);
@@ -177,17 +179,26 @@ class PPOTrainer(LossSteps):
 
     # -- stage 1: old log-probs and values -------------------------------------------------------------
     @torch.no_grad()
-    def _old_logprobs_and_values(self, batch: ExperienceBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(b, R) log-probs of the current actor and (b, R) critic values (None without a critic) of this rank's
-        b rows, in micro-batches of train.micro_batch_size."""
+    def _old_logprobs_and_values(
+        self, batch: ExperienceBatch, actor: bool = True
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(b, R) log-probs of the current actor (None when `actor` is False: algo.old_logprobs = rollout takes
+        the sampler's) and (b, R) critic values (None without a critic) of this rank's b rows, in micro-batches
+        of train.micro_batch_size."""
         micro = self.cfg.train.micro_batch_size
         logprobs, values = [], []
         for start in range(0, len(batch), micro):
             mb = batch.select(torch.arange(start, min(start + micro, len(batch))))
-            logprobs.append(self._policy_forward(mb).logprobs.float())
+            if actor:
+                logprobs.append(self._policy_forward(mb).logprobs.float())
             if self.critic is not None:
                 values.append(self._critic_forward(mb).float())
-        return torch.cat(logprobs), (torch.cat(values) if values else None)
+        return (torch.cat(logprobs) if logprobs else None), (torch.cat(values) if values else None)
+
+    @property
+    def _old_from_rollout(self) -> bool:
+        """algo.old_logprobs = rollout: the sampler's log-probs are the old ones, no actor forward before step 1."""
+        return self.cfg.algo.old_logprobs == "rollout"
 
     def _old_from_first_forward(self, batch: ExperienceBatch) -> bool:
         """True when the first epoch is a single optimizer step over the whole batch whose share on each rank
@@ -236,6 +247,11 @@ class PPOTrainer(LossSteps):
                 f"update batch has {total_rows} samples, not a multiple of the train batch "
                 f"{self.train_batch_size} (train.train_batch_size)"
             )
+        if self._old_from_rollout and batch.rollout_logprobs is None:
+            raise ValueError(
+                "algo.old_logprobs='rollout' takes the sampler's log-probs as the old ones, but this batch has no "
+                "rollout_logprobs (its scored shards carry none); use algo.old_logprobs=recompute"
+            )
         if self.is_cap is not None and batch.rollout_logprobs is None:
             raise ValueError(
                 "the importance weights (algo.tis_cap, pipeline.max_staleness) need the sampler's log-probs, "
@@ -283,7 +299,9 @@ class PPOTrainer(LossSteps):
             old_logprobs = first.policy.logprobs.detach().float()
             values = first.values.detach().float() if first.values is not None else None
         else:
-            old_logprobs, values = self._old_logprobs_and_values(local)
+            old_logprobs, values = self._old_logprobs_and_values(local, actor=not self._old_from_rollout)
+        if self._old_from_rollout:  # the sampler's log-probs (0 at padding, as the actor's are masked there)
+            old_logprobs = local.rollout_logprobs.float()
         raw, old_logprobs, values = gather_rows(local, old_logprobs, values, world)  # the whole batch from here
         batch, shaping_metrics = self._shaped(raw)
         mask = batch.trained_mask  # KL, advantages and metrics over the policy's own tokens (all, single-turn)
@@ -337,7 +355,7 @@ class PPOTrainer(LossSteps):
         }
         if len(batch) > 1:  # one sample has no spread (std would be NaN; 0 would be made up)
             metrics["reward/std"] = float(batch.scores.std())
-        if batch.rollout_logprobs is not None:
+        if batch.rollout_logprobs is not None and not self._old_from_rollout:  # (the same tensor: no measurement)
             # How far the sampler's log-probs are from the trainer's for the same weights (should be ~0).
             metrics["rollout/logprob_abs_diff"] = float(
                 masked_mean((batch.rollout_logprobs - old_logprobs).abs(), mask)

@@ -50,12 +50,27 @@ def test_on_policy_weights_leave_the_loss_exactly_as_it_was():
         (["algo.tis_cap=1.5"], 1.5, ("tis/weight_mean", "tis/clipfrac")),
         (["pipeline.max_staleness=1"], ASYNC_IS_CAP, ("async/is_weight_mean", "async/is_weight_clipfrac")),
         (["pipeline.max_staleness=2", "algo.tis_cap=3"], 3.0, ("async/is_weight_mean", "async/is_weight_clipfrac")),
+        # the old log-probs are the sampler's: pi_prox / pi_behav would be 1 on every token, so no weights
+        (
+            ["pipeline.max_staleness=1", "algo.old_logprobs=rollout"],
+            None,
+            ("async/is_weight_mean", "async/is_weight_clipfrac"),
+        ),
     ],
 )
 def test_the_cap_and_metric_names_follow_the_config(overrides, cap, names):
     cfg = load_config(None, overrides)
     assert behaviour_is_cap(cfg) == cap
     assert is_weight_metric_names(cfg) == names
+
+
+def test_sampler_old_logprobs_with_a_tis_cap_are_refused_naming_both():
+    from ppoflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algo\.tis_cap=1\.5 with algo\.old_logprobs='rollout'"):
+        load_config(None, ["algo.tis_cap=1.5", "algo.old_logprobs=rollout"])
+    with pytest.raises(ConfigError, match="old_logprobs"):
+        load_config(None, ["algo.old_logprobs=sampler"])
 
 
 def test_staleness_outside_its_range_is_refused():
