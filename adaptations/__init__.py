@@ -31,9 +31,6 @@ The adaptations (what upstream does; installed or called by; the test that fails
   model. tests/integration/test_adaptations_vllm.py (and test_vllm_tied_head.py for the fix).
 
 Left where they are, listed so that this is the one list:
-- `zero3_counters` (stages/update_ranks.py): DeepSpeed 0.19.8's process-wide ZeRO-3 parameter and
-  module counters, handed from rank 0 to the ranks of a group started again. To be removed with issue 36 part 1
-  (ranks started by torchrun, one trainer per process).
 - `guard_os_exit` (engines/rewards/threaded.py): our guard around users' reward code, not an upstream library.
 - Workarounds made with upstream's own settings, next to the code that passes them: vLLM's chunked prefill
   off on CPU (`whole_prefill_kwargs`, engines/rollout/vllm_engine.py), its IPC sockets in a private folder and

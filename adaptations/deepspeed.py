@@ -4,9 +4,6 @@ Each is called by engines/trainer/deepspeed_setup.py where its condition is know
 shared-memory op is wanted depends on the world size and PPOFLOW_DS_SHM_COMM, the all-reduce on the engine built.
 tests/unit/test_adaptations_deepspeed.py runs DeepSpeed's own code paths without them and fails once upstream
 no longer does what they work around.
-
-Not here: `zero3_counters` (stages/update_ranks.py, DeepSpeed's process-wide ZeRO-3 numbering handed to
-the ranks of a restarted group), to be removed with issue 36 part 1 (ranks started by torchrun).
 """
 
 from __future__ import annotations
@@ -38,8 +35,8 @@ def quiet_deprecated_collectives() -> None:
     """Ignore torch's FutureWarning about the two collectives DeepSpeed 0.19.8 calls (DEPRECATED_COLLECTIVES).
 
     Works around: it came back dozens of times per ZeRO-2/3 update on every rank, with nothing for a user to do,
-    and in a rank's log (whose last lines a RankDiedError quotes) it pushed out the lines that explain a failure.
-    A process-wide warnings filter for that one message; other FutureWarnings still show.
+    and in a rank's log (the update group's, whose end a failed start quotes) it pushed out the lines that explain a
+    failure. A process-wide warnings filter for that one message; other FutureWarnings still show.
     """
     warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning)
 

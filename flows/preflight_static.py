@@ -65,34 +65,6 @@ def function_source_problem(spec: str, field: str) -> Optional[str]:
     return None if found else f"{field}: reward function module {where!r} cannot be found (target {spec!r})"
 
 
-def hostfile_problem(cfg: PPOFlowConfig) -> Optional[str]:
-    """A train.hostfile that cannot be read, does not add up to train.num_ranks, or places ranks on other
-    nodes of a run whose storage is not a folder they can mount (S3: each node would fetch and upload its
-    own checkpoint files, which the update group does not do)."""
-    if cfg.train.hostfile is None:
-        return None
-    from engines.trainer.hostfile import placement_for
-    from storage import fs as fsutil
-
-    try:
-        placement = placement_for(cfg.train)
-    except ValueError as e:
-        return str(e)
-    if not placement.remote:
-        return None
-    try:
-        fs, _ = fsutil.resolve(cfg.run.root, cfg.storage)
-    except (ValueError, ImportError):
-        return None  # storage_problem names it
-    if not fsutil.is_local(fs):
-        return (
-            f"train.hostfile places ranks on {len(placement.nodes)} nodes but run.root={cfg.run.root!r} is not "
-            f"a local folder: several nodes need the run's storage on a filesystem every node mounts at the same "
-            f"path"
-        )
-    return None
-
-
 def storage_problem(cfg: PPOFlowConfig) -> Optional[str]:
     """A root that cannot hold the run: a local path that is a file or under a read-only folder, or an S3
     root whose bucket does not exist or cannot be reached (named with the endpoint)."""
@@ -200,7 +172,7 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
         except DataError as e:
             problems.append(f"eval.data_path: {e}")
     problems += model_folder_problems(cfg.model.policy_path, "model.policy_path")
-    problems += [p for p in [stop_token_problem(cfg), lora_target_problem(cfg), hostfile_problem(cfg)] if p]
+    problems += [p for p in [stop_token_problem(cfg), lora_target_problem(cfg)] if p]
     problems += [p for p in [precision_problem(cfg)] if p]
     if cfg.algo.uses_critic and cfg.model.critic_path:
         problems += model_folder_problems(cfg.model.critic_path, "model.critic_path", need_tokenizer=False)

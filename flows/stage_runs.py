@@ -11,6 +11,10 @@ with `.delay()` and runs in a long-lived `ppoflow worker` process that keeps its
 With `pipeline.rollout_parts: N` > 1 the rollout runs as N part task runs (in-process one after another, or side by
 side on the warm rollout workers) and one merge task here that records the iteration's rollout manifest.
 
+On the run's own update group (`train.num_ranks: N` > 1, update on no worker or pool): the training flow has started a
+torchrun group of N ranks as a warm update worker on this machine (flows/update_group.py); the update and checkpoint
+tasks go to it as to any warm worker, each retried (pipeline.retries) once the group serves again.
+
 On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}`): `run_deployment` starts the
 stage's flow (below) on that deployment's work pool, waits for it, checks its final state, and reads the
 manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
@@ -35,6 +39,7 @@ from flows.in_flight import earlier_failure
 from flows.pool_pickup import PoolUnserved, wait_for_pool_run
 from flows.records import read_stage_record, write_stage_record
 from flows.replay import replayed_rollout
+from flows.update_group import running, starts_update_group
 from ppoflow.config import PPOFlowConfig, as_config
 from stages.manifests import (
     STAGE_MANIFESTS,
@@ -231,7 +236,10 @@ def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) 
     return run_stage_in_process(cfg, "rollout-merge", iteration, stage, parts=manifests)
 
 
-Placement = Literal["replay", "pool", "parts", "worker", "process"]
+GROUP_STAGES = ("update", "checkpoint")  # what the run's own update group serves (flows/update_group.py)
+
+
+Placement = Literal["replay", "pool", "parts", "worker", "group", "process"]
 
 
 def placement(cfg: PPOFlowConfig, stage: str, iteration: int) -> Placement:
@@ -244,6 +252,8 @@ def placement(cfg: PPOFlowConfig, stage: str, iteration: int) -> Placement:
                  the rollout's warm workers, or in-process), then the merge in-process
         worker   pipeline.stage_workers names the stage, or the stage whose workers run it (WORKER_STAGE: eval and
                  a rollout part go where rollout goes): a warm worker
+        group    update and checkpoint of a run whose training flow starts its own update group (train.num_ranks > 1,
+                 update on no worker or pool: flows/update_group.starts_update_group): that torchrun group
         process  the stage task in this process (the default)
 
     Everything else is decided from the config. The reward-model stages (rm-prepare, rm-unit, rm-export) always come
@@ -259,6 +269,8 @@ def placement(cfg: PPOFlowConfig, stage: str, iteration: int) -> Placement:
         return "parts"
     if WORKER_STAGE.get(stage, stage) in cfg.pipeline.stage_workers:
         return "worker"
+    if stage in GROUP_STAGES and starts_update_group(cfg):
+        return "group"
     return "process"
 
 
@@ -274,7 +286,60 @@ def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff)
         return run_rollout_in_parts(cfg, iteration, **inputs)
     if where == "worker":
         return run_stage_on_worker(cfg, stage, iteration, **inputs)
+    if where == "group":
+        return run_stage_on_group(cfg, stage, iteration, **inputs)
     return run_stage_in_process(cfg, stage, iteration, **inputs)
+
+
+def run_stage_on_group(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
+    """Run `stage` on the update group this process started (placement "group"), once it serves; a failed attempt is
+    retried up to pipeline.retries times, after retry_delay_s doubling, each once the group serves again.
+
+    Why here and not as the task's retries on the worker: a rank that died breaks the group, whose rank 0 then
+    refuses every command until torchrun has restarted it (a new rank 0, a new worker process); only a new
+    submission reaches the restarted group. Raises the last attempt's error; UpdateGroupFailed when the group has
+    exited or does not serve (flows/update_group.py); RuntimeError when this process runs no such group."""
+    group = running()
+    if group is None:
+        raise RuntimeError(
+            f"stage {stage} of iteration {iteration} goes to the update group the training flow starts "
+            f"(train.num_ranks={cfg.train.num_ranks}), and none runs in this process"
+        )
+    attempt = 0
+    while True:
+        group.wait_ready()
+        try:
+            return run_stage_on_worker(cfg, stage, iteration, **inputs)
+        except Exception as exc:  # noqa: BLE001 - any stage failure is retried, as Prefect retries an in-process task
+            if attempt == cfg.pipeline.retries:
+                raise
+            delay_s = cfg.pipeline.retry_delay_s * 2**attempt
+            attempt += 1
+            _logger().warning(
+                "stage %s of iteration %d failed on the update group (%s: %s); retry %d of %d in %.0f s, once the "
+                "group serves again",
+                stage,
+                iteration,
+                type(exc).__name__,
+                str(exc)[:500],
+                attempt,
+                cfg.pipeline.retries,
+                delay_s,
+            )
+            time.sleep(delay_s)
+
+
+def _logger():
+    """The Prefect run logger of the flow or task run this thread is in (its lines reach the UI), else a plain one."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 # The stage tasks that run where another stage's workers run: eval samples with the rollout engine, so the warm

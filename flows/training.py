@@ -3,6 +3,9 @@
 Starting at LATEST + 1 makes a new flow run with the same run name a resume, and a Retry of a failed
 flow run (UI, `prefect flow-run retry`) skips committed iterations entirely and, inside the failed one,
 the stages whose results are cached.
+
+A run with train.num_ranks > 1 whose update goes to no warm worker or pool has its update ranks started here, as a
+torchrun group on this machine, for the flow run's duration (flows/update_group.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from flows.run_inputs import start_run
 from flows.run_names import named_after_run
 from flows.stale_runs import claimed_run, is_dead_here, mark_crashed
 from flows.subflow_identity import keyed_by
+from flows.update_group import owned_update_group
 from ppoflow.config import MAX_STALENESS, PPOFlowConfig, as_config
 from storage.checkpoints import latest_iteration
 from storage.layout import RunLayout, layout_for
@@ -40,7 +44,8 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
     with claimed_run(layout) as previous:  # refused here, before any work, while another process trains the run
-        return _train_claimed(cfg, layout, previous)
+        with owned_update_group(cfg):  # train.num_ranks > 1, update on no worker or pool: its own torchrun group
+            return _train_claimed(cfg, layout, previous)
 
 
 def _train_claimed(cfg: PPOFlowConfig, layout: RunLayout, previous: Optional[dict[str, Any]]) -> dict[str, Any]:

@@ -29,6 +29,8 @@ Several update ranks (engines/trainer/torchrun_group.py): `torchrun --nproc-per-
 --stage update --stage checkpoint` (and --nnodes, --rdzv-backend=c10d, --rdzv-endpoint for several nodes) starts N
 such processes; rank 0 serves the stages here as one worker, the others follow its commands and never talk to
 Prefect. After a stage that broke the group rank 0 ends its process, so that torchrun restarts the whole group.
+A run with train.num_ranks > 1 and no worker or pool for its update gets such a group from its training flow
+(flows/update_group.py); a worker that torchrun did not start refuses such a run's update (stages/update_ranks.py).
 
 What the worker decides, not the submitting flow: a task's retries (`--retries`) and where its results
 persist (Prefect's default result storage; on several machines point PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK

@@ -47,6 +47,18 @@ def _takes_float(annotation: Any) -> bool:
     return annotation is float or (union and float in typing.get_args(annotation))
 
 
+# Fields of ppoflow's own multi-node rank group, removed with it (issue 36): a config that still sets one is refused
+# by name. torchrun's rendezvous (--rdzv-endpoint), its agents and --max-restarts do what they did.
+_REMOVED_RANK_FIELDS = (
+    "rank_timeout_s",
+    "hostfile",
+    "master_addr",
+    "master_port",
+    "rank_agent_join_s",
+    "rank_heartbeat_lost_s",
+)
+
+
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in a YAML file must not silently fall back to a default.
     # strict: no silent coercion (`n_samples: true` is not 1, `"3"` is not 3); ints are still accepted for
@@ -604,51 +616,27 @@ class TrainConfig(_Section):
         ge=1,
         le=512,
         description=(
-            "Data-parallel ranks of the update stage (on this machine unless train.hostfile places them): the "
-            "stage's process is rank 0, ranks 1..N-1 are processes started at the first update and keeps between iterations (gloo on CPU, NCCL "
-            "with one GPU per rank). Each rank trains on its share of every optimizer step; the loss is the "
-            "token mean over all ranks' tokens. 1 = no other process."
-        ),
-    )
-    rank_timeout_s: float = Field(
-        1800.0,
-        gt=0,
-        description=(
-            "With num_ranks > 1: seconds a rank waits in one collective (a step's all-reduce, the checkpoint "
-            "barrier while rank 0 writes the weights) or for the others to start before the stage fails."
+            "Data-parallel ranks of the update stage, a torchrun group that is the warm update worker (gloo on "
+            "CPU, NCCL with one GPU per rank): `ppoflow train` starts one on this machine itself, or serve the "
+            "run with `torchrun --nproc-per-node=N --no-python ppoflow worker --stage update --stage checkpoint` "
+            "(--nnodes for several machines) and pipeline.stage_workers. Each rank trains on its share of every "
+            "optimizer step; the loss is the token mean over all ranks' tokens. 1 = no other process."
         ),
     )
 
-    hostfile: Optional[str] = Field(
-        None,
-        description=(
-            "Several nodes: a DeepSpeed-style hostfile, one `<host> slots=<ranks>` per line, slots adding up to "
-            "num_ranks. The first line is rank 0's node (the stage's own machine), which starts its own ranks; "
-            "every other node runs `ppoflow rank-agent --master <master_addr>:<master_port> --node <line index>`, "
-            "which starts that node's ranks for each group and reports their exits and its heartbeat. Every node "
-            "must mount the run's storage root and the model folders at the same paths (local storage on a "
-            "shared filesystem; S3 runs are one node). None = all ranks on this machine."
-        ),
-    )
-    master_addr: Optional[str] = Field(
-        None, description="With train.hostfile: the address other nodes reach rank 0's node at (default: its host)."
-    )
-    master_port: int = Field(
-        29500,
-        ge=1,
-        le=65535,
-        description="With train.hostfile: the TCP port rank 0 serves the group's rendezvous store on.",
-    )
-    rank_agent_join_s: float = Field(
-        30.0,
-        gt=0,
-        description="With train.hostfile: seconds a new group waits for another node's rank agent to join before the stage fails, naming the command to run there.",
-    )
-    rank_heartbeat_lost_s: float = Field(
-        10.0,
-        ge=2.0,
-        description="With train.hostfile: seconds without a heartbeat (one a second) after which another node counts as dead (its agent, network or machine) and the stage fails naming it.",
-    )
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        removed = sorted(set(data) & set(_REMOVED_RANK_FIELDS)) if isinstance(data, dict) else []
+        if removed:
+            fields = ", ".join(f"train.{name}" for name in removed)
+            raise ValueError(
+                f"{fields}: removed with ppoflow's own rank group. The update ranks are a torchrun group, whose "
+                f"rendezvous, agents and restarts do that work (remove the field; for several nodes start `torchrun "
+                f"--nnodes=N --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --no-python ppoflow worker --stage update "
+                f"--stage checkpoint` on each and list update and checkpoint in pipeline.stage_workers)"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_offload(self) -> "TrainConfig":

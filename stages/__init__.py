@@ -22,5 +22,6 @@ pipeline call exactly these; the bare loop (stages/loop.py) calls their compute 
 run's storage for the stages; the hand-offs are typed (stages/manifests.py), a stage reads the shards a
 hand-off names at its uri, checked against its content hash (handed.py), and the
 engines a worker keeps warm between stages are in stages/held.py. With train.num_ranks > 1,
-run_update drives a group of ranks kept between iterations (update_ranks.py; the bare loop trains on one rank).
+run_update drives the torchrun group of ranks this process is rank 0 of (update_ranks.py; the bare loop trains on
+one rank).
 """

@@ -5,7 +5,8 @@
 The three compute steps are the stages' own (stages/rollout.py, score.py, update.py): the pipeline
 runs the same functions and writes their tables to shards in between, this loop passes the tables in
 memory. `EngineLoop` strings them together and times each under `timing/<stage>`; it is the baseline the
-overhead and peer benchmarks measure the pipeline against.
+overhead and peer benchmarks measure the pipeline against. One rank only: train.num_ranks > 1 is refused
+(ConfigError), since several ranks are a torchrun group of processes (stages/update_ranks.py), not this loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engines.models import load_tokenizer
 from engines.rollout.base import RolloutEngine
 from engines.scoring.scorer import Scorer
 from engines.trainer.ppo_trainer import PPOTrainer
+from ppoflow.config import ConfigError
 from stages.dynamic import sample_dynamic
 from stages.rollout import sample_records, sample_rollout
 from stages.score import score_rows
@@ -61,6 +63,13 @@ class EngineLoop:
             raise ValueError(
                 f"pipeline.max_staleness={cfg.pipeline.max_staleness}: the in-memory loop runs one iteration after "
                 "another; pipelined iterations run through the training flow (ppoflow train)"
+            )
+        if cfg.train.num_ranks > 1:
+            raise ConfigError(
+                f"train.num_ranks={cfg.train.num_ranks}: the in-memory loop trains on one rank, in this process; "
+                "several update ranks are a torchrun group, which `ppoflow train` starts itself (or serve the "
+                "update with `torchrun --nproc-per-node=N --no-python ppoflow worker --stage update --stage "
+                "checkpoint`); set train.num_ranks=1 here"
             )
         self.cfg = cfg
         # A folder the loop made itself is removed by shutdown(); a caller's folder is the caller's.

@@ -18,7 +18,7 @@ import time
 import pyarrow as pa
 
 from engines import warm
-from engines.trainer import rank_group, torchrun_group
+from engines.trainer import torchrun_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from stages.handed import read_handed
 from stages.held import trainer_key
@@ -58,15 +58,13 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     """Train on the scored shards `scored` names starting from `policy`; stage the new checkpoint.
 
     The shards are read at scored.uri, refused (HandedShardsError, stages/handed.py) unless they have its content hash.
-    With train.num_ranks > 1, or on a worker that torchrun started as a group, the update runs on a group of ranks
-    kept between iterations (update_ranks.py).
+    With train.num_ranks > 1, or on a worker that torchrun started as a group, the update runs on that torchrun group
+    (update_ranks.py; ConfigError there when this process is not rank 0 of one).
     """
     if cfg.train.num_ranks > 1 or torchrun_group.current() is not None:
         from stages.update_ranks import run_update_on_ranks
 
         return run_update_on_ranks(cfg, iteration, policy, scored)
-    if rank_group.current() is not None:  # this process ran with several ranks before: back to a world of one
-        rank_group.shutdown()
     started = time.perf_counter()
     layout = layout_for(cfg)
     table = read_handed(

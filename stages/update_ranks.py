@@ -1,11 +1,12 @@
-"""The update stage on a group of train.num_ranks data-parallel ranks kept between iterations.
+"""The update stage on a torchrun group of train.num_ranks data-parallel ranks kept between iterations.
 
-Rank 0 is the stage's own process (the in-process pipeline, or a warm `ppoflow worker --stage update`);
-ranks 1..N-1 are started at the first update (engines/trainer/rank_group.py) and run `main` below. Per
-iteration rank 0 sends them small JSON commands, each followed by the same call on every rank:
+The group is the warm update worker (engines/trainer/torchrun_group.py): `torchrun --nproc-per-node=N --no-python
+ppoflow worker --stage update --stage checkpoint`, started by the user (pipeline.stage_workers) or by `ppoflow train`
+itself (flows/update_group.py). Rank 0 runs the stage's task; ranks 1..N-1 run `follow` below. Per iteration rank 0
+sends them small JSON commands, each followed by the same call on every rank:
 
-    build   {config, policy, checkpoint_dir,   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
-             zero3_counters}                   trainers do not hold the policy: a new group, another run, a retry)
+    build   {config, policy, checkpoint_dir}   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
+                                               trainers do not hold the policy: a new group, another run, a retry)
     update  {iteration, scored}                read this rank's rows of the scored shards `scored` (the stage's
                                                ScoreManifest) names, checked against its hash; train on them
     save    {dir, extra_state}                 trainer.save(dir): rank 0 writes policy/, critic/, trainer.json;
@@ -21,13 +22,11 @@ on its share of every optimizer step with the whole step's denominators (engines
 ppo_trainer.py), so N ranks take the 1-rank update. Rank 0 also reads every row: it writes the iteration's
 experience shards, which carry all the scored columns.
 
-Failure: any exception during the commands tears the group down (rank_group.failed); a rank that died is
-named with its exit code or signal. The retry starts a new group whose trainers are built from the
-committed checkpoint the stage starts from, so it equals a run that never failed.
-
-The same commands and per-rank work run on a group that torchrun started (engines/trainer/torchrun_group.py): when
-this process is rank 0 of one (a `ppoflow worker` launched by torchrun), the update runs on that group instead of
-starting one, its followers run `follow` below, and torchrun restarts the whole group after a failure.
+Failure: an exception during the commands breaks the group (TorchrunGroup.failed names a follower's own error);
+rank 0 then ends its process and torchrun restarts every rank (--max-restarts). The retried stage goes to the
+restarted group, whose trainers are built from the committed checkpoint the stage starts from, so it equals a run
+that never failed. A process that no torchrun started refuses a run with train.num_ranks > 1 (ConfigError naming the
+command to start instead).
 """
 
 from __future__ import annotations
@@ -42,11 +41,11 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from engines import warm
-from engines.trainer import rank_group, rank_link, torchrun_group
-from engines.trainer.hostfile import placement_for
+from engines.trainer import torchrun_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
 from engines.trainer.reshard import other_count_mode
+from ppoflow.config import ConfigError
 from stages.handed import open_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
@@ -59,13 +58,11 @@ from storage.schema import schema_for
 from storage.scratch import checkpoint_scratch
 from storage.shards import Manifest, read_part, read_shards, require_manifest
 
-ENTRY = "stages.update_ranks"  # what ranks 1..N-1 run (`python -m`)
-
 
 def check_saved_ranks(ckpt: Optional[str], ranks: int, cfg=None) -> None:
     """ValueError naming both counts when the checkpoint at `ckpt` was saved by another number of ranks and
     cannot resume on `ranks` under the run config `cfg` (engines/trainer/reshard.py: ZeRO 1-2, and 0 in float32,
-    can; without `cfg`, no other count is allowed). Checked before any rank starts.
+    can; without `cfg`, no other count is allowed). Checked before any rank is told to build (and by preflight).
     """
     meta = Path(ckpt, "trainer", "trainer.json") if ckpt is not None else None
     if meta is None or not meta.is_file():
@@ -82,8 +79,9 @@ def check_saved_ranks(ckpt: Optional[str], ranks: int, cfg=None) -> None:
 def check_sees_storage(cfg, checkpoint_dir: Optional[str]) -> None:
     """FileNotFoundError when this rank's machine cannot see the run folder or the checkpoint folder rank 0 named.
 
-    On one node they are the same disk. With train.hostfile every node must mount the run's storage at the same
-    path; a node that does not would otherwise fail later on some shard with a bare "no such file".
+    On one node they are the same disk. A torchrun group over several nodes needs the run's storage mounted at the
+    same path on every node; a node that does not would otherwise fail later on some shard with a bare "no such
+    file".
     """
     import socket
 
@@ -93,8 +91,8 @@ def check_sees_storage(cfg, checkpoint_dir: Optional[str]) -> None:
         missing.append(checkpoint_dir)
     if missing:
         raise FileNotFoundError(
-            f"{socket.gethostname()} cannot see {' or '.join(missing)}: every node of the update group "
-            f"(train.hostfile) must mount the run's storage at the same path as rank 0's node"
+            f"{socket.gethostname()} cannot see {' or '.join(missing)}: every node of the torchrun update group "
+            f"must mount the run's storage at the same path as rank 0's node"
         )
 
 
@@ -127,27 +125,14 @@ def train_on_rows(trainer: PPOTrainer, rows: pa.Table) -> UpdateResult:
     return trainer.update_rows(experience_batch(rows, trainer.tokenizer.pad_token_id or 0))
 
 
-def zero3_counters(values: Optional[dict[str, int]] = None) -> dict[str, int]:
-    """DeepSpeed's process-wide ZeRO-3 numbering, {"param": ..., "module": ...}, set to `values` first if given.
-
-    ZeRO-3 numbers every parameter it partitions (`Init.param_id`) and every module it hooks (the `count`
-    default list of `DeepSpeedZeRoOffload._register_deepspeed_module`) from counters that live as long as the
-    process, and its prefetch checks that every rank traces the same module numbers. Rank 0's counters have moved
-    with every trainer it built before (a group started again after a failure has new ranks that count from 0),
-    so each build hands rank 0's values to the ranks. Below ZeRO-3 the numbers are never compared.
-    """
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-    from deepspeed.runtime.zero.partition_parameters import Init
-
-    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # the list DeepSpeed mutates
-    if values is not None:
-        Init.param_id = int(values["param"])
-        module_count[0] = int(values["module"])
-    return {"param": int(Init.param_id), "module": int(module_count[0])}
-
-
 def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
-    """run_update with train.num_ranks > 1 (see the module docstring); this process is rank 0."""
+    """run_update on the torchrun group this process is rank 0 of (see the module docstring).
+
+    Raises ConfigError when no torchrun started this process (`torchrun_group_for`); ValueError when the group's size
+    is not train.num_ranks, RuntimeError when an earlier command broke it (TorchrunGroup.require); HandedShardsError
+    before any rank is told, when the scored shards are not the handed ones; the group's error (TorchrunGroup.failed)
+    when a command fails on any rank."""
+    group = torchrun_group_for(cfg)
     started = time.perf_counter()
     layout = layout_for(cfg)
     here = layout.url(layout.stage_dir(iteration, "scored"))  # where a moved run keeps it (handed.py)
@@ -156,18 +141,12 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     )  # before any rank is told
     ckpt = local_checkpoint_dir(cfg, policy)  # fetched once on this machine; the ranks build from it
     check_saved_ranks(ckpt, cfg.train.num_ranks, cfg)
-    led = torchrun_group.current()  # the torchrun group this worker is rank 0 of, if any
-    if led is not None:
-        led.require(cfg.train.num_ranks)
-    group = led or _own_group(cfg)
     try:
         trainer = warm.take(trainer_key(policy.weights_id))
         if trainer is None or group.holds != policy.weights_id:
             trainer = None
             gc.collect()  # the old trainer's memory goes before the new one is built, on every rank
             command = {"config": cfg.model_dump(mode="json"), "policy": policy.model_dump(mode="json")}
-            if led is None:  # torchrun's ranks count together from their start (torchrun_group.py's docstring)
-                command["zero3_counters"] = zero3_counters()
             group.send({"op": "build", "checkpoint_dir": ckpt, **command})
             trainer = build_trainer(cfg, policy, ckpt)
             warm.count_build(warm.Role.TRAINER.value)
@@ -185,8 +164,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
                 f.write(cfg.to_yaml())
             staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
     except BaseException as exc:
-        # the own group is torn down, naming a rank that died; torchrun's is restarted by torchrun
-        error = led.failed(exc) if led is not None else rank_group.failed(exc)
+        error = group.failed(exc)  # the group is broken: rank 0 ends after the stage, torchrun restarts it
         if error is exc:
             raise
         raise error from exc
@@ -195,15 +173,28 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     warm.put(trainer_key(weights_id), trainer)
     metrics = dict(result.metrics)
     metrics["ranks/world_size"] = float(group.world)
-    metrics["ranks/group_starts"] = 1.0 if led is not None else float(rank_group.group_starts())
     metrics["async/staleness"] = staleness(policy, table)
     return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)
 
 
-def _own_group(cfg) -> rank_group.RankGroup:
-    """The group of train.num_ranks ranks this process starts and keeps as rank 0 (engines/trainer/rank_group.py)."""
-    liveness = rank_group.Liveness(cfg.train.rank_agent_join_s, cfg.train.rank_heartbeat_lost_s)
-    return rank_group.group_for(placement_for(cfg.train), ENTRY, cfg.train.rank_timeout_s, liveness)
+def torchrun_group_for(cfg) -> torchrun_group.TorchrunGroup:
+    """The torchrun group this process is rank 0 of, checked to have train.num_ranks ranks.
+
+    ConfigError, naming train.num_ranks and the command to start, when torchrun did not start this process: a plain
+    `ppoflow worker --stage update`, a pool's update flow, a direct call. The ranks are never started from here."""
+    group = torchrun_group.current()
+    if group is None:
+        ranks = cfg.train.num_ranks
+        raise ConfigError(
+            f"train.num_ranks={ranks}: the update runs on a torchrun group of {ranks} ranks, and this process is not "
+            f"rank 0 of one (a plain `ppoflow worker --stage update`, a pool's update flow, or a direct call). Serve "
+            f"the run's update with `torchrun --nproc-per-node={ranks} --no-python ppoflow worker --stage update "
+            f"--stage checkpoint` (--nnodes and --rdzv-endpoint for several machines) and pipeline.stage_workers: "
+            f"[update, checkpoint], or leave update and checkpoint off workers and pools: `ppoflow train` then starts "
+            f"that group itself"
+        )
+    group.require(cfg.train.num_ranks)
+    return group
 
 
 class _Rank:
@@ -223,8 +214,6 @@ class _Rank:
             self.cfg = build_config(command["config"], origin="the update group's build command")
             check_sees_storage(self.cfg, command["checkpoint_dir"])
             policy = PolicyRef.model_validate(command["policy"])
-            if "zero3_counters" in command:  # rank 0 of the own group outlives its ranks; torchrun's do not
-                zero3_counters(command["zero3_counters"])
             self.trainer = build_trainer(self.cfg, policy, command["checkpoint_dir"])
         elif op == "update":
             scored = ScoreManifest.model_validate(command["scored"])
@@ -239,15 +228,6 @@ class _Rank:
             raise ValueError(f"unknown update-group command {op!r} (build, update, save, stop)")
 
 
-def main() -> None:
-    """Ranks 1..N-1: join the group, then follow rank 0's commands until told to stop."""
-    rank_link.run_rank(_Rank())
-
-
 def follow(group: torchrun_group.TorchrunGroup) -> None:
     """Ranks 1..N-1 of a torchrun group (flows/workers.py): rank 0's commands until it stops them (exits)."""
     group.follow(_Rank())
-
-
-if __name__ == "__main__":
-    main()

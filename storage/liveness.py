@@ -23,9 +23,7 @@ Who uses it, and what decides where this module cannot:
     an idle warm worker       none                                      Prefect's listing of its presence
                                                                         subscription (tasks/leases.serving_workers)
     update ranks              none                                      torchrun's elastic agent, which restarts
-                                                                        the group when a rank ends; the older
-                                                                        group ppoflow starts itself still keeps
-                                                                        heartbeats of its own (rank_group.py)
+                                                                        the group when a rank ends
 
 Failure modes: /proc missing (macOS) -> `started` is None and a reused pid goes unnoticed; a pid owned by another
 user exists (PermissionError) -> alive.

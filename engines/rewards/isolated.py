@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -28,11 +29,21 @@ import time
 from typing import Any, Optional
 
 from engines.rewards.threaded import FunctionExited
-from engines.trainer.rank_wire import describe_exit
 
 _LENGTH = struct.Struct("<Q")
 START_TIMEOUT_S = 120.0  # interpreter start and the reward module's imports (torch, say) on a loaded machine
 EXIT_WAIT_S = 5.0  # a worker whose pipe closed mid-call is exiting: its exit code says how it died
+
+
+def describe_exit(code: int) -> str:
+    """How a process ended, from its return code: "was killed by signal SIGKILL (9)", "exited with code 1"."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by signal {name} ({-code})"
+    return f"exited with code {code}"
 
 
 class WorkerTimeout(TimeoutError):

@@ -110,8 +110,8 @@ def join_process_group(
     store, rank: int, world: int, timeout_s: float, *, local_rank: int, master_addr: str, master_port: int
 ) -> None:
     """Make this process rank `rank` of a `world`-rank process group rendezvousing through `store` (the c10d
-    TCPStore the rank group hosts at master_addr:master_port, or a prefix of it: engines/trainer/rank_group.py),
-    then let DeepSpeed adopt that group.
+    TCPStore rank 0 of a torchrun group hosts at master_addr:master_port: engines/trainer/torchrun_group.py), then
+    let DeepSpeed adopt that group.
 
     The environment variables a launcher would set are set too (DeepSpeed and `deepspeed_config` read them).
     gloo on CPU, NCCL on GPU (this rank's device: cuda:<local_rank>, its index on its node). `timeout_s` bounds

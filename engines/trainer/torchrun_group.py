@@ -22,9 +22,14 @@ flow run goes to the restarted group, whose trainers are built from the committe
 on rank 0 (the followers may be inside a collective, their weights past the checkpoint) breaks the group: the
 stage fails with that error, then rank 0 ends its process (flows/workers.py) and torchrun restarts the group.
 
-ZeRO-3's process-wide numbering (update_ranks.zero3_counters) is not handed to the followers here: every rank of a
-restarted group is a new process counting from 0, and every trainer is built on every rank, so the counters move
-in lockstep. The home-made group needs the hand-over because its rank 0 outlives the ranks it restarts.
+Why every rank must be restarted together: DeepSpeed's ZeRO-3 numbers the parameters and modules it partitions from
+process-wide counters and checks that every rank traces the same numbers. Every rank of a (re)started group is a new
+process counting from 0, and every trainer is built on every rank, so the counters move in lockstep; a rank 0 that
+outlived ranks started again would not.
+
+Who starts the group: the user (one torchrun per node, or Slurm, a Kubernetes PyTorchJob, a work pool's job), or
+`ppoflow train` itself on its own machine when a run asks for several ranks and sends the update to no worker or pool
+(flows/update_group.py).
 """
 
 from __future__ import annotations

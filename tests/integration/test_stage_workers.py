@@ -6,6 +6,7 @@ What must hold, from the design rather than from the code's output:
   its first iteration of a run (the engines stay warm; the rollout engine and the scorer also across runs);
 - with k = 1 the staleness of iteration i is min(1, i-1) (the fixed schedule);
 - the k = 0 run's rows equal an in-process run's (the computation does not depend on where it runs);
+- a run with train.num_ranks=2 sent to the plain update worker fails naming the torchrun command to start instead;
 - killing the update worker with SIGKILL in the middle of iteration 3's update (k = 1) fails the flow run
   with a message naming the dead worker, instead of waiting for it forever; after the worker is started
   again, `prefect flow-run retry` (the README's command) resumes the run and its final checkpoint and
@@ -107,6 +108,18 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
         first, second = (layout_for(configs[k]) for k in (0, 1))
         evaluated = EvalManifest.model_validate(read_stage_record(second, ITERATIONS, "eval"))
         assert evaluated.worker == f"{host}:{workers['rollout'].pid}"  # eval goes where rollout goes
+
+        # A run with train.num_ranks=2 on the plain update worker (no torchrun started it): its update is refused by
+        # name, with the command that starts a group of 2, and the worker serves on (the runs below).
+        pipeline = {"stage_workers": ALL_STAGES}
+        two = small_config(
+            str(tmp_path / "runs"), "two-ranks", tiny_model_dir, digits_dataset_dir, 1, train={"num_ranks": 2},
+            pipeline=pipeline,
+        )  # fmt: skip
+        state = ppo_training(config=two.model_dump(mode="json"), return_state=True)
+        assert state.is_failed(), state
+        assert "train.num_ranks=2: the update runs on a torchrun group of 2 ranks" in state.message, state.message
+        assert "torchrun --nproc-per-node=2 --no-python ppoflow worker --stage update" in state.message, state.message
 
         # Issue 40: the same run name under another root, then the first run deleted and started again. The warm
         # workers persist results in Prefect's shared storage; keyed by name, iteration and inputs alone, these

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from engines.trainer import rank_group
+from ppoflow.config import ConfigError
 from stages import update_ranks
 from stages.handed import HandedShardsError
 from stages.policy import policy_ref
@@ -146,13 +146,11 @@ def test_update_refuses_scored_shards_rewritten_after_their_manifest(scored_run)
     assert _files(layout.run_dir) == before  # no experience shards, no staged checkpoint
     assert not layout.fs.exists(layout.stage_dir(ITERATION, "experience"))
 
-    # train.num_ranks = 2: rank 0 refuses before it starts (or tells) any rank
-    starts = rank_group.group_starts()
+    # train.num_ranks = 2 in a process that no torchrun started: refused by name, before anything is read or written
     two_ranks = cfg.model_copy(update={"train": cfg.train.model_copy(update={"num_ranks": 2})})
-    with pytest.raises(HandedShardsError) as refused:
+    with pytest.raises(ConfigError, match=r"train.num_ranks=2: .*torchrun --nproc-per-node=2 --no-python ppoflow"):
         run_update(two_ranks, ITERATION, policy_ref(cfg, ITERATION), scored)
-    _refusal_names(refused.value, "update", scored.uri, scored.content_hash, rewritten)
-    assert rank_group.group_starts() == starts and _files(layout.run_dir) == before
+    assert _files(layout.run_dir) == before
     # a rank told to train on it (the folder rewritten after rank 0 checked it) refuses too, before it trains
     rank = update_ranks._Rank()
     rank.cfg = two_ranks  # what the group's build command sets; no trainer needed to refuse

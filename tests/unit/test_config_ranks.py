@@ -56,3 +56,31 @@ def test_a_checkpoint_of_another_rank_count_is_refused_naming_both(tmp_path):
     meta.write_text(json.dumps({"update_count": 1}))  # written before world_size was recorded: one rank
     with pytest.raises(ValueError, match=r"saved by 1 rank\(s\) but train.num_ranks=2"):
         check_saved_ranks(str(tmp_path), 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["train.hostfile=/tmp/hosts"], "train.hostfile"),
+        (["train.master_port=29500", "train.master_addr=node-a"], "train.master_addr, train.master_port"),
+        (["train.rank_timeout_s=60"], "train.rank_timeout_s"),
+        (["train.rank_agent_join_s=30", "train.rank_heartbeat_lost_s=10"], "train.rank_agent_join_s"),
+    ],
+)
+def test_the_fields_of_the_removed_rank_group_are_refused_naming_what_replaces_them(overrides, named):
+    """ppoflow's own multi-node rank group (hostfile, rank agents, heartbeats) is gone: a config that still sets one
+    of its fields is refused by name, pointing at torchrun, not silently ignored."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert named in str(err.value) and "removed" in str(err.value)
+    assert "torchrun --nnodes=N --rdzv-backend=c10d" in str(err.value)
+
+
+def test_the_bare_engine_loop_refuses_several_ranks_by_name(tmp_path):
+    """stages/loop.py trains in its own process on one rank: train.num_ranks=2 is a ConfigError naming the field
+    and the way to several ranks, before any model is loaded (the model path does not even exist)."""
+    from stages.loop import EngineLoop
+
+    cfg = load_config(None, ["train.num_ranks=2", f"model.policy_path={tmp_path / 'no-model'}"])
+    with pytest.raises(ConfigError, match=r"train.num_ranks=2: the in-memory loop trains on one rank.*ppoflow train"):
+        EngineLoop(cfg)

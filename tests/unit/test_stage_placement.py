@@ -1,5 +1,5 @@
 """flows/stages.placement: where each stage runs, for each kind of config, by hand from the rules in its docstring
-(replay, pool, parts, worker, process, first that applies); and that a config cannot send a reward-model stage to
+(replay, pool, parts, worker, group, process, first that applies); and that a config cannot send a reward-model stage to
 a pool or a warm worker (it is refused when built, naming the field)."""
 
 import json
@@ -40,6 +40,15 @@ CASES = [
         [POOLS, "pipeline.stage_workers=[score]"],
         {"rollout": "pool", "score": "pool", "update": "pool", "checkpoint": "pool", "eval": "pool"},
     ),
+    # several update ranks with the update on no worker or pool: the torchrun group the training flow starts
+    (["train.num_ranks=2"], {"update": "group", "checkpoint": "group"}),
+    (["train.num_ranks=2", "pipeline.stage_workers=[checkpoint]"], {"update": "group", "checkpoint": "worker"}),
+    # ... not when the user serves the update (a torchrun group of their own), nor on a pool (refused there by name)
+    (
+        ["train.num_ranks=2", "pipeline.stage_workers=[update, checkpoint]"],
+        {"update": "worker", "checkpoint": "worker"},
+    ),
+    (["train.num_ranks=2", "pipeline.stage_pools={update: ppo-update/u}"], {"update": "pool"}),
 ]
 
 
