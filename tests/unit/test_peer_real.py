@@ -171,3 +171,19 @@ def test_vllm_status_names_the_known_failure():
     assert failed["available"] is False and "sync_weights" in failed["why"]
     other = vllm_status({"runs_ok": 0, "errors": ["rc 1: " + "x" * 500 + "OSError: disk full"]})
     assert other == {"available": False, "why": ("rc 1: " + "x" * 500 + "OSError: disk full")[-400:]}
+
+
+def test_the_ppoflow_sides_of_a_seed_share_no_score_cache(tmp_path):
+    # The score cache is <run.root>/cache (README); two sides of one seed sample the same responses, so a shared
+    # root let the second find every score cached. Each side run gets a root of its own, and its layout is there.
+    from bench.peer_real_sides import Plan, side_sets
+    from ppoflow.config import load_config
+    from storage.layout import layout_for
+
+    plan = Plan(work=tmp_path, model_dir=str(tmp_path / "model"), iterations=2, eval_every=1, threads=1)
+    roots = set()
+    for side in ("ppoflow_pipeline", "ppoflow_k1", "ppoflow_rollout_old"):
+        cfg = load_config(RECIPE, side_sets(plan, side, 0))
+        roots.add(cfg.run.root)
+        assert layout_for(cfg).run_dir.startswith(cfg.run.root.rstrip("/"))
+    assert len(roots) == 3
