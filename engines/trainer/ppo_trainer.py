@@ -179,21 +179,30 @@ class PPOTrainer(LossSteps):
 
     # -- stage 1: old log-probs and values -------------------------------------------------------------
     @torch.no_grad()
-    def _old_logprobs_and_values(
-        self, batch: ExperienceBatch, actor: bool = True
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(b, R) log-probs of the current actor (None when `actor` is False: algo.old_logprobs = rollout takes
-        the sampler's) and (b, R) critic values (None without a critic) of this rank's b rows, in micro-batches
-        of train.micro_batch_size."""
+    def _old_logprobs_and_values(self, batch: ExperienceBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(b, R) log-probs of the current actor and (b, R) critic values (None without a critic) of this rank's
+        b rows, in micro-batches of train.micro_batch_size."""
         micro = self.cfg.train.micro_batch_size
         logprobs, values = [], []
         for start in range(0, len(batch), micro):
             mb = batch.select(torch.arange(start, min(start + micro, len(batch))))
-            if actor:
-                logprobs.append(self._policy_forward(mb).logprobs.float())
+            logprobs.append(self._policy_forward(mb).logprobs.float())
             if self.critic is not None:
                 values.append(self._critic_forward(mb).float())
-        return (torch.cat(logprobs) if logprobs else None), (torch.cat(values) if values else None)
+        return torch.cat(logprobs), (torch.cat(values) if values else None)
+
+    @torch.no_grad()
+    def _old_values(self, batch: ExperienceBatch) -> Optional[torch.Tensor]:
+        """(b, R) critic values of this rank's b rows (None without a critic), in micro-batches: the old pass of
+        algo.old_logprobs = rollout, which runs no actor forward."""
+        if self.critic is None:
+            return None
+        micro = self.cfg.train.micro_batch_size
+        values = [
+            self._critic_forward(batch.select(torch.arange(start, min(start + micro, len(batch))))).float()
+            for start in range(0, len(batch), micro)
+        ]
+        return torch.cat(values)
 
     @property
     def _old_from_rollout(self) -> bool:
@@ -298,8 +307,10 @@ class PPOTrainer(LossSteps):
         if first is not None:
             old_logprobs = first.policy.logprobs.detach().float()
             values = first.values.detach().float() if first.values is not None else None
+        elif self._old_from_rollout:
+            values = self._old_values(local)  # the old log-probs are the sampler's, taken below
         else:
-            old_logprobs, values = self._old_logprobs_and_values(local, actor=not self._old_from_rollout)
+            old_logprobs, values = self._old_logprobs_and_values(local)
         if self._old_from_rollout:  # the sampler's log-probs (0 at padding, as the actor's are masked there)
             old_logprobs = local.rollout_logprobs.float()
         raw, old_logprobs, values = gather_rows(local, old_logprobs, values, world)  # the whole batch from here
