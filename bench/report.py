@@ -268,7 +268,30 @@ def peer_real_table() -> str:
             ratio_v = round(ours_v / theirs_v, 3)
         cells = [_value(v) if v is not None else "" for v in (ours_v, theirs_v, ratio_v)]
         rows.append(f"| {what} | {goal} | {' | '.join(cells)} |")
+    rows += [f"\n{note}" for note in _score_cache_notes(line)]
     return "\n".join(rows) + "\n"
+
+
+def _score_cache_notes(line: dict) -> list[str]:
+    """A ppoflow side whose score stage took under a tenth of the pipeline side's found its scores in the cache that
+    an earlier side of the same seed filled (the bench shared one run.root before it gave each run its own): its
+    seconds per iteration are flattered by the difference, which the note states."""
+    sides = line.get("sides") or {}  # (TRL's sides score inside their "prepare": they have no score stage)
+    base = _dig(sides, "ppoflow_pipeline.stage_s.score")
+    notes = []
+    for side, figures in sides.items():
+        score = _dig(figures, "stage_s.score")
+        if not side.startswith("ppoflow_") or side == "ppoflow_pipeline" or base is None or score is None:
+            continue
+        if score >= base / 10:
+            continue
+        notes.append(
+            f"Caveat: {side}'s score stage took {_value(score)} s against ppoflow_pipeline's {_value(base)} s: it "
+            f"found its scores in the cache the pipeline side of the same seed had filled, so its seconds per "
+            f"iteration are ~{_value(round(base - score, 2))} s too low (bench.peer_real now gives every run a root "
+            f"of its own)."
+        )
+    return notes
 
 
 def section(name: str) -> str:

@@ -77,3 +77,17 @@ def test_the_real_model_peer_table_reads_the_peer_side_and_derives_ratios(tmp_pa
     assert rows["s per iteration, steady"].endswith("| 25 | 50 | 0.5 |")  # 25 / 50, derived by the table
     assert rows["peak RSS, GiB"].endswith("| 9 | 6 | 1.5 |")
     assert rows["held-out accuracy at equal wall time"].endswith("|  |  |  |")  # absent values stay empty
+
+
+def test_a_side_whose_scores_came_from_the_cache_gets_a_caveat(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    sides = {
+        "trl_hf": {"iter_s_steady": 40.0, "stage_s": {"score": 0.0}},  # TRL scores in "prepare": no caveat
+        "ppoflow_pipeline": {"iter_s_steady": 32.0, "stage_s": {"score": 3.4}},
+        "ppoflow_rollout_old": {"iter_s_steady": 24.0, "stage_s": {"score": 0.01}},  # under 3.4 / 10: cached
+        "ppoflow_k1": {"iter_s_steady": 33.0, "stage_s": {"score": 3.0}},  # not under a tenth: no caveat
+    }
+    _write(tmp_path, "peer_real", [{"peer": "trl_hf", "sides": sides, "date": "2026"}])
+    notes = [ln for ln in report.peer_real_table().splitlines() if ln.startswith("Caveat")]
+    assert len(notes) == 1 and notes[0].startswith("Caveat: ppoflow_rollout_old's score stage took 0.01 s")
+    assert "~3.39 s too low" in notes[0]  # 3.4 - 0.01
