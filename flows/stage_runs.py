@@ -167,11 +167,7 @@ class _WorkerWatch:
         self.layout = layout_for(cfg)
         self.stage = WORKER_STAGE.get(stage, stage)  # whose workers run it
         self.what = f"stage {_worker_stage_name(stage, name)} of iteration {iteration}"
-        self.restart = (
-            f"Start `ppoflow worker --stage {self.stage}` (with this flow's code) where none runs (a torchrun group "
-            f"or another supervisor restarts its own) and retry the flow run: the stage reruns from the last "
-            f"committed checkpoint"
-        )
+        self.restart = _restart_advice(cfg, stage, iteration)
         self.task_key = STAGE_TASKS[stage].task_key
         self.unserved_since: Optional[float] = None
 
@@ -210,6 +206,26 @@ class _WorkerWatch:
         with get_client(sync_client=True) as client:
             client.set_task_run_state(self.future.task_run_id, final(message=message), force=True)
         raise StageFailed(message)
+
+
+def _restart_advice(cfg: PPOFlowConfig, stage: str, iteration: int) -> str:
+    """What a user does when a stage's worker is gone: on the update group this flow started, nothing but a retry
+    (the flow starts a new group; starting `ppoflow worker` by hand would serve nothing this run submits); else
+    start the workers' command where none runs."""
+    if placement(cfg, stage, iteration) == "group":
+        group = running()
+        log = f"; its output is in {group.log_path}" if group is not None else ""
+        return (
+            f"The update group this run started (torchrun, train.num_ranks={cfg.train.num_ranks}) restarts its "
+            f"ranks itself, up to --max-restarts={cfg.pipeline.retries + 1} times, and this flow resubmits the stage "
+            f"up to pipeline.retries={cfg.pipeline.retries} times{log}. When those are spent, retry the flow run: it "
+            f"starts a new group and the stage reruns from the last committed checkpoint"
+        )
+    return (
+        f"Start `ppoflow worker --stage {WORKER_STAGE.get(stage, stage)}` (with this flow's code) where none runs "
+        f"(a torchrun group or another supervisor restarts its own) and retry the flow run: the stage reruns from "
+        f"the last committed checkpoint"
+    )
 
 
 def _worker_stage_name(stage: str, name: str) -> str:

@@ -11,9 +11,10 @@ What must hold, from the design rather than from the code's output:
   other than this one, the trainer is built once for the run, and when the run ends the group is gone;
 - 2 ranks take the 1-rank update: the same scored rows give the same old log-probs, values, advantages and returns
   (whitened over all rows on every rank, not per rank), the same losses and gradient norms, up to fp32 summation order;
-- rank 1 SIGKILLed in the middle of iteration 2's update (from outside: the test kills it when the update's lease
-  appears): torchrun restarts the group, the stage is retried on the restarted group (a new rank 0 runs it), and the
-  run commits the uninterrupted run's checkpoint byte for byte and its metrics rows;
+- rank 1 SIGKILLed between stages (after iteration 1's checkpoint, before iteration 2's update is taken) and again in
+  the middle of iteration 2's update (from outside: the test kills it when the update's lease appears): torchrun
+  restarts the group each time, the update runs and is retried on the restarted group (a new rank 0 runs it), and
+  the run commits the uninterrupted run's checkpoint byte for byte and its metrics rows;
 - a group started by hand: rank 0 alone is the worker Prefect knows (rank 1 is never listed), a run with another
   train.num_ranks is refused by name and the group serves on, and its run equals the flow-started group's.
 """
@@ -202,6 +203,32 @@ def kill_rank_1_in_update(run_layout, iteration: int, killed: dict) -> threading
     return thread
 
 
+def kill_rank_1_between_stages(run_layout, iteration: int, killed: dict) -> threading.Thread:
+    """A thread that SIGKILLs rank 1 of the group this process started once `iteration`'s checkpoint stage is recorded
+    and before the next update has a lease (the group idle, the flow sampling the next iteration); its pid goes in
+    `killed`, with whether the next update's lease was still absent at the kill."""
+    from flows.records import stage_record_path
+    from flows.update_group import running
+    from tasks.leases import lease_path
+
+    record = Path(stage_record_path(run_layout, iteration, "checkpoint"))
+    next_lease = Path(lease_path(run_layout, iteration + 1, "update"))
+
+    def watch() -> None:
+        deadline = time.monotonic() + 900
+        while not record.exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        killed["pid"] = ranks_of(running().agent.pid)[1]
+        killed["idle"] = not next_lease.exists()
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True, name="kill-rank-1-idle")
+    thread.start()
+    return thread
+
+
 def test_two_ranks_by_the_flow_or_by_hand_take_the_one_rank_update_and_survive_a_killed_rank(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
 ):
@@ -229,13 +256,20 @@ def test_two_ranks_by_the_flow_or_by_hand_take_the_one_rank_update_and_survive_a
         assert list((Path(layout_for(own).run_dir) / "logs").glob("update-group-*.log"))  # its output, not ours
         one_rank_reference_agrees(tmp_path, tiny_model_dir, digits_dataset_dir, layout_for(own))
 
-        # Rank 1 killed in iteration 2's update: torchrun restarts the group, the stage is retried there.
-        killed_cfg = ranks_config(tmp_path, "killed", tiny_model_dir, digits_dataset_dir, on_workers=False, retries=1)
-        killed = {}
-        killer = kill_rank_1_in_update(layout_for(killed_cfg), 2, killed)
+        # Rank 1 killed twice: between stages (after iteration 1's checkpoint, the group idle) and in iteration 2's
+        # update. Each time torchrun restarts the group; the update goes to the restarted one, and is retried there.
+        killed_cfg = ranks_config(tmp_path, "killed", tiny_model_dir, digits_dataset_dir, on_workers=False, retries=2)
+        idle_kill, update_kill = {}, {}
+        killers = [
+            kill_rank_1_between_stages(layout_for(killed_cfg), 1, idle_kill),
+            kill_rank_1_in_update(layout_for(killed_cfg), 2, update_kill),
+        ]
         state = ppo_training(config=killed_cfg.model_dump(mode="json"), return_state=True)
-        killer.join(timeout=5)
-        assert "pid" in killed, "iteration 2's update never started"
+        for killer in killers:
+            killer.join(timeout=5)
+        assert idle_kill.get("idle") is True, f"rank 1 was not killed between stages: {idle_kill}"
+        assert "pid" in update_kill, "iteration 2's update never started"
+        assert update_kill["pid"] != idle_kill["pid"]  # the second kill met the restarted group's rank 1
         assert state.is_completed(), state
         updates = update_manifests(layout_for(killed_cfg))
         assert updates[1].worker != updates[0].worker  # a new rank 0: the restarted group ran the retry

@@ -88,3 +88,33 @@ def test_a_config_asking_for_a_reward_model_stage_elsewhere_is_refused(override,
     with pytest.raises(ConfigError) as refused:
         load_config(None, [override])
     assert field in str(refused.value) and "rm-unit" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, stage, says, never",
+    [
+        # the group the flow started: only a retry of the flow run helps (a hand-started worker serves nothing of it)
+        (
+            ["train.num_ranks=2", "pipeline.retries=2"],
+            "update",
+            ["--max-restarts=3", "retry the flow run: it starts a new group"],
+            "ppoflow worker",
+        ),
+        (["train.num_ranks=2"], "checkpoint", ["train.num_ranks=2", "new group"], "ppoflow worker"),
+        # a worker the user runs: start it again
+        (["pipeline.stage_workers=[update]"], "update", ["ppoflow worker --stage update"], "torchrun, train"),
+        (
+            ["train.num_ranks=2", "pipeline.stage_workers=[checkpoint]"],
+            "checkpoint",
+            ["ppoflow worker --stage checkpoint"],
+            "new group",
+        ),
+        (["pipeline.stage_workers=[rollout]"], "eval", ["ppoflow worker --stage rollout"], "new group"),
+    ],
+)
+def test_a_lost_worker_is_met_with_the_advice_for_whoever_started_it(tmp_path, overrides, stage, says, never):
+    from flows.stage_runs import _restart_advice
+
+    cfg = load_config(None, overrides + [f"run.root={tmp_path}"])
+    advice = _restart_advice(cfg, stage, 3)
+    assert all(part in advice for part in says) and never not in advice, advice
