@@ -17,6 +17,8 @@ Sides (each a fresh process, run seed by seed in a fixed order: A B C ... A B C 
     ppoflow_k1        the same with pipeline.max_staleness=1 (rollout/score of i+1 while i updates)
     ppoflow_rollout_old  ppoflow_pipeline with algo.old_logprobs=rollout (the sampler's log-probs as the old ones:
                       no actor forward before the first step; a different update, so its accuracy is reported too)
+    ppoflow_opt_every ppoflow_pipeline with train.optimizer_state_every=4 (AdamW's state in every 4th checkpoint and
+                      the last, not every one: the same update, so the same rewards and accuracy)
     ppoflow_engine    stages/loop.py's EngineLoop: the same engines without Prefect or storage
 The peer is the faster (seconds per iteration, first included) of trl_hf and trl_vllm that ran; the other is
 reported beside it, or why it could not run.
@@ -56,7 +58,15 @@ from bench.common import emit
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "configs" / "real_arithmetic.yaml"
-SIDES = ("trl_hf", "trl_vllm", "ppoflow_pipeline", "ppoflow_k1", "ppoflow_rollout_old", "ppoflow_engine")
+SIDES = (
+    "trl_hf",
+    "trl_vllm",
+    "ppoflow_pipeline",
+    "ppoflow_k1",
+    "ppoflow_rollout_old",
+    "ppoflow_opt_every",
+    "ppoflow_engine",
+)
 TRL_SIDES = ("trl_hf", "trl_vllm")
 RECIPE_DIFFERENCES = [
     "advantages: both (s - group mean) / (group std + eps), Bessel's std; eps 1e-6 in ppoflow, 1e-4 in TRL",
@@ -214,12 +224,19 @@ def headline(summaries: dict[str, dict], accuracy: dict) -> dict:
         figures["ratio_rollout_old_with_first"] = ratio(
             get("ppoflow_rollout_old", "iter_s_with_first"), get(peer, "iter_s_with_first")
         )
+        figures["ratio_opt_every"] = ratio(get("ppoflow_opt_every", "iter_s_steady"), get(peer, "iter_s_steady"))
+        figures["ratio_opt_every_with_first"] = ratio(
+            get("ppoflow_opt_every", "iter_s_with_first"), get(peer, "iter_s_with_first")
+        )
         figures["engine_ratio"] = ratio(get("ppoflow_engine", "iter_s_steady"), get(peer, "iter_s_steady"))
     figures["orchestration_share"] = ratio(
         get("ppoflow_pipeline", "iter_s_steady"), get("ppoflow_engine", "iter_s_steady")
     )
     figures["orchestration_share_with_first"] = ratio(
         get("ppoflow_pipeline", "iter_s_with_first"), get("ppoflow_engine", "iter_s_with_first")
+    )
+    figures["orchestration_share_opt_every"] = ratio(
+        get("ppoflow_opt_every", "iter_s_steady"), get("ppoflow_engine", "iter_s_steady")
     )
     pair = {s: c for s, c in accuracy.get("curves", {}).items() if s in (peer, "ppoflow_pipeline")}
     if peer and len(pair) == 2:

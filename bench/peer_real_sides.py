@@ -49,6 +49,7 @@ class Plan:
 SIDE_SETS = {  # what a ppoflow side changes in the shared recipe
     "ppoflow_k1": ["pipeline.max_staleness=1"],
     "ppoflow_rollout_old": ["algo.old_logprobs=rollout"],
+    "ppoflow_opt_every": ["train.optimizer_state_every=4"],
 }
 
 

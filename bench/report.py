@@ -224,6 +224,27 @@ PEER_REAL_ROWS = [
     ("peak RSS, GiB", "", "sides.ppoflow_pipeline.peak_rss_gib", "sides.{peer}.peak_rss_gib", None),
     ("pipeline / bare engine loop (orchestration share)", "<= 1.03", "orchestration_share", None, None),
     (
+        "with train.optimizer_state_every=4: s per iteration, first included",
+        "",
+        "sides.ppoflow_opt_every.iter_s_with_first",
+        "sides.{peer}.iter_s_with_first",
+        "ratio_opt_every_with_first",
+    ),
+    (
+        "with train.optimizer_state_every=4: s per iteration, steady",
+        "",
+        "sides.ppoflow_opt_every.iter_s_steady",
+        "sides.{peer}.iter_s_steady",
+        "ratio_opt_every",
+    ),
+    (
+        "with train.optimizer_state_every=4: pipeline / bare engine loop",
+        "<= 1.03",
+        "orchestration_share_opt_every",
+        None,
+        None,
+    ),
+    (
         "with algo.old_logprobs=rollout: s per iteration, first included",
         "",
         "sides.ppoflow_rollout_old.iter_s_with_first",

@@ -624,6 +624,18 @@ class TrainConfig(_Section):
         ),
     )
 
+    optimizer_state_every: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Checkpoint the optimizer state (AdamW's moments and the fp32 master weights: two thirds of a checkpoint's "
+            "bytes) every N-th iteration and at the run's last; the others hold the weights, RNG and the trainer's "
+            "small state. A resume at one of those rebuilds the optimizer state by running the updates since the "
+            "last full checkpoint again on their scored shards (stages/update_replay.py), exact where the update "
+            "is deterministic. 1 = every checkpoint holds it."
+        ),
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _removed_fields(cls, data: Any) -> Any:
@@ -637,6 +649,16 @@ class TrainConfig(_Section):
                 f"--stage checkpoint` on each and list update and checkpoint in pipeline.stage_workers)"
             )
         return data
+
+    @model_validator(mode="after")
+    def _check_optimizer_state_every(self) -> "TrainConfig":
+        if self.optimizer_state_every > 1 and self.num_ranks > 1:
+            raise ValueError(
+                f"train.optimizer_state_every={self.optimizer_state_every} with train.num_ranks={self.num_ranks}: "
+                f"rebuilding the optimizer state by replaying updates runs on one rank only; set "
+                f"train.optimizer_state_every=1 (every checkpoint holds the optimizer state) for several ranks"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_offload(self) -> "TrainConfig":

@@ -3,6 +3,7 @@
     train_on(trainer, scored rows) -> UpdateResult                 (the compute, shared with the loop)
     run_update(cfg, iteration, policy, scored) -> UpdateManifest         (the stage)
     build_trainer, staleness, update_manifest: shared with the rank group's update (update_trainer.py)
+    resumed_trainer: the trainer rebuilt at a checkpoint without optimizer state (update_replay.py)
 
 The trainer stays warm in the worker process between iterations. It is TAKEN from the warm registry for
 the policy the iteration starts from and PUT back, under the identity of the checkpoint it staged, only
@@ -25,7 +26,8 @@ from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
 from stages.policy import checkpoint_weights_id
 from stages.tables import experience_batch, experience_table, write_stage_table
-from stages.update_trainer import build_trainer, staleness, update_manifest
+from stages.update_replay import resumed_trainer
+from stages.update_trainer import staleness, update_manifest
 from storage.checkpoints import save_checkpoint_files
 from storage.layout import layout_for
 from storage.scratch import checkpoint_scratch
@@ -37,19 +39,26 @@ def train_on(trainer: PPOTrainer, scored: pa.Table) -> UpdateResult:
     return trainer.update(experience_batch(scored, trainer.tokenizer.pad_token_id or 0))
 
 
+def optimizer_state_due(cfg, iteration: int) -> bool:
+    """Whether iteration `iteration`'s checkpoint holds the optimizer state: every train.optimizer_state_every-th
+    and the run's last (a finished run, or a fork of its end, resumes without replaying: update_replay.py)."""
+    return iteration % cfg.train.optimizer_state_every == 0 or iteration >= cfg.run.iterations
+
+
 _TRAINER_SECTIONS = ("model", "algo", "train", "reward")  # tasks/cache_keys.py: what the update depends on
 
 
 def take_trainer(cfg, policy: PolicyRef) -> PPOTrainer:
     """The warm trainer if it holds exactly `policy`'s weights and was built for the same update settings, else
-    one rebuilt from that checkpoint (a warm trainer for other weights is dropped first: two trainers never hold
-    memory at once). Same weights under other settings: a fork (flows/fork.py) trained in the process that
-    committed its fork point, e.g. with another algo.kl_coef or train.actor_lr."""
+    one rebuilt from that checkpoint, its optimizer state replayed when the checkpoint has none (update_replay.py; a
+    warm trainer for other weights is dropped first: two trainers never hold memory at once). Same weights under
+    other settings: a fork (flows/fork.py) trained in the process that committed its fork point, e.g. with another
+    algo.kl_coef or train.actor_lr."""
     trainer = warm.take(trainer_key(policy.weights_id))
     if trainer is not None and trainer.cfg.section_hash(*_TRAINER_SECTIONS) != cfg.section_hash(*_TRAINER_SECTIONS):
         trainer = None  # dropped: rebuilt below from the committed checkpoint under this run's settings
     if trainer is None:
-        trainer = build_trainer(cfg, policy)
+        trainer = resumed_trainer(cfg, policy)
         warm.count_build(warm.Role.TRAINER.value)
     return trainer
 
@@ -75,7 +84,9 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
     with checkpoint_scratch(layout) as tmp:
         hashed = trainer.save(
-            tmp, extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}}
+            tmp,
+            extra_state={"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}},
+            optimizer_state=optimizer_state_due(cfg, iteration),
         )
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())

@@ -28,7 +28,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from storage import fs as fsutil
 from storage import lineage
@@ -235,12 +235,29 @@ def latest_iteration(layout: RunLayout) -> Optional[int]:
     return max(committed) if committed else None
 
 
+def holds_optimizer_state(marker: dict[str, Any]) -> bool:
+    """Whether a committed checkpoint (its marker) holds the actor's optimizer state: with
+    train.optimizer_state_every = N > 1 only every N-th and the run's last do (engines/trainer/checkpoint.py)."""
+    return any(rel.startswith("trainer/actor_optimizer.") for rel in marker["files"])
+
+
+def newest_with_optimizer_state(layout: RunLayout, iterations: Iterable[int]) -> Optional[int]:
+    """The newest of `iterations` whose checkpoint of `layout` is committed (a fork's referenced ones included) and
+    holds the optimizer state; None when none does."""
+    for number in sorted(iterations, reverse=True):
+        marker = read_commit_marker(layout, number)
+        if marker is not None and holds_optimizer_state(marker):
+            return number
+    return None
+
+
 def apply_retention(layout: RunLayout, keep_last: int) -> list[int]:
     """Remove committed checkpoints older than the newest `keep_last`, and stale uncommitted folders.
 
     Never removes the latest committed checkpoint, nor an uncommitted folder newer than it (an update
-    may be staging it right now). A removal deletes the marker first, so a crash mid-way leaves an
-    uncommitted folder (removed next time), never a committed one with files missing.
+    may be staging it right now), nor the newest one that holds the optimizer state (a resume at a newer one
+    without it starts from there: stages/update_replay.py). A removal deletes the marker first, so a crash
+    mid-way leaves an uncommitted folder (removed next time), never a committed one with files missing.
     Returns the iterations removed.
     """
     if keep_last < 1:
@@ -254,6 +271,8 @@ def apply_retention(layout: RunLayout, keep_last: int) -> list[int]:
         log.warning("retention of %s skipped: a record under %s/ is unreadable", layout.run_name, lineage.FORKS_DIR)
         return []
     latest, kept = committed[0], set(committed[:keep_last]) | pinned
+    if (base := newest_with_optimizer_state(layout, committed)) is not None:
+        kept.add(base)
     removed = []
     for number, ok in state.items():
         if number in kept or (not ok and number > latest):

@@ -7,7 +7,9 @@
                       one set per rank: actor_optimizer.rank<r>.*, ...; policy/, critic/, trainer.json by rank 0),
                       trainer.json (update count, KL controller, LR schedulers, engine step counters, the
                       running reward moments of reward.normalize=running, extra_state such as the data
-                      cursor), config.json (the resolved run config)
+                      cursor, and `optimizer_state`: false when the *_optimizer files were left out, as
+                      train.optimizer_state_every leaves them out of all but every N-th checkpoint and the
+                      run's last), config.json (the resolved run config)
 
 Optimizer state: DeepSpeed's ZeRO optimizer `state_dict()` holds tensors (the torch AdamW state of the flat
 fp32 partitions, and the fp32 master partitions) plus bookkeeping. Tensors and JSON values are saved; the
@@ -161,24 +163,39 @@ def save_policy(trainer, policy_dir: str | Path) -> dict[str, str]:
     return digests
 
 
-def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> dict[str, str]:
-    """Write policy/, critic/ (when there is one) and trainer/ under `out_dir` (see the module docstring).
+def save_weights(trainer, out_dir: str | Path) -> dict[str, str]:
+    """Write policy/ and critic/ (when there is one) under `out_dir`; {path relative to out_dir: sha256} of the
+    weight files, hashed as they were written (the same files and hashes save_trainer's checkpoint holds)."""
+    out = Path(out_dir)
+    hashed = _under("policy", save_policy(trainer, out / "policy"))
+    if trainer.critic is not None:
+        critic_state = gathered_state_dict(trainer.critic)
+        if trainer.actor.global_rank == 0:
+            hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer, critic_state)))
+    return hashed
+
+
+def save_trainer(
+    trainer, out_dir: str, extra_state: Optional[dict] = None, optimizer_state: bool = True
+) -> dict[str, str]:
+    """Write policy/, critic/ (when there is one) and trainer/ under `out_dir` (see the module docstring);
+    without `optimizer_state`, trainer/ holds no *_optimizer files (train.optimizer_state_every) and trainer.json
+    says so.
 
     Returns {path relative to out_dir: sha256} of the files hashed while they were written (the weights,
     the optimizer and RNG state: all but a few small JSON files), so the checkpoint need not read them back.
     """
     out = Path(out_dir)
     rank, world = trainer.actor.global_rank, trainer.actor.world_size
-    hashed = _under("policy", save_policy(trainer, out / "policy"))
-    if trainer.critic is not None:
-        critic_state = gathered_state_dict(trainer.critic)
-        if rank == 0:
-            hashed.update(_under("critic", trainer.critic.module.save(out / "critic", trainer.tokenizer, critic_state)))
+    hashed = save_weights(trainer, out)
     state_dir = out / "trainer"
-    hashes = dict(save_optimizer(trainer.actor, state_dir, _rank_stem("actor_optimizer", rank, world)))
+    hashes = {}
+    if optimizer_state:
+        hashes.update(save_optimizer(trainer.actor, state_dir, _rank_stem("actor_optimizer", rank, world)))
     engines = {"actor": engine_counters(trainer.actor)}
     if trainer.critic is not None:
-        hashes.update(save_optimizer(trainer.critic, state_dir, _rank_stem("critic_optimizer", rank, world)))
+        if optimizer_state:
+            hashes.update(save_optimizer(trainer.critic, state_dir, _rank_stem("critic_optimizer", rank, world)))
         engines["critic"] = engine_counters(trainer.critic)
     hashes.update(save_nested(rng_state(), state_dir, _rank_stem("rng", rank, world)))
     if world > 1:  # every rank's partition is on disk before rank 0 reports the checkpoint written
@@ -194,6 +211,7 @@ def save_trainer(trainer, out_dir: str, extra_state: Optional[dict] = None) -> d
         "engines": engines,
         "extra_state": extra,
         "world_size": world,
+        "optimizer_state": optimizer_state,
     }
     if trainer.reward_normalizer is not None:  # reward.normalize=running: the running moments (three floats)
         meta["reward_normalizer"] = trainer.reward_normalizer.state_dict()
@@ -258,11 +276,13 @@ def retarget_lr(engine, lr: float, weight_decay: float) -> None:
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
-def load_trainer_state(trainer, state_dir: str) -> None:
+def load_trainer_state(trainer, state_dir: str, optimizer_state: bool = True) -> None:
     """Restore optimizer, scheduler, engine counters, KL controller, RNG and extra_state from `state_dir`.
 
-    The weights come from the policy/critic folders the trainer was built from. Raises FileNotFoundError
-    naming a missing file, ValueError when the checkpoint has a critic state but the trainer none (or back).
+    The weights come from the policy/critic folders the trainer was built from. The optimizer state is left as
+    the trainer holds it (fresh, or rebuilt by replaying updates: stages/update_replay.py) without
+    `optimizer_state`, or when `state_dir` was saved without one. Raises FileNotFoundError naming a missing file,
+    ValueError when the checkpoint has a critic state but the trainer none (or back).
     """
     folder = Path(state_dir)
     meta_path = folder / _TRAINER_FILE
@@ -277,17 +297,20 @@ def load_trainer_state(trainer, state_dir: str) -> None:
         )
     rank, world = trainer.actor.global_rank, trainer.actor.world_size
     saved_world = int(meta.get("world_size", 1))
+    optimizer_state = optimizer_state and bool(meta.get("optimizer_state", True))
     mode = None if saved_world == world else reshard.other_count_mode(folder, trainer.cfg)
-    if saved_world != world and mode is None:
+    if optimizer_state and saved_world != world and mode is None:
         raise ValueError(
             f"trainer state {folder} holds the optimizer partitions of {saved_world} rank(s) but this "
             f"trainer runs on {world}: resuming on another number of ranks is supported at train.zero_stage "
             f"1-2, and 0 with model.dtype=float32, when the stage is unchanged (start it on {saved_world} ranks)"
         )
-    _load_role_optimizer(trainer.actor, folder, "actor_optimizer", saved_world, mode)
+    if optimizer_state:
+        _load_role_optimizer(trainer.actor, folder, "actor_optimizer", saved_world, mode)
     set_engine_counters(trainer.actor, meta["engines"]["actor"])
     if trainer.critic is not None:
-        _load_role_optimizer(trainer.critic, folder, "critic_optimizer", saved_world, mode)
+        if optimizer_state:
+            _load_role_optimizer(trainer.critic, folder, "critic_optimizer", saved_world, mode)
         set_engine_counters(trainer.critic, meta["engines"]["critic"])
     if _same_kl_settings(folder, trainer.cfg):
         trainer.kl_controller.load_state_dict(meta["kl_controller"])

@@ -156,12 +156,13 @@ class PPOTrainer(LossSteps):
     def device(self) -> torch.device:
         return next(self.actor.module.parameters()).device
 
-    def save(self, out_dir: str, extra_state: Optional[dict] = None) -> dict[str, str]:
-        """out_dir/policy (HF folder + tokenizer), out_dir/critic, out_dir/trainer. See checkpoint.py.
+    def save(self, out_dir: str, extra_state: Optional[dict] = None, optimizer_state: bool = True) -> dict[str, str]:
+        """out_dir/policy (HF folder + tokenizer), out_dir/critic, out_dir/trainer (without the optimizer's files
+        unless `optimizer_state`). See checkpoint.py.
 
         Returns {relative path: sha256} of the files hashed as they were written (checkpoint.save_trainer).
         """
-        return checkpoint.save_trainer(self, out_dir, extra_state)
+        return checkpoint.save_trainer(self, out_dir, extra_state, optimizer_state)
 
     def actor_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """The actor's state dict (its live tensors, not copies; with LoRA the merged weights) for a rollout

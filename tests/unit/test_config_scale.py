@@ -47,3 +47,13 @@ def test_lora_section_from_dotted_overrides_and_its_bounds():
     ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, [bad])
+
+
+def test_optimizer_state_every_is_refused_on_several_ranks_and_below_one():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.optimizer_state_every=4", "train.num_ranks=2"])
+    assert "train.optimizer_state_every=4" in str(err.value) and "train.num_ranks=2" in str(err.value)
+    with pytest.raises(ConfigError, match=r"train\.optimizer_state_every"):
+        load_config(None, ["train.optimizer_state_every=0"])
+    assert load_config(None, ["train.optimizer_state_every=4"]).train.optimizer_state_every == 4
+    assert load_config(None, ["train.num_ranks=2"]).train.optimizer_state_every == 1
