@@ -628,8 +628,8 @@ class TrainConfig(_Section):
         1,
         ge=1,
         description=(
-            "Checkpoint the optimizer state (AdamW's moments and the fp32 master weights: two thirds of a checkpoint's "
-            "bytes) every N-th iteration and at the run's last; the others hold the weights, RNG and the trainer's "
+            "Checkpoint the optimizer state (AdamW's two moments and the fp32 master weights: three quarters of a "
+            "float32 checkpoint's bytes) every N-th iteration and at the run's last; the others hold the weights, RNG and the trainer's "
             "small state. A resume at one of those rebuilds the optimizer state by running the updates since the "
             "last full checkpoint again on their scored shards (stages/update_replay.py), exact where the update "
             "is deterministic. 1 = every checkpoint holds it."

@@ -2,10 +2,11 @@
 
     resumed_trainer(cfg, policy) -> PPOTrainer    what update.take_trainer builds when no warm trainer holds `policy`
 
-Why: AdamW's moments and the fp32 master weights are two thirds of a checkpoint's bytes (1.4 of 2.1 GB for
-SmolLM2-135M, written and hashed in every iteration's update stage), yet they are read only when a run resumes.
-With N > 1 only every N-th checkpoint and the run's last hold them; the others hold the weights, the RNG state and
-trainer.json (update count, KL controller, LR schedule, data cursor).
+Why: AdamW's two moments and the fp32 master weights are three copies of the parameters beside the policy's one,
+three quarters of a float32 checkpoint's bytes (2.1 GB a checkpoint for SmolLM2-135M, written and hashed in every
+iteration's update stage), yet only a resume reads them. With N > 1 only every N-th checkpoint and the run's last
+hold them; the others hold the weights, the RNG state and trainer.json (update count, KL controller, LR schedule,
+data cursor).
 
 How a trainer is rebuilt at checkpoint i without them:
 1. its base is the newest checkpoint j < i of this run that holds them (retention never removes it:
