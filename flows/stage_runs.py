@@ -20,14 +20,15 @@ stage's flow (below) on that deployment's work pool, waits for it, checks its fi
 manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
 the same; only the process (and machine) differs.
 
-`placement` is the one place that makes this choice (and the replay of a fork's rollout); `run_stage` dispatches on
-it. The reward-model stages (tasks/rm_train.py) run through the same `run_stage`, always in-process.
+`placement` (flows/placement.py) is the one place that makes this choice (and the replay of a fork's rollout);
+`run_stage` dispatches on it. The reward-model stages (tasks/rm_train.py) run through the same `run_stage`, always
+in-process.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Literal, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from prefect import Flow, flow
 from prefect.client.schemas.objects import State
@@ -36,10 +37,11 @@ from prefect.states import Cancelled, Crashed
 
 from adaptations import install_process_adaptations
 from flows.in_flight import earlier_failure
+from flows.placement import WORKER_STAGE, placement
 from flows.pool_pickup import PoolUnserved, wait_for_pool_run
 from flows.records import read_stage_record, write_stage_record
 from flows.replay import replayed_rollout
-from flows.update_group import running, starts_update_group
+from flows.update_group import running
 from ppoflow.config import PPOFlowConfig, as_config
 from stages.manifests import (
     STAGE_MANIFESTS,
@@ -53,7 +55,6 @@ from stages.manifests import (
     UpdateManifest,
 )
 from storage.layout import layout_for
-from storage.lineage import rollout_owner
 from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
 from tasks.rm_train import RM_STAGE_TASKS
@@ -252,44 +253,6 @@ def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) 
     return run_stage_in_process(cfg, "rollout-merge", iteration, stage, parts=manifests)
 
 
-GROUP_STAGES = ("update", "checkpoint")  # what the run's own update group serves (flows/update_group.py)
-
-
-Placement = Literal["replay", "pool", "parts", "worker", "group", "process"]
-
-
-def placement(cfg: PPOFlowConfig, stage: str, iteration: int) -> Placement:
-    """Where `stage` of `iteration` runs; the first that applies, in this order:
-
-        replay   rollout of an iteration that this run, a fork, replays from its parent (its run.json, read through
-                 storage/lineage.py): nothing is sampled, the parent's manifest is taken (flows/replay.py)
-        pool     pipeline.stage_pools names the stage: a flow run of that deployment on its work pool
-        parts    rollout with pipeline.rollout_parts > 1: a task run per part, each placed as "rollout-part" (on
-                 the rollout's warm workers, or in-process), then the merge in-process
-        worker   pipeline.stage_workers names the stage, or the stage whose workers run it (WORKER_STAGE: eval and
-                 a rollout part go where rollout goes): a warm worker
-        group    update and checkpoint of a run whose training flow starts its own update group (train.num_ranks > 1,
-                 update on no worker or pool: flows/update_group.starts_update_group): that torchrun group
-        process  the stage task in this process (the default)
-
-    Everything else is decided from the config. The reward-model stages (rm-prepare, rm-unit, rm-export) always come
-    out "process": pipeline.stage_pools and pipeline.stage_workers take only the PPO stages' names (the config
-    refuses `stage_pools: {rm-unit: ...}` or `stage_workers: [rm-unit]` when it is built, naming the field), since
-    no deployment per RM stage exists and `ppoflow worker` serves only the PPO stages' tasks. A train-rm run whose
-    config sends PPO stages to pools or workers trains its reward model in-process all the same."""
-    if stage == "rollout" and rollout_owner(layout := layout_for(cfg), iteration) is not layout:
-        return "replay"
-    if (cfg.pipeline.stage_pools or {}).get(stage):
-        return "pool"
-    if stage == "rollout" and cfg.pipeline.rollout_parts > 1:
-        return "parts"
-    if WORKER_STAGE.get(stage, stage) in cfg.pipeline.stage_workers:
-        return "worker"
-    if stage in GROUP_STAGES and starts_update_group(cfg):
-        return "group"
-    return "process"
-
-
 def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> HandOff:
     """Run `stage` of `iteration` where `placement` says, with its input hand-offs -> its manifest (recorded as
     `_stages/<stage>.json`). Raises the stage's error, or StageFailed from a pool or a warm worker."""
@@ -356,11 +319,6 @@ def _logger():
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger(__name__)
-
-
-# The stage tasks that run where another stage's workers run: eval samples with the rollout engine, so the warm
-# workers serving rollout serve it too (flows/workers.py), and so they do a split rollout's parts.
-WORKER_STAGE = {"eval": "rollout", "rollout-part": "rollout"}
 
 
 # One flow per stage, for deployments on their own pools (prefect.yaml). Explicit, typed signatures: Prefect

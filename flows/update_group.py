@@ -152,7 +152,7 @@ class OwnedUpdateGroup:
 
 def starts_update_group(cfg: PPOFlowConfig) -> bool:
     """Whether the training flow of `cfg` starts its own update group: train.num_ranks > 1 and the update sent to
-    neither a warm worker nor a pool (flows/stage_runs.placement sends update and checkpoint to it then)."""
+    neither a warm worker nor a pool (flows/placement.placement sends update and checkpoint to it then)."""
     on_pool = bool((cfg.pipeline.stage_pools or {}).get("update"))
     return cfg.train.num_ranks > 1 and "update" not in cfg.pipeline.stage_workers and not on_pool
 

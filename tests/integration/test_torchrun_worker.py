@@ -181,52 +181,44 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def kill_rank_1_in_update(run_layout, iteration: int, killed: dict) -> threading.Thread:
-    """A thread that SIGKILLs rank 1 of the group this process started as soon as `iteration`'s update lease appears
-    (rank 0 has taken the stage: rank 1 is building, reading its rows or training); its pid goes in `killed`."""
+def _kill_rank_1_once(appears: Path, killed: dict, absent: Path | None = None) -> threading.Thread:
+    """A thread that SIGKILLs rank 1 of the group this process started as soon as `appears` exists; its pid goes in
+    `killed`, and with `absent`, whether that file did not exist yet at the kill (killed["idle"])."""
     from flows.update_group import running
-    from tasks.leases import lease_path
-
-    lease = Path(lease_path(run_layout, iteration, "update"))
 
     def watch() -> None:
         deadline = time.monotonic() + 900
-        while not lease.exists():
+        while not appears.exists():
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)
         killed["pid"] = ranks_of(running().agent.pid)[1]
+        if absent is not None:
+            killed["idle"] = not absent.exists()
         os.kill(killed["pid"], signal.SIGKILL)
 
-    thread = threading.Thread(target=watch, daemon=True, name="kill-rank-1")
+    thread = threading.Thread(target=watch, daemon=True, name=f"kill-rank-1-at-{appears.name}")
     thread.start()
     return thread
+
+
+def kill_rank_1_in_update(run_layout, iteration: int, killed: dict) -> threading.Thread:
+    """Rank 1 SIGKILLed as soon as `iteration`'s update lease appears (rank 0 has taken the stage: rank 1 is building,
+    reading its rows or training); its pid goes in `killed`."""
+    from tasks.leases import lease_path
+
+    return _kill_rank_1_once(Path(lease_path(run_layout, iteration, "update")), killed)
 
 
 def kill_rank_1_between_stages(run_layout, iteration: int, killed: dict) -> threading.Thread:
-    """A thread that SIGKILLs rank 1 of the group this process started once `iteration`'s checkpoint stage is recorded
-    and before the next update has a lease (the group idle, the flow sampling the next iteration); its pid goes in
-    `killed`, with whether the next update's lease was still absent at the kill."""
+    """Rank 1 SIGKILLed once `iteration`'s checkpoint stage is recorded and before the next update has a lease (the
+    group idle, the flow sampling the next iteration); its pid goes in `killed`, with whether the next update's lease
+    was still absent at the kill."""
     from flows.records import stage_record_path
-    from flows.update_group import running
     from tasks.leases import lease_path
 
     record = Path(stage_record_path(run_layout, iteration, "checkpoint"))
-    next_lease = Path(lease_path(run_layout, iteration + 1, "update"))
-
-    def watch() -> None:
-        deadline = time.monotonic() + 900
-        while not record.exists():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        killed["pid"] = ranks_of(running().agent.pid)[1]
-        killed["idle"] = not next_lease.exists()
-        os.kill(killed["pid"], signal.SIGKILL)
-
-    thread = threading.Thread(target=watch, daemon=True, name="kill-rank-1-idle")
-    thread.start()
-    return thread
+    return _kill_rank_1_once(record, killed, absent=Path(lease_path(run_layout, iteration + 1, "update")))
 
 
 def test_two_ranks_by_the_flow_or_by_hand_take_the_one_rank_update_and_survive_a_killed_rank(

@@ -1,4 +1,4 @@
-"""flows/stages.placement: where each stage runs, for each kind of config, by hand from the rules in its docstring
+"""flows/placement.placement: where each stage runs, for each kind of config, by hand from the rules in its docstring
 (replay, pool, parts, worker, group, process, first that applies); and that a config cannot send a reward-model stage to
 a pool or a warm worker (it is refused when built, naming the field)."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flows.stage_runs import placement
+from flows.placement import placement
 from ppoflow.config import ConfigError, load_config
 
 PPO = ("rollout", "rollout-part", "score", "update", "checkpoint", "eval")
