@@ -79,6 +79,10 @@ class LossSteps:
         micro = self.actor.train_micro_batch_size_per_gpu()
         mask_truncated = self.cfg.train.mask_truncated
         norm = step_norm(batch.select(rows).loss_mask(mask_truncated), self.cfg.loss_agg_norm)  # the whole step's
+        # In batch order, a group's samples sit side by side in the micro-batches, so each micro-batch's forward
+        # runs fewer distinct prompts (forward.py, shared_prompt.py). Which rows make the step is unchanged, and
+        # its loss is over the whole step's denominators: how it is cut changes only the summation order.
+        rows = rows.sort().values
         rows = step_share(rows, self.actor.global_rank, self.actor.world_size)  # this rank's share
         step_losses = {"loss/policy": 0.0, "loss/value": 0.0}
         for start in range(0, len(rows), micro):

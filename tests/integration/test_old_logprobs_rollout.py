@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engines.trainer.ppo_trainer import PPOTrainer
+from tests.fixtures.forward_calls import fills_a_prompt_cache
 from tests.integration.test_trainer import _batch, _cfg, _params
 
 pytestmark = pytest.mark.slow
@@ -44,14 +45,15 @@ def _trainer(model_dir, mode: str) -> PPOTrainer:
 
 
 def _count_no_grad_forwards(trainer: PPOTrainer) -> list[int]:
-    """A forward hook on the actor's module (from outside): how many of its forwards ran without grad."""
+    """A forward pre-hook on the actor's module (from outside): how many of its forwards ran without grad (a call
+    that only caches the distinct prompts is part of the pass that follows it)."""
     calls = [0]
 
-    def hook(_module, _args, _out):
-        if not torch.is_grad_enabled():
+    def hook(_module, _args, kwargs):
+        if not torch.is_grad_enabled() and not fills_a_prompt_cache(kwargs):
             calls[0] += 1
 
-    trainer.actor.module.register_forward_hook(hook)
+    trainer.actor.module.register_forward_pre_hook(hook, with_kwargs=True)
     return calls
 
 
