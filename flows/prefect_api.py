@@ -10,8 +10,10 @@ unset it so that Prefect starts a temporary local server for the command (the de
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+import threading
+from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
 from ppoflow.config import ConfigError
@@ -54,3 +56,38 @@ def check_prefect_api() -> None:
     """Raise ConfigError when PREFECT_API_URL names a Prefect API that does not answer; see the module docstring."""
     if problem := prefect_api_problem():
         raise ConfigError(problem)
+
+
+@contextlib.contextmanager
+def temporary_server_starting() -> Iterator[None]:
+    """Within the block, Prefect's temporary server starts in a thread, as Prefect's client would start it (its
+    SubprocessASGIServer, which every later client finds running); leaving the block waits until it answers and
+    raises its start error, if any. Without a server to start (PREFECT_API_URL set, or ephemeral mode off): nothing.
+
+    Why: of the start (~9 s on the 2-core machine: the server process imports Prefect's server, migrates its
+    database, starts its services) this process only waits for /health, so a caller overlaps it with work of its
+    own (flows/run.py builds the rollout engine). Nothing in the block may use the Prefect API: Prefect marks the
+    server running before it answers."""
+    from prefect.settings import PREFECT_SERVER_ALLOW_EPHEMERAL_MODE, get_current_settings
+
+    if get_current_settings().api.url or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(e)
+
+    thread = threading.Thread(target=start, daemon=True, name="ppoflow-prefect-server-start")
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]

@@ -119,7 +119,8 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
     server that does not answer (flows/prefect_api.py)."""
     from engines.reasoning_tasks import materialize
     from flows.deployment import train_through_deployment
-    from flows.prefect_api import check_prefect_api
+    from flows.prefect_api import check_prefect_api, temporary_server_starting
+    from stages.rollout import build_initial_engine
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
 
@@ -133,6 +134,9 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
             f"run {cfg.run.name}: resuming after iteration {already} (LATEST) at {layout.url(layout.run_dir)}",
             highlight=False,
         )
+    if not already and _builds_rollout_here(cfg):
+        with temporary_server_starting():  # the server's start (~9 s) and the engine's build (~15 s) overlap
+            build_initial_engine(cfg)
     stop = threading.Event()
     with progress_bar(console) as progress:
         task_id = progress.add_task(f"run {cfg.run.name}", total=cfg.run.iterations, completed=already)
@@ -147,6 +151,15 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
             table.poll()
     _print_where(cfg, console)
     return result
+
+
+def _builds_rollout_here(cfg: PPOFlowConfig) -> bool:
+    """Whether iteration 1's rollout runs in this process on inputs that pass the static checks (a run refused by
+    its preflight should not wait for an engine build to end before it exits)."""
+    from flows.placement import placement
+    from flows.preflight_static import static_problems
+
+    return placement(cfg, "rollout", 1) == "process" and not static_problems(cfg)
 
 
 def _print_where(cfg: PPOFlowConfig, console: Console) -> None:

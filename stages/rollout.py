@@ -5,6 +5,9 @@
 
 With pipeline.rollout_parts > 1 the stage runs as parts and a merge instead (stages/rollout_parts.py).
 
+`build_initial_engine(cfg)` builds the engine for the initial policy before the flow starts, while Prefect's server
+starts (flows/run.py), so a run's first rollout does not wait for it afterwards.
+
 With rollout.dynamic_sampling.enabled the stage samples in rounds and keeps only groups with reward
 variance (stages/dynamic.py); the manifest's `metrics` then holds the rounds' accounting.
 
@@ -15,6 +18,7 @@ process: a retried or resumed stage draws the same samples.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TypeVar
 
@@ -27,12 +31,13 @@ from engines.rollout.registry import get_rollout_engine, serve_in_memory
 from stages.dynamic import sample_dynamic, stage_rewards
 from stages.held import prompt_source_for, trainer_key
 from stages.manifests import PolicyRef, RolloutManifest, ShardsManifest, provenance
-from stages.policy import local_policy_dir
+from stages.policy import initial_policy_ref, local_policy_dir
 from stages.tables import rollout_table, write_stage_table
 from storage.layout import layout_for
 from storage.shards import Manifest
 
 M = TypeVar("M", bound=ShardsManifest)
+log = logging.getLogger("ppoflow.rollout")
 
 
 def sample_rollout(engine: RolloutEngine, source: PromptSource, cfg, iteration: int) -> pa.Table:
@@ -84,6 +89,19 @@ def rollout_engine_for(cfg, policy: PolicyRef) -> RolloutEngine:
             if engine is not None:
                 return engine
     return get_rollout_engine(cfg.rollout, cfg.model, local_policy_dir(cfg, policy), policy.version, cfg.run.seed)
+
+
+def build_initial_engine(cfg) -> None:
+    """Build this process's rollout engine for the initial policy (version 0) now, before the flow starts.
+
+    It is the engine iteration 1's rollout stage asks the registry for (same folder, version, seed and settings), so
+    the stage finds it built. flows/run.py calls it while Prefect's temporary server starts, in the thread that runs
+    the stage bodies later (torch's OpenMP team is per thread: engines/compute_thread.py). A build that fails is
+    logged (to the run's log file) and left to the stage, which builds again and fails the run with its error."""
+    try:
+        get_rollout_engine(cfg.rollout, cfg.model, initial_policy_ref(cfg).uri, 0, cfg.run.seed)
+    except Exception as e:  # noqa: BLE001 - the rollout stage builds it again and raises there
+        log.warning("the rollout engine built before the flow failed (the rollout stage builds it again): %s", e)
 
 
 def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
