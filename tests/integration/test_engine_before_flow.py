@@ -115,3 +115,17 @@ def test_the_temporary_server_starts_during_the_block_and_answers_after_it(tmp_p
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
     assert lines["starting-in-block"] == "True"  # its process ran while the block's own work did
     assert lines["health"] == "200"  # and it answers once the block is left
+
+
+def test_the_engine_is_built_early_only_where_the_flow_thread_runs_the_rollout(
+    tmp_path, tiny_model_dir, digits_dataset_dir
+):
+    from flows.run import _builds_rollout_here
+
+    def cfg(**sections):
+        return small_config(str(tmp_path / "runs"), "where", tiny_model_dir, digits_dataset_dir, **sections)
+
+    assert _builds_rollout_here(cfg())
+    assert not _builds_rollout_here(cfg(pipeline={"max_staleness": 1}))  # stages on the task runner's threads
+    assert not _builds_rollout_here(cfg(pipeline={"stage_workers": ["rollout"]}))  # a warm worker samples
+    assert not _builds_rollout_here(cfg(model={"policy_path": str(tmp_path / "absent")}))  # preflight refuses it
