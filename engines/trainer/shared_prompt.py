@@ -12,7 +12,7 @@ then every row runs its last prompt token and its response against it:
 The suffix's attention mask and position ids are the cut of the whole row's (`forward.build_inputs`), so
 each row sees what it would see in one (B, P + R - 1) forward: the same numbers up to summation order
 (float32: ~1e-5 on log-probs), and the same gradients. Measured on SmolLM2-135M (P = 46, R = 16, 16 rows
-of 4 prompts, 2 cores): forward 0.59x, forward + backward 0.56x the plain pass.
+of 4 prompts, 2 cores): forward 0.57x, forward + backward 0.56x the plain pass.
 
 When it applies (`sharing`): at least two rows share a prompt, P >= 2, the model is a dense decoder family
 whose attention takes a DynamicCache with position ids and a 2-D padding mask (`_FAMILIES`), and gradient
