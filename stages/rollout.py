@@ -99,7 +99,7 @@ def build_initial_engine(cfg) -> None:
     the stage bodies later (torch's OpenMP team is per thread: engines/compute_thread.py). A build that fails is
     logged (to the run's log file) and left to the stage, which builds again and fails the run with its error."""
     try:
-        get_rollout_engine(cfg.rollout, cfg.model, initial_policy_ref(cfg).uri, 0, cfg.run.seed)
+        rollout_engine_for(cfg, initial_policy_ref(cfg))  # the stage's own call, for the policy it starts from
     except Exception as e:  # noqa: BLE001 - the rollout stage builds it again and raises there
         log.warning("the rollout engine built before the flow failed (the rollout stage builds it again): %s", e)
 

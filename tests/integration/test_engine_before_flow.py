@@ -95,12 +95,10 @@ import time, httpx
 from prefect.server.api.server import SubprocessASGIServer
 from flows.prefect_api import temporary_server_starting
 
-started = time.monotonic()
 with temporary_server_starting():
     time.sleep(0.5)
     server = SubprocessASGIServer._instances.get(None)
     print("starting-in-block", server is not None and server.running and server.server_process.poll() is None)
-print("block-s", round(time.monotonic() - started, 1))
 print("health", httpx.get(SubprocessASGIServer().api_url + "/health").status_code)
 """
 
