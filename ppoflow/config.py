@@ -578,7 +578,18 @@ class AlgoConfig(_Section):
 
 
 class TrainConfig(_Section):
-    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    zero_stage: Optional[int] = Field(
+        None,
+        ge=0,
+        le=3,
+        description=(
+            "DeepSpeed ZeRO stage. None = chosen from the weights' dtype and train.offload (`default_zero_stage`): "
+            "0 for float32 weights without offload, where ZeRO's fp32 master partition only duplicates the "
+            "weights and copying every micro-batch's gradients into it cost a quarter of the update on "
+            "SmolLM2-135M on CPU; 3 with offload 'optimizer_and_params'; else 2. The run's config.yaml records "
+            "the stage chosen, so a resume or a fork keeps it."
+        ),
+    )
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
     train_batch_size: Optional[int] = Field(
         None, ge=1, description="Samples per optimizer step over all ranks; None = the whole rollout batch."
@@ -662,6 +673,8 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _check_offload(self) -> "TrainConfig":
+        if self.zero_stage is None:  # PPOFlowConfig chooses it (default_zero_stage), offload included
+            return self
         if self.offload != "none" and self.zero_stage == 0:
             raise ValueError(
                 f"train.offload={self.offload!r} needs train.zero_stage 1, 2 or 3 (got 0): ZeRO offload "
@@ -797,6 +810,19 @@ class PipelineConfig(_Section):
         return pools
 
 
+def default_zero_stage(dtype: str, offload: str) -> int:
+    """The ZeRO stage for train.zero_stage None: 0 for float32 weights without offload, 3 for offload
+    'optimizer_and_params' (the only stage that partitions parameters), else 2.
+
+    Why 0 for float32: ZeRO 1-2 keep an fp32 master copy of every trainable weight, an exact duplicate when the
+    weights are float32, and ZeRO-2 copies each micro-batch's gradients into its flat partition. On SmolLM2-135M
+    on the 2-core CPU those copies took 5 s of a 20.7 s update (stage 0: 15.5 s, 1.1 GiB less memory, the same
+    rewards). Stage 0 replicates the optimizer state on every rank; set 1-3 explicitly to partition it."""
+    if offload == "optimizer_and_params":
+        return 3
+    return 0 if dtype == "float32" and offload == "none" else 2
+
+
 class PPOFlowConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -810,6 +836,12 @@ class PPOFlowConfig(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     rm_train: RMTrainConfig = Field(default_factory=RMTrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _choose_zero_stage(self) -> "PPOFlowConfig":
+        if self.train.zero_stage is None:
+            self.train.zero_stage = default_zero_stage(self.model.dtype, self.train.offload)
+        return self
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PPOFlowConfig":

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 from adaptations.deepspeed import quiet_deprecated_collectives, skip_shm_comm_build, skip_single_rank_allreduce
+from ppoflow.config import default_zero_stage
 
 
 def _free_port() -> int:
@@ -180,6 +181,7 @@ def deepspeed_config(
     nn.Linear gradients in the autocast dtype.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    stage = default_zero_stage(dtype, train_cfg.offload) if train_cfg.zero_stage is None else train_cfg.zero_stage
     micro = min(train_cfg.micro_batch_size, train_batch_size // world)
     if micro < 1 or train_batch_size % (micro * world):
         raise ValueError(
@@ -202,7 +204,7 @@ def deepspeed_config(
                 "fused": True,
             },
         },
-        "zero_optimization": zero_config(train_cfg.zero_stage, train_cfg.offload),
+        "zero_optimization": zero_config(stage, train_cfg.offload),
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
         **(

@@ -60,9 +60,10 @@ def batches(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, batches, tmp_path_factory):
-    """A PPO trainer after one update, saved; then a second update (the uninterrupted run)."""
+    """A PPO trainer after one update, saved; then a second update (the uninterrupted run). ZeRO-2, whose flat
+    fp32 partition the tests read (float32 weights default to stage 0: test_zero_stage_0_resume_...)."""
     out = tmp_path_factory.mktemp("ckpt")
-    trainer = PPOTrainer(_cfg(tiny_model_dir), str(tiny_model_dir))
+    trainer = PPOTrainer(_cfg(tiny_model_dir, **{"train.zero_stage": 2}), str(tiny_model_dir))
     initial = _params(trainer.actor)
     first = trainer.update(batches[0])
     hashed = trainer.save(str(out), extra_state={"data_cursor": 1})
@@ -151,7 +152,7 @@ def test_saved_checkpoint_is_open_format_and_reloads(trained, tiny_model_dir):
 def test_resume_then_update_equals_uninterrupted(trained, tiny_model_dir, batches):
     out = trained["out"]
     resumed = PPOTrainer(
-        _cfg(tiny_model_dir),
+        _cfg(tiny_model_dir, **{"train.zero_stage": 2}),
         str(out / "policy"),
         critic_dir=str(out / "critic"),
         trainer_state_dir=str(out / "trainer"),
