@@ -35,6 +35,26 @@ def test_offload_combinations_deepspeed_supports_are_accepted(overrides):
     load_config(None, overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, stage",
+    [
+        ([], 0),  # float32 weights (the default dtype), no offload: nothing for ZeRO's fp32 partition to add
+        (["model.dtype=bfloat16"], 2),
+        (["model.dtype=float16"], 2),
+        (["model.autocast_dtype=bfloat16"], 0),  # weights stay float32 under autocast
+        (["train.offload=optimizer"], 2),
+        (["train.offload=optimizer_and_params"], 3),  # the one stage that partitions parameters
+        (["train.num_ranks=2", "train.micro_batch_size=2"], 0),
+        (["train.zero_stage=2"], 2),  # a stage set is kept
+        (["model.dtype=bfloat16", "train.zero_stage=0"], 0),
+    ],
+)
+def test_an_unset_zero_stage_is_chosen_and_written_to_the_saved_config(overrides, stage):
+    cfg = load_config(None, overrides)
+    assert cfg.train.zero_stage == stage
+    assert f"zero_stage: {stage}" in cfg.to_yaml()
+
+
 def test_lora_section_from_dotted_overrides_and_its_bounds():
     cfg = load_config(None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj, v_proj]"])
     lora = cfg.model.lora
