@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from ppoflow.fingerprint import folder_fingerprint, json_hash
 from stages.manifests import PolicyRef
+from storage import fs as fsutil
 from storage.checkpoints import load_checkpoint, read_commit_marker
 from storage.layout import layout_for
 
@@ -53,19 +54,28 @@ def policy_ref(cfg, iteration: int) -> PolicyRef:
     )
 
 
-def local_checkpoint_dir(cfg, ref: PolicyRef, parts: Optional[Sequence[str]] = None) -> Optional[str]:
+def local_checkpoint_dir(
+    cfg, ref: PolicyRef, parts: Optional[Sequence[str]] = None, hashed_here: bool = False
+) -> Optional[str]:
     """A local folder holding policy/, critic/, trainer/ of the referenced checkpoint (None = initial model).
 
     parts: only those folders are fetched and verified (see storage.checkpoints.load_checkpoint).
+    hashed_here: this process wrote or verified the checkpoint's files itself (its warm trainer holds exactly
+    these weights: stages/update.py puts it back only after saving them, with their sha256 taken as they were
+    written). On local storage they are then used in place without hashing them again; a copy fetched from
+    remote storage is always verified, since the transfer is new.
     """
     if ref.checkpoint_iteration is None:
         return None
-    return load_checkpoint(layout_for(cfg), ref.checkpoint_iteration, parts=parts)
+    layout = layout_for(cfg)
+    verify = not (hashed_here and fsutil.is_local(layout.fs))
+    return load_checkpoint(layout, ref.checkpoint_iteration, parts=parts, verify=verify)
 
 
-def local_policy_dir(cfg, ref: PolicyRef) -> str:
-    """The referenced policy as a local Hugging Face folder; of a checkpoint only policy/ is fetched."""
-    ckpt = local_checkpoint_dir(cfg, ref, parts=("policy",))
+def local_policy_dir(cfg, ref: PolicyRef, hashed_here: bool = False) -> str:
+    """The referenced policy as a local Hugging Face folder; of a checkpoint only policy/ is fetched
+    (hashed_here: see local_checkpoint_dir)."""
+    ckpt = local_checkpoint_dir(cfg, ref, parts=("policy",), hashed_here=hashed_here)
     return ref.uri if ckpt is None else os.path.join(ckpt, "policy")
 
 
