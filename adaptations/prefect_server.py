@@ -63,19 +63,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
-import threading
-import time
 from typing import Any, Awaitable, Callable, Optional
 
+from adaptations.parent_watch import watch_parent
 from adaptations.stand_in import install_stand_in
 
 REPLAY_DELAYS_S = (0.01, 0.02, 0.04, 0.08, 0.16)
 TEMPORARY_SERVER_NICENESS = 19  # the lowest priority: the server runs when the run's compute leaves a core idle
 PARENT_PID_VARIABLE = "PPOFLOW_SERVER_PARENT_PID"  # set for the temporary server only: the pid it dies with
-PARENT_POLL_S = 0.5
-SHUTDOWN_GRACE_S = 10.0
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -169,22 +165,6 @@ def create_replaying_app() -> App:
     if parent:
         watch_parent(int(parent))
     return ReplayOnConflict(create_app())
-
-
-def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:
-    """Stop this process once `parent_pid` is no longer its parent (see the module docstring): SIGTERM to itself,
-    then, SHUTDOWN_GRACE_S later, os._exit if that did not end it. Returns the watching (daemon) thread."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(SHUTDOWN_GRACE_S)
-        os._exit(1)
-
-    thread = threading.Thread(target=watch, name="ppoflow-parent-watch", daemon=True)
-    thread.start()
-    return thread
 
 
 PREFECT_FACTORY = "prefect.server.api.server:create_app"

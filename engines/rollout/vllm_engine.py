@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from adaptations.vllm import allow_function_rpc, retie_lm_head
+from adaptations.vllm_client_watch import client_named
 from engines.rollout.base import RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
 from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
@@ -158,7 +159,8 @@ class VLLMRolloutEngine:
             llm_kwargs.update(whole_prefill_kwargs(context))
         if self._tied_head:
             allow_function_rpc()
-        self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
+        with client_named():  # its engine core dies with this process, even SIGKILLed (adaptations/vllm_client_watch)
+            self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
         model_config = self._llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adaptations.prefect_server import PARENT_POLL_S, ReplayOnConflict
+from adaptations.parent_watch import PARENT_POLL_S
+from adaptations.prefect_server import ReplayOnConflict
 
 REPO = Path(__file__).resolve().parents[2]
 DELAYS = (0.0, 0.0, 0.0)  # the schedule is not under test; three replays, no sleeping
