@@ -189,6 +189,57 @@ class ModelConfig(_Section):
     )
 
 
+class CurriculumConfig(_Section):
+    """data.reasoning_gym.curriculum: climb the task's own reasoning-gym curriculum (engines/curriculum.py)."""
+
+    levels: Optional[list[dict[str, Annotated[int, Field(ge=0)]]]] = Field(
+        None,
+        description="Level L of the run = levels[L], the curriculum attributes' own level indices ({num_terms: 1, "
+        "num_digits: 0} for basic_arithmetic; attributes left out stay at their default level). None = reasoning-gym's "
+        "global level: level L sets every attribute to min(L, its last level).",
+    )
+    start_level: int = Field(0, ge=0, description="The level iteration 1 trains at.")
+    target_level: int = Field(
+        ge=0,
+        description="The level of the held-out set (eval.data_path): fixed, so eval accuracy compares across iterations.",
+    )
+    max_level: Optional[int] = Field(
+        None, ge=0, description="The highest level training climbs to; None = target_level."
+    )
+    promote_at: float = Field(
+        0.5,
+        ge=0,
+        description="Move up a level when the training reward mean at the current level is >= this for "
+        "promote_after iterations in a row (the reward is a measured accuracy for 0/1 task scorers).",
+    )
+    promote_after: int = Field(2, ge=1, description="Iterations in a row at or above promote_at before moving up.")
+    range_mode: Literal["inclusive", "upper_bound"] = Field(
+        "upper_bound",
+        description="How an attribute's level becomes a range (reasoning-gym's RangeAttributeMode): upper_bound = "
+        "exactly that level's value (3 terms), inclusive = the first level's value up to it (2 to 3 terms).",
+    )
+
+    @model_validator(mode="after")
+    def _levels_in_order(self) -> "CurriculumConfig":
+        top = self.max_level if self.max_level is not None else self.target_level
+        if self.start_level > top:
+            raise ValueError(f"start_level={self.start_level} is above the top level {top} (max_level or target_level)")
+        if self.levels is not None:
+            for name, level in (
+                ("start_level", self.start_level),
+                ("target_level", self.target_level),
+                ("max_level", top),
+            ):
+                if level >= len(self.levels):
+                    raise ValueError(f"{name}={level} has no entry in levels (levels 0..{len(self.levels) - 1})")
+        return self
+
+    @property
+    def top_level(self) -> int:
+        """The highest level training moves to."""
+        return self.max_level if self.max_level is not None else self.target_level
+
+
 class ReasoningGymConfig(_Section):
     task: str = Field(
         description="A reasoning-gym task name (reasoning_gym.factory.DATASETS), e.g. chain_sum, basic_arithmetic, gsm_symbolic."
@@ -211,6 +262,21 @@ class ReasoningGymConfig(_Section):
         "{question}",
         description="The prompt text around the task's question ({question}); the chat template comes after, from model.apply_chat_template.",
     )
+
+    curriculum: Optional[CurriculumConfig] = Field(
+        None,
+        description="{start_level, target_level, promote_at, promote_after, levels, max_level, range_mode}: train on "
+        "the task's reasoning-gym curriculum, moving up a level when the training reward passes promote_at; the "
+        "held-out set is at target_level. config holds the task's other fields. None = config as given, no levels.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_curriculum(self, handler):
+        # Without a curriculum the spec dumps as before it existed: its data folder's hash and cache keys stay.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("curriculum", 0) is None:
+            del data["curriculum"]
+        return data
 
     @field_validator("prompt_template")
     @classmethod
@@ -705,12 +771,32 @@ class EvalConfig(_Section):
         False,
         description="Also evaluate the initial policy when a run starts (before iteration 1): its metrics are the row of iteration 0 in metrics.jsonl, the table and the plot, its shards iter-000000/eval/.",
     )
+    sampled_pass_at_k: Literal["off", "before_training", "every"] = Field(
+        "before_training",
+        description="Also sample rollout.n_samples responses per held-out prompt at the rollout's temperature and report "
+        "eval/sampled_pass@k (k = rollout.n_samples) and eval/sampled_spread (the share of prompts whose samples "
+        "differ: the groups GRPO could learn from) beside the greedy figures: in the initial eval, in every eval, or "
+        "never. Costs rollout.n_samples more samples per held-out prompt.",
+    )
 
 
 def _require_stage(stage: str) -> None:
     """ValueError naming `stage` and the stages when it is not a pipeline stage (a typo in a per-stage setting)."""
     if stage not in PIPELINE_STAGES:
         raise ValueError(f"unknown stage {stage!r}; the stages are {', '.join(PIPELINE_STAGES)}")
+
+
+class SignalConfig(_Section):
+    """When the groups stop carrying a learning signal: the one-line advice of flows/signal_advice.py."""
+
+    advice_below: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Say once what to try when signal/group_spread (the share of prompt groups whose rewards differ) "
+        "stays below this for advice_after iterations in a row; 0 = never.",
+    )
+    advice_after: int = Field(3, ge=1, description="Iterations in a row below advice_below before the advice.")
 
 
 class StageDeadlinesConfig(_Section):
@@ -836,6 +922,7 @@ class PPOFlowConfig(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     rm_train: RMTrainConfig = Field(default_factory=RMTrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    signal: SignalConfig = Field(default_factory=SignalConfig)
 
     @model_validator(mode="after")
     def _choose_zero_stage(self) -> "PPOFlowConfig":
