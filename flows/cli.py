@@ -67,9 +67,16 @@ def _run_with_capture(cfg: PPOFlowConfig, command: str, args, body) -> int:
 
 def cmd_train(args) -> int:
     from flows.run import train
+    from flows.run_root import load_train_config
 
-    cfg = load_config(args.config, args.set)
-    return _run_with_capture(cfg, "train", args, lambda console: train(cfg, console))
+    cfg, note = load_train_config(args.config, args.set)  # run.root absolute; a run's own config.yaml finds the run
+
+    def body(console) -> None:
+        if note:
+            console.print(note, highlight=False, markup=False)
+        train(cfg, console)
+
+    return _run_with_capture(cfg, "train", args, body)
 
 
 def cmd_deploy_run(args) -> int:

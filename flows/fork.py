@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from flows.run_inputs import fingerprint_inputs
+from flows.run_root import absolute_root
 from ppoflow.config import ConfigError, PPOFlowConfig, StorageConfig, apply_overrides, build_config
 from stages.rescore import run_config
 from storage import fs as fsutil
@@ -187,7 +188,8 @@ def fork_run(
     for what is written and what is refused."""
     parent = RunLayout(root, run, storage_cfg)
     parent_cfg = load_run_config(parent)
-    cfg = fork_config(parent_cfg, name, [f"run.root={root}", *overrides])
+    # The fork's root recorded absolute (flows/run_root.py): its config.yaml resumes it from any working folder.
+    cfg = absolute_root(fork_config(parent_cfg, name, [f"run.root={root}", *overrides]))
     child = layout_for(cfg)
     if fsutil.join(child.root, name) == parent.run_dir:
         raise ForkError(f"--name {name!r}: a fork needs a name of its own")

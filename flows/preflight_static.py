@@ -11,6 +11,7 @@ What is checked (`static_problems`), in the order a run would meet it:
   reward models; a tokenizer that still does not load is named at its load, flows/preflight.py), every weights
   file is listed and each safetensors file's header is checked against the file's size;
 - `rollout.stop_token_ids` inside the policy's vocabulary;
+- a multi-turn conversation's `max_total_tokens` within the policy's context (flows/preflight_limits.py);
 - function reward sources: the file exists, or the module can be found (nothing is imported or run);
 - `model.autocast_dtype=bfloat16` where this process's models would run on a CPU without bfloat16 matmul
   kernels (engines/precision.py): ~16x slower updates, refused with the fix.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from engines.model_files import model_folder_problems
+from flows.preflight_limits import limit_problems
 from ppoflow.config import ConfigError, PPOFlowConfig, StorageConfig
 
 
@@ -184,7 +186,7 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
             problems += [p for p in [function_source_problem(source.target, field)] if p]
     if cfg.rollout.environment is not None:
         problems += [p for p in [environment_problem(cfg.rollout.environment.source)] if p]
-    return problems
+    return problems + limit_problems(cfg)  # a conversation longer than the policy's context (preflight_limits.py)
 
 
 def environment_problem(source: str) -> Optional[str]:

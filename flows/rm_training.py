@@ -27,6 +27,7 @@ from engines.precision import cpu_autocast_problem
 from flows.preflight_static import PreflightError, format_problems
 from flows.records import read_metrics, record_metrics
 from flows.run_names import named_after_run
+from flows.run_root import absolute_root
 from flows.stage_runs import run_stage
 from ppoflow.config import PPOFlowConfig, as_config
 from stages.manifests import RMExportManifest, RMPlan
@@ -66,7 +67,7 @@ def _artifact_key(cfg: PPOFlowConfig) -> str:
 def rm_training(config: dict[str, Any]) -> RMExportManifest:
     """Train the reward model described by `config` (PPOFlowConfig as JSON); returns the export manifest."""
     install_process_adaptations()  # a deployment's run enters here (the CLI installed them already: idempotent)
-    cfg = as_config(config)
+    cfg = absolute_root(as_config(config))  # recorded absolute in config.yaml (flows/run_root.py)
     if problem := cpu_autocast_problem(cfg.model.autocast_dtype):  # bf16 emulated on this CPU: ~16x slower
         raise PreflightError(format_problems(cfg, [problem]))
     layout = layout_for(cfg)

@@ -120,13 +120,16 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
     from engines.reasoning_tasks import materialize
     from flows.deployment import train_through_deployment
     from flows.prefect_api import check_prefect_api, temporary_server_starting
+    from flows.run_root import absolute_root
     from stages.rollout import build_initial_engine
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
 
     check_prefect_api()
     console = console or Console()
-    cfg = materialize(cfg)  # data.reasoning_gym: write its files here, so the paths printed below are its
+    # run.root absolute (flows/run_root.py), as the flow records it; data.reasoning_gym: write its files here,
+    # so the paths printed below are its
+    cfg = materialize(absolute_root(cfg))
     layout = layout_for(cfg)
     already = min(latest_iteration(layout) or 0, cfg.run.iterations) if layout.fs.exists(layout.run_dir) else 0
     if already:

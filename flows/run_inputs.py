@@ -5,7 +5,8 @@ whose rows were rewritten, used to resume silently and train on the new content 
 prompts) from the old checkpoint. At a run's first start `start_run` records a sha256 of each local input
 (ppoflow/fingerprint.folder_fingerprint: every file directly in the folder, or the file) in `<run>/run.json`
 (storage/run_identity.py); every later start compares and refuses a change before any work, naming the input,
-the path and both hashes. To continue on purpose: `ppoflow runs accept-inputs RUN --root ROOT` records the
+the path and both hashes (until the run's first commit, a start records the contents it finds: nothing was trained
+on the old ones yet). To continue on purpose: `ppoflow runs accept-inputs RUN --root ROOT` records the
 current contents (the old hashes are kept under "accepted" in run.json).
 
 Inputs: model.policy_path (weights, tokenizer, config), model.critic_path, data.path, eval.data_path, and the
@@ -63,6 +64,11 @@ def start_run(cfg: PPOFlowConfig, layout: RunLayout) -> dict[str, Any]:
         return record
     recorded = record.setdefault("inputs", {})
     changed = [f for f in now if f in recorded and recorded[f]["sha256"] != now[f]["sha256"]]
+    if changed and not layout.fs.exists(layout.latest_path):
+        # No iteration committed: nothing was trained on the recorded contents; this start's are the run's.
+        record["inputs"] = now
+        write_run_record(layout, record)
+        return record
     if changed:
         lines = [
             f"{field} ({now[field]['path']}): sha256 {recorded[field]['sha256'][:12]}... at the run's first start, "

@@ -23,6 +23,7 @@ from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.run_inputs import start_run
 from flows.run_names import named_after_run
+from flows.run_root import absolute_root
 from flows.stale_runs import claimed_run, is_dead_here, mark_crashed
 from flows.subflow_identity import keyed_by
 from flows.update_group import owned_update_group
@@ -40,7 +41,8 @@ from storage.layout import RunLayout, layout_for
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""
     install_process_adaptations()  # a deployment's run enters here (the CLI installed them already: idempotent)
-    cfg = materialize_generated_data(as_config(config))  # data.reasoning_gym: the .jsonl files, written once
+    # run.root absolute (flows/run_root.py) before config.yaml records it; data.reasoning_gym: the .jsonl files
+    cfg = materialize_generated_data(absolute_root(as_config(config)))
     preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
     layout = layout_for(cfg)
     with claimed_run(layout) as previous:  # refused here, before any work, while another process trains the run

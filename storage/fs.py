@@ -56,6 +56,17 @@ def resolve(url: str, storage_cfg: Optional[StorageConfig] = None) -> tuple[fssp
     return fs, path.rstrip("/") or "/"
 
 
+def absolute_url(url: str) -> str:
+    """A local storage URL as an absolute path, resolved against this process's working folder (`./runs` ->
+    `/home/me/runs`, `file:///x` -> `/x`, `~/runs` expanded): what `resolve` would open here, written so that
+    another working folder opens the same place. A remote URL (s3://...) is returned unchanged."""
+    protocol, _ = fsspec.core.split_protocol(str(url))
+    if protocol not in (None, "file", "local"):
+        return str(url)
+    fs, path = resolve(url)
+    return url_of(fs, path)
+
+
 def local_cache_root(local_cache_dir: Optional[str] = None) -> str:
     """This machine's folder for local copies (checkpoints, log mirrors, generated datasets of remote runs):
     storage.local_cache_dir, else $PPOFLOW_CACHE, else ~/.cache/ppoflow."""

@@ -151,7 +151,8 @@ class RunLayout:
 
         The first call writes config.yaml. Later calls accept the same config; when the only differences
         are among LOCATION_KEYS (the run folder moved to another root or bucket, a run extended to more
-        iterations), config.yaml is rewritten with the new values. Any other difference raises
+        iterations), or while the run has committed no iteration (no LATEST: a start that failed before its
+        first commit, corrected), config.yaml is rewritten with the new values. Any other difference raises
         ConfigConflictError naming both hashes and the dotted keys that differ: resuming a run under
         another config would mix two experiments in one folder.
         """
@@ -166,7 +167,10 @@ class RunLayout:
             if old == new:
                 return
             changed = [key for key in _differences(old, new) if not _added_at_default(key, old, new, defaults)]
-            if any(key not in LOCATION_KEYS for key in changed):
+            # Nothing committed yet (no LATEST): no iteration was trained under the saved config, so a start
+            # that failed (a limit its preflight missed, a stage error) leaves the run name free for a fix.
+            committed = self.fs.exists(self.latest_path)
+            if committed and any(key not in LOCATION_KEYS for key in changed):
                 raise ConfigConflictError(
                     f"{self.url(self.config_path)} holds another config (hash {_config_hash(old)}) than this "
                     f"run's (hash {_config_hash(new)}); differing keys: {', '.join(changed)}. Use a new "

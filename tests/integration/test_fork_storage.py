@@ -102,3 +102,27 @@ def test_a_replayed_fork_trains_on_the_s3_server(
     for iteration in (2, 3):
         assert ckpt.read_commit_marker(child, iteration) is not None
         assert ckpt.load_checkpoint(child, iteration)  # fetched and verified against the owner's marker
+
+
+def test_a_fork_under_a_relative_root_records_it_absolute(tmp_path, monkeypatch):
+    # Issue 56: `ppoflow fork ... --root rt` saved `run.root: rt`, so the printed `ppoflow train <abs>/config.yaml`
+    # run from another folder started a new run there. The fork's config.yaml now names the root absolutely.
+    import yaml
+
+    from flows.run_root import load_train_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config("rt", "base", tmp_path / "model", tmp_path / "data", iterations=4)
+    parent = layout_for(cfg)
+    parent.write_config_once(cfg.to_yaml())
+    write_run_record(parent, new_run_record({}))
+    save_and_commit(parent, tmp_path, 1)
+    fork = fork_run("rt", "base", 1, "child", ["algo.kl_coef=0.5"])
+    child = layout_for(fork)
+    saved = yaml.safe_load(child.fs.cat_file(child.config_path))
+    assert saved["run"]["root"] == str(tmp_path / "rt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    resumed, note = load_train_config(child.config_path)
+    assert (resumed.run.root, note) == (str(tmp_path / "rt"), None)

@@ -247,3 +247,34 @@ class TestTokenizer:
         (problem,) = str(err.value).splitlines()[1:]
         assert problem.startswith(f"  model.policy_path: the tokenizer in {model_copy} does not load: ")
         assert problem.endswith("(its files: tokenizer.json, tokenizer_config.json)")
+
+
+def test_a_conversation_longer_than_the_policy_s_context_is_found_with_a_fix_that_validates(
+    tiny_model_dir, digits_dataset_dir, tmp_path
+):
+    # The README's multi-turn example on the tiny model (issue 56): before, found only in iteration 1's rollout,
+    # with "at most 256", which the config refuses (it must be > data.max_prompt_tokens, 256 by default).
+    import json as _json
+
+    context = _json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    base = [
+        "model.policy_path=" + str(tiny_model_dir),
+        "model.apply_chat_template=true",
+        "data.path=" + str(digits_dataset_dir),
+        "run.root=" + str(tmp_path / "runs"),
+        "rollout.environment={source: 'tests.fixtures.digit_env:DigitGuessEnv', max_turns: 4, max_total_tokens: 1024}",
+    ]
+    (problem,) = static_problems(load_config(None, base))
+    assert problem.startswith(
+        f"rollout.environment.max_total_tokens=1024 is more than the policy's context of {context} tokens "
+        f"(max_position_embeddings of {tiny_model_dir}/config.json)"
+    )
+    fix = problem.split("Fix: ")[1].replace("--set ", "").split(" ")
+    # max_total_tokens = the context; data.max_prompt_tokens (256, not below it) = context - max_new_tokens (16)
+    assert fix == [f"rollout.environment.max_total_tokens={context}", f"data.max_prompt_tokens={context - 16}"]
+    assert static_problems(load_config(None, base + fix)) == []  # the fix validates and passes the check
+    # vLLM's rollout.max_model_len, when smaller, is the context; the prompts' limit under it is kept
+    shorter = base + ["rollout.max_model_len=200", "data.max_prompt_tokens=100"]
+    (problem,) = static_problems(load_config(None, shorter))
+    assert "context of 200 tokens (rollout.max_model_len)" in problem
+    assert problem.endswith("Fix: --set rollout.environment.max_total_tokens=200")

@@ -75,6 +75,7 @@ def test_a_resume_with_other_input_contents_is_refused_naming_them(tmp_path, inp
     first = start_run(cfg, layout)
     assert set(first["inputs"]) == {"model.policy_path", "data.path"}
     assert start_run(cfg, layout)["run_id"] == first["run_id"]  # unchanged contents: the same run resumes
+    layout.fs.pipe_file(layout.latest_path, b'{"iteration": 1}')  # an iteration committed on those contents
 
     (model / "model.safetensors").write_bytes(b"\1" + b"\0" * 63)  # other weights, same size and name
     data.write_text('{"prompt": "2+2", "label": "4"}\n')
@@ -88,3 +89,17 @@ def test_a_resume_with_other_input_contents_is_refused_naming_them(tmp_path, inp
     assert sorted(accept_inputs(cfg, layout)) == ["data.path", "model.policy_path"]
     assert start_run(cfg, layout)["run_id"] == first["run_id"]  # accepted on purpose: it resumes
     assert read_run_record(layout)["accepted"][0]["previous"] == first["inputs"]
+
+
+def test_before_the_first_commit_a_start_records_the_contents_it_finds(tmp_path, inputs):
+    # A start that failed before committing (issue 56: a limit found in iteration 1) is corrected, data included:
+    # nothing was trained on the first contents, so the corrected start is not refused.
+    model, data = inputs
+    cfg = _config(tmp_path / "runs", model, data)
+    layout = layout_for(cfg)
+    first = start_run(cfg, layout)
+    data.write_text('{"prompt": "2+2", "label": "4"}\n')
+    again = start_run(cfg, layout)
+    assert again["run_id"] == first["run_id"]
+    assert again["inputs"]["data.path"]["sha256"] != first["inputs"]["data.path"]["sha256"]
+    assert read_run_record(layout)["inputs"] == again["inputs"]

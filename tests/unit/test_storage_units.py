@@ -106,6 +106,7 @@ class TestLayout:
         layout.write_config_once(longer.to_yaml())  # only run.iterations changed: accepted, rewritten
         saved = yaml.safe_load(open(layout.config_path).read())
         assert saved["run"]["iterations"] == cfg.run.iterations + 5
+        fsutil.write_json(layout.fs, layout.latest_path, {"iteration": 1})  # committed: other settings conflict
         other = longer.model_copy(deep=True)
         other.algo.kl_coef = 0.5
         with pytest.raises(ConfigConflictError, match=r"hash [0-9a-f]{16}.*hash [0-9a-f]{16}.*algo\.kl_coef"):
@@ -173,6 +174,7 @@ def test_a_setting_added_by_a_newer_version_at_its_default_is_no_config_conflict
     layout.write_config_once(yaml.safe_dump(saved))
     resumed = {"algo": {"kl_coef": 0.02, "tis_cap": None}, "rm_train": {"epochs": 1}}
     layout.write_config_once(yaml.safe_dump(resumed), defaults=defaults)  # new keys at their defaults: accepted
+    layout.fs.pipe_file(layout.latest_path, b'{"iteration": 1}')  # committed: a changed setting conflicts
     with pytest.raises(ConfigConflictError, match="rm_train"):
         layout.write_config_once(
             yaml.safe_dump({"algo": {"kl_coef": 0.02}, "rm_train": {"epochs": 3}}), defaults=defaults
