@@ -7,6 +7,7 @@ time and an ETA, and at the end where the shards, checkpoints, metrics, TensorBo
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import threading
@@ -23,6 +24,7 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 _COLUMNS = [
     ("iteration", "iter", 5, "{}"),
     ("reward/mean", "reward", 8, "{:.3f}"),
+    ("signal/group_spread", "signal", 6, "{:.2f}"),  # share of groups whose rewards differ (flows/signal_advice.py)
     ("kl/mean", "kl", 9, "{:.4f}"),
     ("timing/rollout", "rollout s", 10, "{:.1f}"),
     ("timing/score", "score s", 8, "{:.1f}"),
@@ -63,6 +65,7 @@ class IterationTable:
         self.printed_iterations: set[int] = set()
         self.header_printed = False
         self.committed = already
+        self.cfg, self.advised = cfg, False
         self._lock = threading.Lock()
 
     def poll(self) -> None:
@@ -86,6 +89,17 @@ class IterationTable:
                 self.progress.console.print(table_row(row), highlight=False)
             done = self.committed + len(self.printed_iterations - {0})
             self.progress.update(self.task_id, completed=done)
+            self._advise(rows)
+
+    def _advise(self, rows: list) -> None:
+        """Print flows/signal_advice.py's line once, when the groups have carried too little signal (and log it)."""
+        from flows.signal_advice import signal_advice
+
+        advice = None if self.advised else signal_advice(rows, self.cfg)
+        if advice is not None:
+            self.advised = True
+            self.progress.console.print(advice, style="yellow", highlight=False, markup=False)
+            logging.getLogger("ppoflow.signal").warning(advice)
 
 
 def progress_bar(console: Console) -> Progress:

@@ -52,6 +52,7 @@ from engines.ppo.off_policy import behaviour_is_cap, is_weight_metric_names
 from engines.ppo.reward_norm import RunningMoments
 from engines.ppo.reward_shaping import shape_scores
 from engines.ppo.rewards import token_level_rewards
+from engines.ppo.signal import signal_metrics
 from engines.trainer import checkpoint, lora
 from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
 from engines.trainer.experience import ExperienceBatch
@@ -335,6 +336,7 @@ class PPOTrainer(LossSteps):
         kl_mean = float(masked_mean(kl, mask))
         kl_per_sequence = float(masked_sum(kl, mask, dim=-1).mean())
         metrics = self._batch_metrics(raw, old_logprobs, values, adv, kl_mean)
+        metrics.update(signal_metrics(batch.scores, batch.group_ids.tolist(), adv.advantages, mask))
         metrics.update(shaping_metrics)
         metrics["kl/sequence_mean"] = kl_per_sequence
         metrics.update(sums.means())
