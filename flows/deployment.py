@@ -173,7 +173,8 @@ def schedule_deployment_run(config_json: dict[str, Any], name: str):
     """Create a flow run of deployment `name` (FLOW/DEPLOYMENT) with `config_json` as its `config` parameter, as
     `ppoflow train` passes it, and return it (a FlowRun, Scheduled: a worker of the deployment's pool runs it).
     Relative paths in the config stay relative: they resolve in the folder the flow run runs in. ConfigError,
-    with nothing created, when no PREFECT_API_URL is set or the server does not know the deployment."""
+    with nothing created, when no PREFECT_API_URL is set or the server does not know the deployment or a deployment
+    of the config's `pipeline.stage_pools` (one line each, listing the deployments it knows)."""
     from prefect.deployments import run_deployment
     from prefect.settings import get_current_settings
 
@@ -185,7 +186,10 @@ def schedule_deployment_run(config_json: dict[str, Any], name: str):
             "deploy-run needs PREFECT_API_URL: the Prefect server where `prefect deploy` created the deployment "
             "and its workers poll (e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api)"
         )
-    if problems := unknown_deployments({"--deployment": name}):
+    # The stage deployments too, before anything is scheduled: a misspelt one failed the run on its pool ~50 s later.
+    pools = (config_json.get("pipeline") or {}).get("stage_pools") or {}
+    named = {"--deployment": name, **{f"pipeline.stage_pools.{stage}": d for stage, d in pools.items()}}
+    if problems := unknown_deployments(named):
         raise ConfigError("\n".join(problems))
     flow_name = name.split("/", 1)[0]  # the training flows name their runs <flow>-<run.name> (flows/run_names.py)
     return run_deployment(

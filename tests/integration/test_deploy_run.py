@@ -113,6 +113,10 @@ def test_deploy_run_validates_a_yaml_config_and_schedules_it_on_the_pool(prefect
     unknown = deploy_run("my-run.yaml", "--deployment", "ppo-training/no-such-deployment")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr, unknown.stderr
     assert "deployment 'ppo-training/no-such-deployment' does not exist" in unknown.stderr
+    # Issue 56: a stage deployment that does not exist was scheduled, and the run failed on its pool ~50 s later.
+    stage = deploy_run("my-run.yaml", "--set", "pipeline.stage_pools={rollout: ppo-rollout/nope}")
+    assert stage.returncode == 2 and "Traceback" not in stage.stderr, stage.stderr
+    assert "pipeline.stage_pools.rollout: deployment 'ppo-rollout/nope' does not exist" in stage.stderr
 
     good = deploy_run("my-run.yaml", "--set", "run.iterations=3")
     assert good.returncode == 0, good.stdout + good.stderr
