@@ -35,7 +35,11 @@ class StageError(RuntimeError):
     def __init__(self, stage: str, iteration: int, cause: BaseException):
         self.stage, self.iteration = stage, iteration
         first = (str(cause).strip() or "(no message)").splitlines()[0]
-        super().__init__(f"{stage} stage of iteration {iteration} failed: {type(cause).__name__}: {first}")
+        text = f"{type(cause).__name__}: {first}"
+        # A stage on a work pool failed in its own flow run (flows/stage_runs.StageFailed): its error, then where.
+        if own := getattr(cause, "stage_error", None):
+            text = f"{own} ({getattr(cause, 'where', None) or 'on its work pool'})"
+        super().__init__(f"{stage} stage of iteration {iteration} failed: {text}")
 
     def __reduce__(self):  # picklable without its cause (Prefect may pickle a failed state's exception)
         return (_stage_error, (self.stage, self.iteration, str(self)))
@@ -46,6 +50,20 @@ def _stage_error(stage: str, iteration: int, text: str) -> StageError:
     error.stage, error.iteration = stage, iteration
     RuntimeError.__init__(error, text)
     return error
+
+
+# What Prefect puts before `<type>: <message>` of the exception that failed a flow or task run.
+_PREFECT_PREFIXES = ("Flow run encountered an exception:", "Task run encountered an exception:")
+
+
+def stage_run_error(state) -> Optional[str]:
+    """The first line of the error a stage's flow run ended with, from its Prefect state's message
+    ("RewardError: reward function boom.py:reward raised on row 3"), or None when the state holds none."""
+    message = (getattr(state, "message", None) or "").strip()
+    for prefix in _PREFECT_PREFIXES:
+        if message.startswith(prefix):
+            message = message[len(prefix) :].strip()
+    return message.splitlines()[0] if message else None
 
 
 class Terminated(KeyboardInterrupt):

@@ -36,6 +36,7 @@ from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Crashed
 
 from adaptations import install_process_adaptations
+from flows.failure import stage_run_error
 from flows.in_flight import earlier_failure
 from flows.placement import WORKER_STAGE, placement
 from flows.pool_pickup import PoolUnserved, wait_for_pool_run
@@ -66,7 +67,18 @@ _TASKS = {**STAGE_TASKS, **RM_STAGE_TASKS}
 
 
 class StageFailed(RuntimeError):
-    """A stage flow run on a work pool did not complete; names the stage, iteration and flow run."""
+    """A stage flow run on a work pool did not complete; names the stage, iteration and flow run.
+
+    `stage_error`: the stage's own error as its flow run's state gives it ("RewardError: ..."; None when the run
+    ended without one), and `where`: that flow run and its deployment. StageError (flows/failure.py) puts the
+    error first in the training run's state message, then where it happened."""
+
+    def __init__(self, message: str, stage_error: Optional[str] = None, where: Optional[str] = None):
+        super().__init__(message)
+        self.stage_error, self.where = stage_error, where
+
+    def __reduce__(self):  # pickled with its stage error (Prefect may pickle a failed state's exception)
+        return (type(self), (str(self), self.stage_error, self.where))
 
 
 def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, record: str = "", **inputs) -> HandOff:
@@ -98,9 +110,11 @@ def run_stage_on_pool(
         raise StageFailed(str(unserved)) from None
     if child.state is None or not child.state.is_completed():
         state = child.state.type.value if child.state else "unknown"
+        own, where = stage_run_error(child.state), f"flow run {child.name} ({child.id}) on deployment {deployment!r}"
         raise StageFailed(
-            f"stage {stage} of iteration {iteration} ran as flow run {child.name} ({child.id}) "
-            f"on deployment {deployment!r} and ended {state}"
+            f"stage {stage} of iteration {iteration} ran as {where} and ended {state}" + (f": {own}" if own else ""),
+            stage_error=own,
+            where=where,
         )
     record = read_stage_record(layout_for(cfg), iteration, stage)
     if record is None:

@@ -94,3 +94,47 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
         assert (tmp_path / "runs" / "pools" / "checkpoints" / "iter-000001" / "_COMMITTED").exists()
     finally:
         stop_workers(workers)
+
+
+def test_a_stage_that_fails_on_its_pool_gives_its_own_error_to_the_training_run(prefect_api, tmp_path, tiny_model_dir):
+    # Issue 56: the training run's state said only "StageFailed: ... checkpoint-iter-1 ... ended FAILED"; the
+    # stage's own error (here the checkpoint stage's CheckpointError: nothing was staged) was one click away.
+    from flows.failure import StageError
+    from flows.stage_runs import StageFailed, run_stage_on_pool
+    from stages.manifests import UpdateManifest
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["PREFECT_API_URL"] = prefect_api
+    out = prefect_cli("work-pool", "create", "train-pool", "--type", "process", env=env)
+    assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
+    out = prefect_cli("--no-prompt", "deploy", "--name", "ppo-checkpoint", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", "train-pool", "--type", "process"],
+        cwd=REPO,
+        env=env,
+        stdout=open(tmp_path / "worker.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    cfg = small_config(str(tmp_path / "runs"), "pool-error", tiny_model_dir, tmp_path / "data", iterations=1)
+    update = UpdateManifest(
+        iteration=1,
+        seconds=0.0,
+        worker="test:0",
+        engine_builds=0,
+        checkpoint_uri=str(tmp_path / "runs" / "pool-error" / "checkpoints" / "iter-000001"),
+        experience_uri=str(tmp_path / "nowhere"),
+        weights_id="ckpt-none",
+        experience_hash="none",
+        metrics={},
+    )
+    try:
+        with pytest.raises(StageFailed) as failed:
+            run_stage_on_pool(cfg, "checkpoint", "ppo-checkpoint/ppo-checkpoint", 1, update=update)
+    finally:
+        stop_workers([worker])
+    assert failed.value.stage_error and failed.value.stage_error.startswith("CheckpointError: "), failed.value
+    message = str(StageError("checkpoint", 1, failed.value))  # what ppo_iteration raises, the runs' state message
+    assert message.startswith(f"checkpoint stage of iteration 1 failed: {failed.value.stage_error} (flow run ")
+    assert "on deployment 'ppo-checkpoint/ppo-checkpoint')" in message and "StageFailed" not in message

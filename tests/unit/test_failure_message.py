@@ -56,3 +56,27 @@ def test_a_local_run_has_no_storage_line_and_long_messages_are_cut():
     assert "storage:" not in text and "where:   run loc at /tmp/runs/loc" in text
     assert "line 11" in text and "line 12" not in text and "(28 more lines in the log file)" in text
     assert resume_command(["demo", "--verbose", "--root", "x"]) == "ppoflow demo --root x"
+
+
+def test_a_pool_stage_s_own_error_leads_the_training_run_s_message():
+    # Issue 56: on pools the training run's state said "StageFailed: ... ended FAILED", without the error.
+    from prefect.states import Crashed, Failed
+
+    from flows.failure import StageError, stage_run_error
+    from flows.stage_runs import StageFailed
+
+    state = Failed(message="Flow run encountered an exception: RewardError: reward function boom.py:reward raised")
+    assert stage_run_error(state) == "RewardError: reward function boom.py:reward raised"
+    assert stage_run_error(Crashed(message="Execution was aborted by an interrupt signal.")) == (
+        "Execution was aborted by an interrupt signal."
+    )
+    assert stage_run_error(Failed(message=None)) is None
+    where = "flow run score-iter-2 (1234) on deployment 'ppo-score/ppo-score'"
+    cause = StageFailed(f"stage score of iteration 2 ran as {where} and ended FAILED", stage_run_error(state), where)
+    assert str(StageError("score", 2, cause)) == (
+        f"score stage of iteration 2 failed: RewardError: reward function boom.py:reward raised ({where})"
+    )
+    import pickle
+
+    again = pickle.loads(pickle.dumps(cause))
+    assert (str(again), again.stage_error, again.where) == (str(cause), cause.stage_error, cause.where)
