@@ -32,7 +32,7 @@ def cmd_shards(args) -> int:
             out = shard_inspect.shards_show(args.uri, rows=args.rows, columns=cols, storage_cfg=storage_cfg)
         else:
             out = shard_inspect.shards_stats(args.uri, storage_cfg)
-        Console().print(out)
+        Console().print(out, crop=False)  # a cell wider than the width is printed whole (ppoflow/tables.py)
         if broken:
             print(
                 f"ppoflow: error: {len(broken)} stage folder(s) with missing or truncated parts: " + ", ".join(broken),
@@ -70,7 +70,7 @@ def cmd_runs(args) -> int:
             out = accept_run_inputs(root, args.run, storage_cfg)
         else:
             out = runs_show(root, args.run, storage_cfg)
-        Console().print(out)
+        Console().print(out, crop=False)  # a cell wider than the width is printed whole (ppoflow/tables.py)
         return 0
 
     return _on_storage(root, storage_cfg, body)

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ppoflow.config import StorageConfig
+from ppoflow.tables import FitTable
 from storage import fs as fsutil
 from storage.schema import check_columns
 from storage.shards import MANIFEST_NAME, Manifest, read_manifest, read_part, require_manifest
@@ -79,14 +80,14 @@ def part_problems(fs, folder: str, manifest: Manifest) -> list[str]:
     return problems
 
 
-def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None, broken: Optional[list[str]] = None) -> Table:
-    """One row per stage folder under `uri`: folder, kind, parts, rows, bytes, committed, check.
+def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None, broken: Optional[list[str]] = None) -> FitTable:
+    """One row per stage folder under `uri`: folder, kind, parts, rows, bytes, committed, check (a FitTable: every
+    cell whole at any width, ppoflow/tables.py).
 
     `check` is "ok" or what `part_problems` found; the folders with a problem are appended to `broken`.
     """
     fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
-    table = Table(title=f"shards under {uri}")
-    for name, justify in (
+    columns = [
         ("folder", "left"),
         ("kind", "left"),
         ("parts", "right"),
@@ -94,27 +95,29 @@ def shards_ls(uri: str, storage_cfg: Optional[StorageConfig] = None, broken: Opt
         ("bytes", "right"),
         ("committed", "center"),
         ("check", "left"),
-    ):
-        table.add_column(name, justify=justify)
+    ]
+    rows = []
     for folder, manifest in found.items():
         if manifest is None:
             parts = [n for n in fsutil.list_files(fs, folder) if n.startswith("part-")]
-            table.add_row(_relative(folder, root), "?", str(len(parts)), "?", "?", "[red]no[/red]", "-")
+            rows.append([_relative(folder, root), "?", str(len(parts)), "?", "?", "[red]no[/red]", "-"])
             continue
         problems = part_problems(fs, folder, manifest)
         if problems and broken is not None:
             broken.append(fsutil.url_of(fs, folder))
         check = "[green]ok[/green]" if not problems else "[red]broken: " + "; ".join(problems) + "[/red]"
-        table.add_row(
-            _relative(folder, root),
-            manifest.kind,
-            str(len(manifest.parts)),
-            f"{manifest.rows:,}",
-            _human_bytes(manifest.bytes),
-            "[green]yes[/green]",
-            check,
+        rows.append(
+            [
+                _relative(folder, root),
+                manifest.kind,
+                str(len(manifest.parts)),
+                f"{manifest.rows:,}",
+                _human_bytes(manifest.bytes),
+                "[green]yes[/green]",
+                check,
+            ]
         )
-    return table
+    return FitTable(f"shards under {uri}", columns, rows)
 
 
 def describe_metadata(schema: pa.Schema) -> str:
@@ -259,37 +262,31 @@ def _fmt(value: Optional[float], digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
-def shards_stats(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Table:
-    """One row per committed stage folder under `uri`: rows, lengths, reward, policy versions, finish reasons."""
+def shards_stats(uri: str, storage_cfg: Optional[StorageConfig] = None) -> FitTable:
+    """One row per committed stage folder under `uri`: rows, lengths, reward, policy versions, finish reasons (a
+    FitTable: every cell whole at any width, ppoflow/tables.py)."""
     fs, root, found = _stage_dirs_or_error(uri, storage_cfg)
-    table = Table(title=f"shard statistics under {uri}")
-    table.caption = "lengths in tokens as mean/max; reward std over samples; finish reasons as counts"
-    for name in (
-        "folder",
-        "kind",
-        "rows",
-        "prompt len",
-        "response len",
-        "reward mean±std",
-        "reward q10/50/90",
-        "versions",
-        "finish",
-    ):
-        table.add_column(name, justify="left" if name in ("folder", "kind") else "right", no_wrap=True)
+    names = ("folder", "kind", "rows", "prompt len", "response len", "reward mean±std", "reward q10/50/90")
+    columns = [(name, "left" if name in ("folder", "kind") else "right") for name in names]
+    columns += [("versions", "right"), ("finish", "right")]
+    rows = []
     for folder, manifest in found.items():
         if manifest is None:
             continue
         s = stage_stats(fs, folder)
         r = s.get("reward")
-        table.add_row(
-            _relative(folder, root),
-            s["kind"],
-            f"{s['rows']:,}",
-            f"{_fmt(s['prompt_len']['mean'])}/{s['prompt_len']['max']}",
-            f"{_fmt(s['response_len']['mean'])}/{s['response_len']['max']}",
-            f"{_fmt(r['mean'])}±{_fmt(r['std'])}" if r else "-",
-            "/".join(_fmt(r[k]) for k in ("q10", "q50", "q90")) if r else "-",
-            ",".join(map(str, s["policy_versions"])) or "-",
-            " ".join(f"{k}:{v}" for k, v in sorted(s["finish_reasons"].items())),
+        rows.append(
+            [
+                _relative(folder, root),
+                s["kind"],
+                f"{s['rows']:,}",
+                f"{_fmt(s['prompt_len']['mean'])}/{s['prompt_len']['max']}",
+                f"{_fmt(s['response_len']['mean'])}/{s['response_len']['max']}",
+                f"{_fmt(r['mean'])}±{_fmt(r['std'])}" if r else "-",
+                "/".join(_fmt(r[k]) for k in ("q10", "q50", "q90")) if r else "-",
+                ",".join(map(str, s["policy_versions"])) or "-",
+                " ".join(f"{k}:{v}" for k, v in sorted(s["finish_reasons"].items())),
+            ]
         )
-    return table
+    caption = "lengths in tokens as mean/max; reward std over samples; finish reasons as counts"
+    return FitTable(f"shard statistics under {uri}", columns, rows, caption=caption)
