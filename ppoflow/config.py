@@ -161,6 +161,23 @@ class LoraConfig(_Section):
     )
 
 
+def default_model_dtype() -> str:
+    """model.dtype when unset: "bfloat16" where torch sees a CUDA GPU, else "float32".
+
+    Why bfloat16 weights on a GPU rather than float32 weights under autocast: autocast casts every float32
+    weight to bfloat16 at every forward (and the cast's gradient back in the backward); on an H200 those casts
+    were a large share of the update's element-wise time (bench.update_mfu). DeepSpeed's bf16 mode keeps the
+    float32 master copy in the optimizer instead (engines/trainer/deepspeed_setup.py). Why float32 on a CPU:
+    without AVX-512 bfloat16 matmuls are emulated, ~16x slower (engines/precision.py)."""
+    import torch  # here, not at the top: the config loads without torch until a default needs a device
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+# How the config reference (ppoflow/reference.py) shows a default that depends on the machine.
+default_model_dtype.reference = "`'float32'` (CPU) / `'bfloat16'` (GPU)"
+
+
 class ModelConfig(_Section):
     policy_path: str = Field(
         "./runs/_models/tiny-llama",
@@ -170,7 +187,8 @@ class ModelConfig(_Section):
         None, description="Backbone for the critic: a reward-model or causal-LM folder; None = the policy."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Compute precision: float32 on CPU, bfloat16 on GPU."
+        default_factory=default_model_dtype,
+        description="Weights' precision for actor, critic, reference and rollout. Unset: bfloat16 where torch sees a CUDA GPU (DeepSpeed's bf16 mode: bfloat16 weights and gradients, float32 master weights, gradient accumulation and AdamW state in the optimizer; no casts per forward), float32 elsewhere (these CPUs have no bfloat16 matmul kernels). The value chosen is written to config.yaml, so a resume or a fork keeps it.",
     )
     autocast_dtype: Optional[Literal["bfloat16"]] = Field(
         None,

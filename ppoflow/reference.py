@@ -9,6 +9,9 @@ from ppoflow.config import PPOFlowConfig
 
 def _default_text(field) -> str:
     if field.default_factory is not None:
+        machine_dependent = getattr(field.default_factory, "reference", None)
+        if machine_dependent is not None:
+            return machine_dependent
         value = field.default_factory()
         if isinstance(value, BaseModel):
             return "(section)"

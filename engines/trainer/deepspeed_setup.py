@@ -207,6 +207,7 @@ def deepspeed_config(
         "zero_optimization": zero_config(stage, train_cfg.offload),
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
+        **_master_precision(dtype, stage),
         **(
             {"torch_autocast": {"enabled": True, "dtype": autocast_dtype, "lower_precision_safe_modules": []}}
             if autocast_dtype is not None
@@ -215,6 +216,21 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+def _master_precision(dtype: str, stage: int) -> dict[str, Any]:
+    """Float32 gradient accumulation for bfloat16 weights under ZeRO-2 (`data_types.grad_accum_dtype`).
+
+    DeepSpeed's bf16 mode with ZeRO 1-2 keeps float32 master weights and AdamW state in the optimizer's flat
+    partitions and copies the updated weights back into the bfloat16 parameters after each step. Under ZeRO-2
+    the micro-batches' gradients are summed into the partition's gradient buffer, in the weights' dtype unless
+    this section asks for float32: with bfloat16 (8 significant bits) a step of k micro-batches would round
+    each of its k additions. Only for stage 2: DeepSpeed routes stage 1 with float32 accumulation to its
+    BF16_Optimizer, whose state `engines/trainer/checkpoint.py` cannot resume, and stages 0 and 3 take
+    their own paths (stage 0 refuses the mix)."""
+    if dtype == "bfloat16" and stage == 2:
+        return {"data_types": {"grad_accum_dtype": "fp32"}}
+    return {}
 
 
 def zero_config(stage: int, offload: str = "none") -> dict[str, Any]:
