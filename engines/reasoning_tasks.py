@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ppoflow.config import ConfigError, PPOFlowConfig, ReasoningGymConfig
 from ppoflow.fingerprint import json_hash
@@ -100,12 +100,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     os.replace(partial, path)
 
 
-def materialize(cfg: PPOFlowConfig) -> PPOFlowConfig:
-    """`cfg` itself when data.reasoning_gym is unset; else a copy whose data.path (and eval.data_path, when
-    eval_size > 0) name the generated files, written now if missing. ConfigError names a bad task or config."""
-    spec = cfg.data.reasoning_gym
-    if spec is None:
-        return cfg
+def _materialize_spec(cfg: PPOFlowConfig, spec: ReasoningGymConfig) -> tuple[Path, Optional[Path]]:
+    """The train (and, with eval_size, eval) files of the plain spec `spec`, written now when missing."""
     folder = data_dir(cfg) / f"{spec.task}-{json_hash(spec.model_dump(mode='json'))[:12]}"
     train_path, eval_path = folder / "train.jsonl", folder / "eval.jsonl"
     if not train_path.is_file() or (spec.eval_size and not eval_path.is_file()):
@@ -113,9 +109,41 @@ def materialize(cfg: PPOFlowConfig) -> PPOFlowConfig:
         _write_jsonl(train_path, train)
         if held:
             _write_jsonl(eval_path, held)
+    return train_path, (eval_path if spec.eval_size else None)
+
+
+def level_train_path(cfg: PPOFlowConfig, level: int) -> Path:
+    """The training rows of curriculum level `level` (engines/curriculum.py), written now when missing: the file a
+    plain spec with that level's task config would have, so a level's rows are the same in every run."""
+    from engines.curriculum import level_spec
+
+    return _materialize_spec(cfg, level_spec(cfg.data.reasoning_gym, level))[0]
+
+
+def materialize(cfg: PPOFlowConfig) -> PPOFlowConfig:
+    """`cfg` itself when data.reasoning_gym is unset; else a copy whose data.path (and eval.data_path, when
+    eval_size > 0) name the generated files, written now if missing. ConfigError names a bad task or config.
+
+    With data.reasoning_gym.curriculum: every level from start_level to the top one is written (level_train_path),
+    data.path names the start level's rows (the rollout picks each iteration's level: stages/curriculum_state.py),
+    and the held-out rows are at target_level, none among that level's training rows (questions of other levels
+    differ in their terms or digits, unless range_mode inclusive makes the levels overlap)."""
+    from engines.curriculum import level_spec
+
+    spec = cfg.data.reasoning_gym
+    if spec is None:
+        return cfg
+    plan = spec.curriculum
+    if plan is None:
+        train_path, eval_path = _materialize_spec(cfg, spec)
+    else:
+        train_path = level_train_path(cfg, plan.start_level)
+        for level in range(plan.start_level + 1, plan.top_level + 1):
+            level_train_path(cfg, level)
+        eval_path = _materialize_spec(cfg, level_spec(spec, plan.target_level, spec.eval_size))[1]
     columns = {"path": str(train_path), "prompt_key": "prompt", "label_key": "label", "data_source_key": "data_source"}
     data = cfg.data.model_copy(update=columns)
     update: dict[str, Any] = {"data": data}
-    if spec.eval_size:
+    if eval_path is not None:
         update["eval"] = cfg.eval.model_copy(update={"data_path": str(eval_path)})
     return cfg.model_copy(update=update)

@@ -1,6 +1,6 @@
 """The engines a worker process keeps between stages, each under a WarmKey that says what it was built from.
 
-    prompt_source_for(cfg)          tokenised prompt set      identity: data settings + dataset/tokenizer files
+    prompt_source_for(cfg, level)   tokenised prompt set      identity: data settings + dataset/tokenizer files
     eval_prompt_source_for(cfg)     held-out prompt set       identity: the same, for eval.data_path
     scorer_for(cfg)                 reward sources + reference identity: scoring settings + model files
     score_cache_for(cfg, identity)  the score cache's reader identity: its folder URL + size cap
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from engines import warm
 from engines.data import PromptSource
@@ -26,11 +27,17 @@ from storage.layout import RunLayout
 from storage.score_cache import ScoreCache
 
 
-def prompt_source_for(cfg) -> PromptSource:
+def prompt_source_for(cfg, level: Optional[int] = None) -> PromptSource:
     """The worker's tokenised prompt set, built once per data settings and files (tokenising the whole dataset
     every iteration would cost more than sampling on the tiny model). The tokenizer is the initial model's:
-    checkpoints save the same tokenizer files beside the policy weights."""
-    return _prompt_source(cfg, warm.Role.PROMPTS, cfg.data)
+    checkpoints save the same tokenizer files beside the policy weights. `level`: that curriculum level's rows
+    (data.reasoning_gym.curriculum; engines/reasoning_tasks.level_train_path), else data.path."""
+    if level is None:
+        return _prompt_source(cfg, warm.Role.PROMPTS, cfg.data)
+    from engines.reasoning_tasks import level_train_path
+
+    level_data = cfg.data.model_copy(update={"path": str(level_train_path(cfg, level))})
+    return _prompt_source(cfg, warm.Role.PROMPTS, level_data)
 
 
 def eval_prompt_source_for(cfg) -> PromptSource:

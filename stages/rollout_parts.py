@@ -27,6 +27,8 @@ import time
 import pyarrow as pa
 
 from engines import warm
+from stages.attest import attest
+from stages.curriculum_state import iteration_level, tag_level
 from stages.handed import read_handed
 from stages.held import prompt_source_for
 from stages.manifests import PolicyRef, RolloutManifest, RolloutPartManifest
@@ -56,16 +58,18 @@ def run_rollout_part(cfg, iteration: int, policy: PolicyRef, part: int, parts: i
     (replacing what it held, manifest last). Errors: ValueError for a part outside 0..parts-1 or more parts than
     prompts; the engine's errors name the prompt."""
     started = time.perf_counter()
-    source = prompt_source_for(cfg)
+    level = iteration_level(cfg, policy)  # data.reasoning_gym.curriculum (stages/curriculum_state.py)
+    source = prompt_source_for(cfg, level)
     every = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
     records = split_prompts(every, part, parts)
     with warm.stage_lock("rollout"):  # pipelined iterations (or parts in threads): one engine, one call at a time
         engine = rollout_engine_for(cfg, policy)
-        table = sample_records(engine, source, cfg, iteration, records)
+        attested = attest(engine, cfg, policy, f"rollout part {part} of {parts}", iteration)
+        table = tag_level(sample_records(engine, source, cfg, iteration, records), level)
     layout = layout_for(cfg)
     folder = part_dir(layout, iteration, part, parts)
     written = write_stage_table(cfg, layout, iteration, "rollout", table, folder=folder)
-    fields = {"part": part, "parts": parts, "prompts": len(records)}
+    fields = {"part": part, "parts": parts, "prompts": len(records), "attested": attested}
     return sampled_manifest(
         RolloutPartManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, **fields
     )
@@ -107,5 +111,6 @@ def merge_rollout_parts(cfg, iteration: int, parts: list[RolloutPartManifest]) -
         started,
         policy_version=parts[0].policy_version,
         engine=parts[0].engine,
+        attested=parts[0].attested,  # every part's engine attested the one policy version _check_parts allows
         part_workers=[p.worker for p in parts],
     )

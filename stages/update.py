@@ -21,6 +21,7 @@ import pyarrow as pa
 from engines import warm
 from engines.trainer import torchrun_group
 from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
+from stages.curriculum_state import next_state, stage_state
 from stages.handed import read_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
@@ -81,6 +82,7 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     )
     trainer = take_trainer(cfg, policy)
     result = train_on(trainer, table)
+    curriculum, curriculum_metrics = next_state(cfg, policy, table)  # data.reasoning_gym.curriculum: the next level
     exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
     with checkpoint_scratch(layout) as tmp:
         hashed = trainer.save(
@@ -90,8 +92,9 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
         )
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())
+        stage_state(tmp, curriculum)
         staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
     weights_id = checkpoint_weights_id(staged["files"])
     warm.put(trainer_key(weights_id), trainer)
-    metrics = {**result.metrics, "async/staleness": staleness(policy, table)}
+    metrics = {**result.metrics, **curriculum_metrics, "async/staleness": staleness(policy, table)}
     return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)

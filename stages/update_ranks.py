@@ -46,6 +46,7 @@ from engines.trainer.ppo_trainer import PPOTrainer, UpdateResult
 from engines.trainer.rank_rows import rank_rows
 from engines.trainer.reshard import other_count_mode
 from ppoflow.config import ConfigError
+from stages.curriculum_state import next_state, stage_state
 from stages.handed import open_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
@@ -156,12 +157,14 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
         start, stop = rank_rows(table.num_rows, 0, group.world)
         result = train_on_rows(trainer, table.slice(start, stop - start))
         exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
+        curriculum, curriculum_metrics = next_state(cfg, policy, table)  # data.reasoning_gym.curriculum
         extra_state = {"iteration": iteration, "data_cursor": {"next_iteration": iteration + 1}}
         with checkpoint_scratch(layout) as tmp:
             group.send({"op": "save", "dir": tmp, "extra_state": extra_state})
             hashed = trainer.save(tmp, extra_state=extra_state)  # the ranks' files are on disk when it returns
             with open(os.path.join(tmp, "config.yaml"), "w") as f:
                 f.write(cfg.to_yaml())
+            stage_state(tmp, curriculum)
             staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
     except BaseException as exc:
         error = group.failed(exc)  # the group is broken: rank 0 ends after the stage, torchrun restarts it
@@ -171,7 +174,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     weights_id = checkpoint_weights_id(staged["files"])
     group.holds = weights_id
     warm.put(trainer_key(weights_id), trainer)
-    metrics = dict(result.metrics)
+    metrics = {**result.metrics, **curriculum_metrics}
     metrics["ranks/world_size"] = float(group.world)
     metrics["async/staleness"] = staleness(policy, table)
     return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)

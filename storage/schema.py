@@ -28,10 +28,15 @@ turns and the environment's messages in order:
             env_info (string): JSON list of each environment step's Observation.info, in turn order (read by
                         people, never by training)
 
+Curriculum rows (data.reasoning_gym.curriculum set, engines/curriculum.py) carry one more column, after the rollout
+(and multi-turn) columns in every kind:
+            curriculum_level (int32): the curriculum level the sample's prompt was drawn at
+
 Versions: SCHEMA_VERSION is the newest this ppoflow writes; every version in READABLE_VERSIONS is read. A shard
 is stamped with the lowest version that describes it (version_of): single-turn shards are version 1, byte for
 byte what they were before multi-turn existed; shards with the multi-turn columns are version 2, which an older
-ppoflow refuses by name. Bump SCHEMA_VERSION whenever a column is added, removed or changes type; readers refuse
+ppoflow refuses by name; shards with the curriculum column are version 3.
+Bump SCHEMA_VERSION whenever a column is added, removed or changes type; readers refuse
 a shard of another version with SchemaMismatchError instead of guessing.
 """
 
@@ -41,9 +46,10 @@ from typing import Optional, Sequence
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MULTI_TURN_VERSION = 2  # the version that added the multi-turn columns
+CURRICULUM_VERSION = 3  # the version that added curriculum_level
 KINDS = ("rollout", "scored", "experience", "eval")
 
 _I32, _F32 = pa.int32(), pa.float32()
@@ -73,6 +79,8 @@ _MULTI_TURN = [
     pa.field("env_info", pa.string(), nullable=False),
 ]
 MULTI_TURN_COLUMNS = tuple(f.name for f in _MULTI_TURN)
+_CURRICULUM = [pa.field("curriculum_level", _I32, nullable=False)]
+CURRICULUM_COLUMN = "curriculum_level"
 _SCORED_EXTRA = [
     pa.field("reward", _F32, nullable=False),
     pa.field("reward_components", pa.string(), nullable=False),
@@ -89,9 +97,17 @@ SCHEMAS: dict[str, pa.Schema] = {
     "experience": pa.schema(_ROLLOUT + _SCORED_EXTRA + _EXPERIENCE_EXTRA),
     "eval": pa.schema(_ROLLOUT + _SCORED_EXTRA),  # the eval stage's samples of held-out prompts, scored
 }
-# The same kinds with the multi-turn columns after the rollout ones.
-_MULTI_TURN_SCHEMAS: dict[str, pa.Schema] = {
-    kind: pa.schema(_ROLLOUT + _MULTI_TURN + list(schema)[len(_ROLLOUT) :]) for kind, schema in SCHEMAS.items()
+# The same kinds with the optional columns (multi-turn, curriculum) after the rollout ones: (kind, mt, cur) -> schema.
+_OPTIONAL_SCHEMAS: dict[tuple[str, bool, bool], pa.Schema] = {
+    (kind, multi_turn, curriculum): pa.schema(
+        _ROLLOUT
+        + (_MULTI_TURN if multi_turn else [])
+        + (_CURRICULUM if curriculum else [])
+        + list(schema)[len(_ROLLOUT) :]
+    )
+    for kind, schema in SCHEMAS.items()
+    for multi_turn in (False, True)
+    for curriculum in (False, True)
 }
 
 
@@ -99,16 +115,18 @@ class SchemaMismatchError(ValueError):
     """A table or shard does not match its kind's schema; the message names the column and both types."""
 
 
-def schema_for(kind: str, multi_turn: bool = False) -> pa.Schema:
-    """The Arrow schema of shard kind `kind`, with the multi-turn columns when `multi_turn`. Raises ValueError
-    listing the kinds when unknown."""
+def schema_for(kind: str, multi_turn: bool = False, curriculum: bool = False) -> pa.Schema:
+    """The Arrow schema of shard kind `kind`, with the multi-turn columns when `multi_turn` and curriculum_level
+    when `curriculum`. Raises ValueError listing the kinds when unknown."""
     try:
-        return _MULTI_TURN_SCHEMAS[kind] if multi_turn else SCHEMAS[kind]
+        return _OPTIONAL_SCHEMAS[(kind, bool(multi_turn), bool(curriculum))]
     except KeyError:
-        raise ValueError(
-            f"unknown shard kind {kind!r}{' for multi-turn rows' if multi_turn else ''}; expected "
-            f"one of {', '.join(_MULTI_TURN_SCHEMAS if multi_turn else KINDS)}"
-        ) from None
+        raise ValueError(f"unknown shard kind {kind!r}; expected one of {', '.join(KINDS)}") from None
+
+
+def has_curriculum_level(schema: pa.Schema) -> bool:
+    """True when `schema` (a table's) holds the curriculum_level column."""
+    return CURRICULUM_COLUMN in schema.names
 
 
 def is_multi_turn(schema: pa.Schema) -> bool:
@@ -118,11 +136,14 @@ def is_multi_turn(schema: pa.Schema) -> bool:
 
 def schema_like(kind: str, table: pa.Table) -> pa.Schema:
     """`kind`'s schema with the multi-turn columns exactly when `table` has them (for appending stage columns)."""
-    return schema_for(kind, is_multi_turn(table.schema))
+    return schema_for(kind, is_multi_turn(table.schema), has_curriculum_level(table.schema))
 
 
 def version_of(table: pa.Table) -> int:
-    """The lowest schema version that describes `table`: 1 for single-turn rows, MULTI_TURN_VERSION otherwise."""
+    """The lowest schema version that describes `table`: 1 for single-turn rows, MULTI_TURN_VERSION with the
+    multi-turn columns, CURRICULUM_VERSION with curriculum_level."""
+    if has_curriculum_level(table.schema):
+        return CURRICULUM_VERSION
     return MULTI_TURN_VERSION if is_multi_turn(table.schema) else 1
 
 
@@ -134,7 +155,7 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
     hold no nulls, and no other column may be present. Raises SchemaMismatchError naming `where`, the
     column, the expected and the found type.
     """
-    schema = schema_for(kind, is_multi_turn(table.schema))
+    schema = schema_like(kind, table)
     found = {f.name: f for f in table.schema}
     for field in schema:
         got = found.get(field.name)
@@ -165,7 +186,7 @@ def check_columns(kind: str, columns: Optional[Sequence[str]]) -> Optional[list[
     """Validate a column selection for `kind`; raises SchemaMismatchError naming unknown columns."""
     if columns is None:
         return None
-    names = schema_for(kind, True).names  # multi-turn columns are selectable (present in v2 shards)
+    names = schema_for(kind, True, True).names  # optional columns are selectable (present in v2 / v3 shards)
     unknown = [c for c in columns if c not in names]
     if unknown:
         raise SchemaMismatchError(f"columns {unknown} are not in the {kind} schema; available: {', '.join(names)}")

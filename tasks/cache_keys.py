@@ -43,10 +43,14 @@ ROLLOUT_STAGES = ("rollout", "rollout-part", "eval")
 
 
 def stage_sections(cfg: PPOFlowConfig, stage: str) -> tuple[str, ...]:
-    """STAGE_SECTIONS, plus "reward" for a rollout with dynamic sampling (which groups it keeps is the reward's)."""
+    """STAGE_SECTIONS, plus "reward" for a rollout with dynamic sampling (which groups it keeps is the reward's), and
+    "data" for an update with a curriculum (the promotion rule is data.reasoning_gym.curriculum's)."""
     sections = STAGE_SECTIONS[stage]
     if stage == "rollout" and cfg.rollout.dynamic_sampling.enabled:
         sections += ("reward",)
+    spec = cfg.data.reasoning_gym
+    if stage == "update" and spec is not None and spec.curriculum is not None:
+        sections += ("data",)  # the update commits the next curriculum level (stages/curriculum_state.py)
     return sections
 
 
