@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
@@ -38,7 +39,7 @@ def publish_iteration_artifacts(cfg: PPOFlowConfig, row: dict[str, Any]) -> None
 def iteration_markdown(cfg: PPOFlowConfig, iteration: int, row: dict[str, Any], manifests: dict[str, dict]) -> str:
     """The artifact's text: a `metric | value` table of `row` (floats to 6 significant digits), then the URIs."""
     lines = [f"# {cfg.run.name}, iteration {iteration}", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {_cell(v)} |" for k, v in row.items()]
+    lines += [f"| {k} | {_cell(v, k)} |" for k, v in row.items()]
     lines += [
         "",
         f"- rollout shards: `{manifests['rollout']['uri']}` ({manifests['rollout']['rows']} rows)",
@@ -52,7 +53,11 @@ def iteration_markdown(cfg: PPOFlowConfig, iteration: int, row: dict[str, Any], 
     return "\n".join(lines)
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, key: str = "") -> str:
+    """A float to 6 significant digits, except a time (`*_unix`, seconds since 1970) as UTC to the second: 6
+    digits of 1795890601.2 are 1.79589e+09, which says nothing."""
+    if key.endswith("_unix") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return datetime.fromtimestamp(value, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     text = f"{value:.6g}" if isinstance(value, float) else str(value)
     return text.replace("|", "\\|")  # a `|` in a value would end the cell
 

@@ -128,7 +128,8 @@ def cmd_rescore(args) -> int:
     from flows.rescore import rescore_fork, rescore_report
 
     cfg = rescore_fork(args.root, args.run, args.iteration, args.name, args.set, storage_opts(args))
-    report = lambda console: console.print(rescore_report(cfg, args.iteration), highlight=False)  # noqa: E731
+    # crop=False: the shards' URI and the command that trains on are printed whole (flows/rescore.rescore_summary)
+    report = lambda console: console.print(rescore_report(cfg, args.iteration), highlight=False, crop=False)  # noqa: E731
     return _run_with_capture(cfg, "rescore", args, report)
 
 
@@ -254,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     rescore.add_argument("--iteration", type=int, required=True, help="K: a committed iteration, K >= 2")
     rescore.add_argument("--name", required=True, help="the fork's run name")
     rescore.add_argument("--root", default="./runs", help="storage root of the run (default ./runs)")
-    rescore.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a reward field")
+    rescore.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="change a reward.* or score.* field"
+    )
     rescore.add_argument("--endpoint-url", default=None)
     rescore.add_argument("--verbose", action="store_true", help="show the engines' and Prefect's output here too")
     rescore.set_defaults(func=cmd_rescore)

@@ -186,7 +186,20 @@ def static_problems(cfg: PPOFlowConfig) -> list[str]:
             problems += [p for p in [function_source_problem(source.target, field)] if p]
     if cfg.rollout.environment is not None:
         problems += [p for p in [environment_problem(cfg.rollout.environment.source)] if p]
-    return problems + limit_problems(cfg)  # a conversation longer than the policy's context (preflight_limits.py)
+    problems += limit_problems(cfg)  # a conversation longer than the policy's context (preflight_limits.py)
+    return [with_working_folder(p, cfg) for p in problems]
+
+
+def with_working_folder(problem: str, cfg: PPOFlowConfig) -> str:
+    """`problem` with the folder a relative path of its field was resolved against, when it names one that is not
+    found: a deployment's run resolves `./runs/...` in its own working folder, not where the user typed it."""
+    paths = {"data.path": cfg.data.path, "eval.data_path": cfg.eval.data_path}
+    paths |= {"model.policy_path": cfg.model.policy_path, "model.critic_path": cfg.model.critic_path}
+    for field, path in paths.items():
+        relative = path and "://" not in path and not os.path.isabs(os.path.expanduser(path))
+        if relative and problem.startswith(f"{field}:") and "not found" in problem:
+            return f"{problem} (a relative path, resolved against the working folder {os.getcwd()})"
+    return problem
 
 
 def environment_problem(source: str) -> Optional[str]:

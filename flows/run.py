@@ -198,8 +198,9 @@ def _print_where(cfg: PPOFlowConfig, console: Console) -> None:
     endpoint = ["--endpoint-url", cfg.storage.endpoint_url] if cfg.storage.endpoint_url else []
     plot = ["ppoflow", "runs", "plot", cfg.run.name, "--root", cfg.run.root, *endpoint]
     stats = ["ppoflow", "shards", "stats", layout.url(layout.stage_dir(last, "scored")), *endpoint]
-    console.print(f"plot:        {shlex.join(plot)}", highlight=False)
-    console.print(f"inspect:     {shlex.join(stats)}", highlight=False)
+    # soft_wrap: a command is one line however narrow the terminal (a wrap inserted here would break a copy)
+    console.print(f"plot:        {shlex.join(plot)}", highlight=False, soft_wrap=True)
+    console.print(f"inspect:     {shlex.join(stats)}", highlight=False, soft_wrap=True)
 
 
 def demo_config(overrides: list[str], root: str = "./runs") -> PPOFlowConfig:

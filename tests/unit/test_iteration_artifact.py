@@ -41,3 +41,10 @@ def test_a_pipe_in_a_value_does_not_end_its_cell_and_eval_shards_are_listed_when
     text = iteration_markdown(_cfg(), 3, {"note": "a|b"}, manifests).splitlines()
     assert "| note | a\\|b |" in text
     assert "- eval shards: `s3://b/runs/r/iter-000003/eval` (8 rows)" in text
+
+
+def test_a_time_is_shown_as_a_utc_date_not_as_six_digits():
+    # Issue 56: time/finished_unix showed as 1.79589e+09. 1795890601 s after 1970-01-01 UTC: 20785 days
+    # (1795824000 s) = 2026-11-28, plus 66601 s = 18:30:01.
+    text = iteration_markdown(_cfg(), 3, {"time/finished_unix": 1795890601.25}, MANIFESTS).splitlines()
+    assert "| time/finished_unix | 2026-11-28 18:30:01 UTC |" in text

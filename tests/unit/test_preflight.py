@@ -278,3 +278,15 @@ def test_a_conversation_longer_than_the_policy_s_context_is_found_with_a_fix_tha
     (problem,) = static_problems(load_config(None, shorter))
     assert "context of 200 tokens (rollout.max_model_len)" in problem
     assert problem.endswith("Fix: --set rollout.environment.max_total_tokens=200")
+
+
+def test_a_relative_path_not_found_names_the_folder_it_was_resolved_against(tiny_model_dir, tmp_path, monkeypatch):
+    # Issue 56: a deployment's run with the minimal JSON config said "'./runs/_data/digits' not found", without
+    # the folder (the flow run's, not the user's) that ./ meant.
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["model.policy_path=" + str(tiny_model_dir), "data.path=./runs/_data/digits"])
+    (problem,) = [p for p in static_problems(cfg) if p.startswith("data.path:")]
+    assert problem.endswith(
+        f"not found (data.path: a datasets folder, .jsonl or .parquet) (a relative path, "
+        f"resolved against the working folder {tmp_path})"
+    ), problem

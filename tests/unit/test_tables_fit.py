@@ -119,3 +119,22 @@ def test_runs_show_on_a_pipe_prints_paths_whole_and_names_removed_checkpoints(ru
     assert f"run folder   {run.url(run.run_dir)}" in text.splitlines()
     states = {cells[0]: cells[-1] for cells in _rows(text, "") if re.fullmatch(r"\d+", cells[0])}
     assert states == {"1": "removed", "2": "committed", "3": "committed", "4": "no"}
+
+
+def test_rescore_prints_its_command_whole_at_80_columns(run):
+    # Before: "... train on from them: ppoflow train <root>/<fork>/config.yaml" at the end of one long line, wrapped
+    # by the console's width in the middle of the path, so the command could not be copied.
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from flows.rescore import rescore_summary
+
+    scored = SimpleNamespace(reward_mean=0.5, rows=64, cache_hits=0, uri=run.url(run.stage_dir(3, "scored")))
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(rescore_summary("run-x", "base", 3, 0.25, scored, run), highlight=False, crop=False)
+    lines = console.file.getvalue().splitlines()
+    assert f"train on       ppoflow train {run.url(run.config_path)}" in lines
+    assert f"scored shards  {scored.uri}" in lines
+    assert "reward/mean 0.2500 -> 0.5000" in console.file.getvalue()
