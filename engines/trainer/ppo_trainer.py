@@ -28,8 +28,11 @@ The loss mask is the response mask, without truncated samples when train.mask_tr
 algo.tis_cap, or with pipelined iterations (pipeline.max_staleness >= 1), the policy-gradient tokens carry truncated
 importance weights pi_old / pi_sampler (decoupled PPO: engines/ppo/off_policy.py).
 
-Precision: model.autocast_dtype ("bfloat16") runs every actor/critic forward (and so its backward) under
-torch.autocast; weights, gradients and AdamW state stay float32, log-probs and values come out float32.
+Precision: model.dtype "bfloat16" (the default on a GPU) trains bfloat16 weights with DeepSpeed's bf16 mode:
+float32 master weights, gradient accumulation and AdamW state inside the ZeRO-2 optimizer (deepspeed_setup.py),
+no cast per forward. model.autocast_dtype ("bfloat16") instead runs every forward (and so its backward) of
+float32 weights under torch.autocast; weights, gradients and AdamW state stay float32. Either way log-probs and
+values come out float32.
 
 Checkpoints: see engines/trainer/checkpoint.py.
 """
