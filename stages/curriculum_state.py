@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from typing import Optional
 
@@ -36,6 +37,7 @@ from storage.layout import layout_for
 from storage.schema import CURRICULUM_COLUMN
 
 STATE_FILE = "curriculum.json"
+log = logging.getLogger("ppoflow.curriculum")
 
 
 def _plan(cfg):
@@ -94,7 +96,17 @@ def next_state(cfg, policy: PolicyRef, scored: pa.Table) -> tuple[Optional[Curri
     levels = scored.column(CURRICULUM_COLUMN)
     at_level = scored.filter(pc.equal(levels, state.level))
     reward = pc.mean(at_level.column("reward")).as_py() if at_level.num_rows else None
-    after, _promoted = advance(_plan(cfg), state, reward)
+    after, promoted = advance(_plan(cfg), state, reward)
+    if promoted:  # said in the run's log; the level is also the metric curriculum/next_level
+        log.info(
+            "curriculum: level %d -> %d after %d iteration(s) with reward >= %s at level %d (last %.3f)",
+            state.level,
+            after.level,
+            _plan(cfg).promote_after,
+            _plan(cfg).promote_at,
+            state.level,
+            reward,
+        )
     metrics = {"curriculum/level": float(pc.max(levels).as_py()), "curriculum/next_level": float(after.level)}
     if reward is not None:
         metrics["curriculum/reward_at_level"] = float(reward)
