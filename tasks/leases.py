@@ -5,10 +5,10 @@ A worker process killed mid-stage (SIGKILL, OOM, a lost machine) tells Prefect n
 Running and the submitting flow would wait for it forever. So a stage running on a worker (`ppoflow worker`
 calls `serve_as_worker()`) holds a lease beside the iteration's stage records,
 `<run>/iter-NNNNNN/_stages/<stage>.lease.json` = {host, pid, heartbeat_unix}, refreshed every HEARTBEAT_S
-seconds by a daemon thread while the stage body runs. The submitting side (flows/stage_runs.py) clears the
-previous attempt's lease before it submits, and reads the lease while it waits: the worker is dead when the
-lease names a process of this host that no longer runs, or when its heartbeat is older than STALE_S (a worker
-on another machine).
+seconds by a daemon thread while the stage body runs, and removed when it ends. The submitting side
+(flows/stage_runs.py) clears the previous attempt's lease before it submits, and reads the lease while it waits:
+the worker is dead when the lease names a process of this host that no longer runs, or when its heartbeat is
+older than STALE_S (a worker on another machine).
 
 In-process stages hold no lease: their process is the flow's.
 
@@ -71,6 +71,12 @@ def _held(layout: RunLayout, iteration: int, stage: str) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+        # Released when the stage ends, done or failed: a lease left behind after a run only puzzles the reader of
+        # _stages/. (One of a worker killed mid-stage stays, as the evidence; the next attempt clears it.)
+        try:
+            clear_lease(layout, iteration, stage)
+        except Exception:  # a storage hiccup must not turn a stage that ended into a failure
+            pass
 
 
 def stage_lease(layout: RunLayout, iteration: int, stage: str):

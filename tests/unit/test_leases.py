@@ -46,6 +46,13 @@ def test_only_a_worker_holds_a_lease_and_it_is_cleared(tmp_path, monkeypatch):
         lease = leases.read_lease(layout, 3, "update")
         assert (lease["host"], lease["pid"]) == (socket.gethostname(), os.getpid())
         assert time.time() - lease["heartbeat_unix"] < 5
+    assert leases.read_lease(layout, 3, "update") is None  # released when the stage ends (issue 56: left behind)
+    try:
+        with leases.stage_lease(layout, 3, "update"):
+            raise RuntimeError("the stage failed")
+    except RuntimeError:
+        pass
+    assert leases.read_lease(layout, 3, "update") is None  # a failed stage releases it too
     leases.clear_lease(layout, 3, "update")
     assert leases.read_lease(layout, 3, "update") is None
     leases.clear_lease(layout, 3, "update")  # nothing to clear: no error
