@@ -789,7 +789,7 @@ class EvalConfig(_Section):
         False,
         description="Also evaluate the initial policy when a run starts (before iteration 1): its metrics are the row of iteration 0 in metrics.jsonl, the table and the plot, its shards iter-000000/eval/.",
     )
-    sampled_pass_at_k: Literal["off", "before_training", "every"] = Field(
+    sampled_pass_at_k: Literal["never", "before_training", "every"] = Field(
         "before_training",
         description="Also sample rollout.n_samples responses per held-out prompt at the rollout's temperature and report "
         "eval/sampled_pass@k (k = rollout.n_samples) and eval/sampled_spread (the share of prompts whose samples "

@@ -18,6 +18,9 @@ What it computes, and the choices made:
   draws the same samples;
 - scored by the score stage's scorer (reward sources + reference) through the score cache, so the rows
   are scored rows and `eval/reward_mean` is the mean of their `reward` column;
+- eval.sampled_pass_at_k (the initial eval by default): the held-out prompts sampled again as the rollout samples
+  them, for eval/sampled_pass@k (k = rollout.n_samples) and eval/sampled_spread beside the greedy figures
+  (stages/evaluate_sampled.py);
 - metrics: engines/evaluation.eval_metrics: eval/reward_mean, and when every reward is 0 or 1, eval/pass@1
   and eval/pass@k for k = eval.n_samples (the unbiased estimator); when the held-out rows name two data sources
   or more, the same per source as eval/<data_source>/<metric> (per_data_source);
@@ -40,6 +43,7 @@ from engines import warm
 from engines.evaluation import eval_metrics
 from engines.rollout.base import SamplingSettings
 from stages.evaluate_multi_turn import multi_turn_eval_metrics, sample_eval_conversations
+from stages.evaluate_sampled import sample_as_rollout, sampled_due, sampled_metrics
 from stages.held import eval_prompt_source_for, score_cache_for, scorer_for
 from stages.manifests import EvalManifest, PolicyRef
 from stages.rollout import rollout_engine_for, sample_table, sampled_manifest
@@ -91,6 +95,10 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
             table = sample_eval_conversations(engine, source, cfg, records, eval_sampling(cfg), seeds, iteration)
         else:
             table = sample_table(engine, source, records, eval_sampling(cfg), seeds, iteration)
+        # eval.sampled_pass_at_k: the same prompts as the rollout samples them (stages/evaluate_sampled.py)
+        sampled = (
+            sample_as_rollout(engine, source, records, cfg, seeds, iteration) if sampled_due(cfg, iteration) else None
+        )
     layout = layout_for(cfg)
     scorer = scorer_for(cfg)
     cache = score_cache_for(cfg, layout, scorer.identity) if cfg.score.cache else None
@@ -99,6 +107,8 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
     metrics_of = multi_turn_eval_metrics if multi_turn else single_turn_eval_metrics
     n = cfg.eval.n_samples
     metrics = {**metrics_of(scored, n), **per_data_source(metrics_of, scored, n)}
+    if sampled is not None:
+        metrics.update(sampled_metrics(score_rows(scorer, sampled, cache)[0], cfg.rollout.n_samples))
     return sampled_manifest(
         EvalManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, metrics=metrics
     )

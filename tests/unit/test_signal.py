@@ -83,3 +83,23 @@ def test_the_table_shows_the_share():
     assert "signal" in header.split()
     column = header.split().index("signal")
     assert row.split()[column] == "0.19"
+
+
+def test_sampled_eval_metrics_by_hand():
+    import pyarrow as pa
+
+    from stages.evaluate_sampled import sampled_due, sampled_metrics
+
+    # 3 held-out prompts x 4 samples: A [1,0,0,0], B [0,0,0,0], C [1,1,1,1]. accuracy 5/12; pass@4: A 1, B 0, C 1
+    # -> 2/3; spread: only A's rewards differ -> 1/3.
+    rewards = [1.0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    got = sampled_metrics(pa.table({"reward": pa.array(rewards, pa.float32())}), 4)
+    assert got == {
+        "eval/sampled_reward_mean": pytest.approx(5 / 12),
+        "eval/sampled_accuracy": pytest.approx(5 / 12),
+        "eval/sampled_pass@4": pytest.approx(2 / 3),
+        "eval/sampled_spread": pytest.approx(1 / 3),
+    }
+    assert sampled_due(_cfg(), 0) and not sampled_due(_cfg(), 3)  # default: the initial eval only
+    assert sampled_due(_cfg("eval.sampled_pass_at_k=every"), 3)
+    assert not sampled_due(_cfg("eval.sampled_pass_at_k=never"), 0)
