@@ -37,6 +37,7 @@ run goes on (the next start of the run still marks the dead run Crashed: flows/s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import timedelta
@@ -145,7 +146,12 @@ def train_through_deployment(config_json: dict[str, Any]) -> dict[str, Any]:
     outer = get_settings_context()
     settings = outer.settings.copy_with_update(updates={"flows.heartbeat_frequency": heartbeat_s})
     with SettingsContext(profile=outer.profile, settings=settings):
-        return run_flow(ppo_training, flow_run=flow_run, parameters=parameters)
+        try:
+            return run_flow(ppo_training, flow_run=flow_run, parameters=parameters)
+        except BaseException as error:  # the failure message offers this flow run's Retry (flows/failure.py)
+            with contextlib.suppress(AttributeError):  # an exception type with __slots__: no retry line
+                error.ppoflow_flow_run = {"name": flow_run.name, "id": str(flow_run.id)}
+            raise
 
 
 def serve_deployment() -> None:

@@ -4,11 +4,13 @@
       where:   stage score, iteration 2, run demo at /tmp/runs/demo
       log:     /tmp/runs/demo/logs/demo-20261123T101500Z-4242.log (the traceback; --verbose shows it here)
       resume:  ppoflow demo --root /tmp/runs
+      retry:   http://127.0.0.1:4200/runs/flow-run/<id> (Retry in the Prefect UI, ...), with `ppoflow serve` running
 
 The stage and iteration come from the traceback: the innermost frame of ppoflow's own code that holds
 an int `iteration` and a stage name in `stage` (flows/stage_runs.py runs every stage that way). Object
 storage errors add the root URL and its endpoint. The resume command is the command that failed:
-a run resumes at LATEST + 1, and inside the failed iteration at the first stage without a cached result.
+a run resumes at LATEST + 1, and inside the failed iteration at the first stage without a cached result. With
+PREFECT_API_URL set (a server that outlives the command), the failed flow run's page, to Retry it from the UI.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def describe_failure(
 ) -> str:
     """The message block printed on the terminal (see the module docstring); no traceback."""
     stage, iteration = failed_stage(exc.__traceback__)
+    retry = retry_line(getattr(exc, "ppoflow_flow_run", None))
     if isinstance(exc, StageError) and exc.__cause__ is not None:  # the stage's own error, its place known
         stage, iteration, exc = exc.stage, exc.iteration, exc.__cause__
     lines = [f"ppoflow: error: {_message(exc)}"]
@@ -142,7 +145,25 @@ def describe_failure(
     if log_path:
         lines.append(f"  log:     {log_path} (the traceback; --verbose shows it here)")
     lines.append(f"  resume:  {resume_command(argv)}")
+    if retry:
+        lines.append(f"  retry:   {retry}")
     return "\n".join(lines)
+
+
+def retry_line(flow_run: Optional[dict]) -> Optional[str]:
+    """How to retry the failed flow run from Prefect (UI Retry, or the CLI), when the server outlives this process
+    (PREFECT_API_URL is set: the temporary server of a run without it stops with the command); None otherwise.
+    `flow_run`: {"name", "id"} of the run of the ppoflow-train deployment (flows/deployment.py)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if not flow_run or not settings.api.url:
+        return None
+    page = f"{settings.ui_url}/runs/flow-run/{flow_run['id']}" if settings.ui_url else f"flow run {flow_run['name']}"
+    return (
+        f"{page} (Retry in the Prefect UI, or `prefect flow-run retry {flow_run['id']}`), with `ppoflow serve` "
+        f"running: it resumes at the stage that failed"
+    )
 
 
 def log_traceback(exc: BaseException) -> None:

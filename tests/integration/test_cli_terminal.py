@@ -132,6 +132,18 @@ def test_a_failing_reward_gives_one_message_and_the_traceback_in_the_log(
     assert "stage score, iteration 1, run demo" in out
     resume = next(line for line in out.splitlines() if line.strip().startswith("resume:"))
     assert "ppoflow demo --root" in resume and "--verbose" not in resume
+    # Issue 56: the UI's Retry too, not only the CLI's resume: the failed flow run's page on this server.
+    retry = next(line for line in out.splitlines() if line.strip().startswith("retry:"))
+    flow_run_id = retry.split("/runs/flow-run/")[1].split()[0]
+    assert retry.split()[1] == f"{prefect_server.removesuffix('/api')}/runs/flow-run/{flow_run_id}", retry
+    assert f"prefect flow-run retry {flow_run_id}" in retry and "ppoflow serve" in retry
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server}), get_client(sync_client=True) as client:
+        failed = client.read_flow_run(flow_run_id)
+        assert failed.state.is_failed() and failed.name == "ppo-training-demo", failed.state
+        assert "score stage of iteration 1 failed" in failed.state.message, failed.state.message
     log_line = next(line for line in out.splitlines() if line.strip().startswith("log:"))
     log_file = Path(log_line.split()[1])
     assert log_file.parent == root / "demo" / "logs"

@@ -80,3 +80,20 @@ def test_a_pool_stage_s_own_error_leads_the_training_run_s_message():
 
     again = pickle.loads(pickle.dumps(cause))
     assert (str(again), again.stage_error, again.where) == (str(cause), cause.stage_error, cause.where)
+
+
+def test_a_failure_offers_the_flow_run_s_retry_when_its_server_outlives_the_command(monkeypatch):
+    # Issue 56: the message offered only the CLI's resume, not the UI's Retry of the failed flow run.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    error = _caught()
+    error.ppoflow_flow_run = {"name": "ppo-training-exp1", "id": "0b1c"}
+    cfg = PPOFlowConfig.model_validate({"run": {"name": "exp1", "root": "/data/runs"}})
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        text = describe_failure(error, cfg, None, argv=["train", "exp1.yaml"])
+    assert text.splitlines()[-1] == (
+        "  retry:   http://127.0.0.1:4200/runs/flow-run/0b1c (Retry in the Prefect UI, or `prefect flow-run retry "
+        "0b1c`), with `ppoflow serve` running: it resumes at the stage that failed"
+    )
+    with temporary_settings({PREFECT_API_URL: None}):  # a temporary server: gone with the command, no retry
+        assert "retry:" not in describe_failure(error, cfg, None, argv=["train", "exp1.yaml"])
