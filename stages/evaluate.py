@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 from engines import warm
 from engines.evaluation import eval_metrics
 from engines.rollout.base import SamplingSettings
+from stages.attest import attest
 from stages.evaluate_multi_turn import multi_turn_eval_metrics, sample_eval_conversations
 from stages.evaluate_sampled import sample_as_rollout, sampled_due, sampled_metrics
 from stages.held import eval_prompt_source_for, score_cache_for, scorer_for
@@ -91,6 +92,7 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
     multi_turn = cfg.rollout.environment is not None
     with warm.stage_lock("rollout"):  # pipelined iterations: the rollout engine serves one stage at a time
         engine = rollout_engine_for(cfg, policy)
+        attested = attest(engine, cfg, policy, "eval", iteration)
         if multi_turn:
             table = sample_eval_conversations(engine, source, cfg, records, eval_sampling(cfg), seeds, iteration)
         else:
@@ -110,7 +112,14 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
     if sampled is not None:
         metrics.update(sampled_metrics(score_rows(scorer, sampled, cache)[0], cfg.rollout.n_samples))
     return sampled_manifest(
-        EvalManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, metrics=metrics
+        EvalManifest,
+        written,
+        iteration,
+        started,
+        policy_version=policy.version,
+        engine=engine.name,
+        metrics=metrics,
+        attested=attested,
     )
 
 

@@ -52,6 +52,19 @@ class PolicyRef(HandOff):
     weights_id: str
 
 
+class Attestation(BaseModel):
+    """What a rollout or eval stage proved its engine served (stages/attest.py): the policy version and weights it
+    was handed, the digest of the weights the engine held when checked (engines/weights_digest.py), their dtypes,
+    and the seconds the check took."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: int = Field(ge=0)
+    weights_id: str
+    digest: str
+    dtypes: list[str]
+    seconds: float = Field(ge=0)
+
+
 class StageManifest(HandOff):
     iteration: int = Field(ge=1)
     seconds: float = Field(ge=0, description="wall seconds of the stage body in its worker")
@@ -80,6 +93,9 @@ class RolloutManifest(ShardsManifest):
         description="host:pid of the process that sampled each part, in part order (pipeline.rollout_parts > 1); "
         "[] when one task run sampled the whole iteration",
     )
+    attested: Optional[Attestation] = Field(
+        None, description="the policy the engine was proved to serve (stages/attest.py); None only in old records"
+    )
 
 
 class RolloutPartManifest(ShardsManifest):
@@ -94,6 +110,9 @@ class RolloutPartManifest(ShardsManifest):
     prompts: int = Field(ge=1, description="prompts this part sampled")
     policy_version: int
     engine: str
+    attested: Optional[Attestation] = Field(
+        None, description="the policy the engine was proved to serve (stages/attest.py); None only in old records"
+    )
 
 
 class EvalManifest(ShardsManifest):
@@ -107,6 +126,9 @@ class EvalManifest(ShardsManifest):
     policy_version: int
     engine: str
     metrics: dict[str, float]
+    attested: Optional[Attestation] = Field(
+        None, description="the policy the engine was proved to serve (stages/attest.py); None only in old records"
+    )
 
 
 class ScoreManifest(ShardsManifest):

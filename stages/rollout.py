@@ -28,6 +28,7 @@ from engines import warm
 from engines.data import PromptSource
 from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_sampling_seed
 from engines.rollout.registry import get_rollout_engine, serve_in_memory
+from stages.attest import attest
 from stages.curriculum_state import iteration_level, tag_level
 from stages.dynamic import sample_dynamic, stage_rewards
 from stages.held import prompt_source_for, trainer_key
@@ -120,6 +121,7 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
     source = prompt_source_for(cfg, level)
     with warm.stage_lock("rollout"):  # pipelined iterations: one engine, one rollout at a time
         engine = rollout_engine_for(cfg, policy)
+        attested = attest(engine, cfg, policy, "rollout", iteration)
         if cfg.rollout.dynamic_sampling.enabled:
             sample = lambda records: sample_records(engine, source, cfg, iteration, records)  # noqa: E731
             table, metrics = sample_dynamic(sample, source, cfg, iteration, stage_rewards(cfg))
@@ -127,5 +129,12 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
             table = sample_rollout(engine, source, cfg, iteration)
     written = write_stage_table(cfg, layout_for(cfg), iteration, "rollout", tag_level(table, level))
     return sampled_manifest(
-        RolloutManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, metrics=metrics
+        RolloutManifest,
+        written,
+        iteration,
+        started,
+        policy_version=policy.version,
+        engine=engine.name,
+        metrics=metrics,
+        attested=attested,
     )

@@ -27,6 +27,7 @@ import time
 import pyarrow as pa
 
 from engines import warm
+from stages.attest import attest
 from stages.curriculum_state import iteration_level, tag_level
 from stages.handed import read_handed
 from stages.held import prompt_source_for
@@ -63,11 +64,12 @@ def run_rollout_part(cfg, iteration: int, policy: PolicyRef, part: int, parts: i
     records = split_prompts(every, part, parts)
     with warm.stage_lock("rollout"):  # pipelined iterations (or parts in threads): one engine, one call at a time
         engine = rollout_engine_for(cfg, policy)
+        attested = attest(engine, cfg, policy, f"rollout part {part} of {parts}", iteration)
         table = tag_level(sample_records(engine, source, cfg, iteration, records), level)
     layout = layout_for(cfg)
     folder = part_dir(layout, iteration, part, parts)
     written = write_stage_table(cfg, layout, iteration, "rollout", table, folder=folder)
-    fields = {"part": part, "parts": parts, "prompts": len(records)}
+    fields = {"part": part, "parts": parts, "prompts": len(records), "attested": attested}
     return sampled_manifest(
         RolloutPartManifest, written, iteration, started, policy_version=policy.version, engine=engine.name, **fields
     )
@@ -109,5 +111,6 @@ def merge_rollout_parts(cfg, iteration: int, parts: list[RolloutPartManifest]) -
         started,
         policy_version=parts[0].policy_version,
         engine=parts[0].engine,
+        attested=parts[0].attested,  # every part's engine attested the one policy version _check_parts allows
         part_workers=[p.worker for p in parts],
     )

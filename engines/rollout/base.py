@@ -87,4 +87,9 @@ class RolloutEngine(Protocol):
         """Serve the Hugging Face policy folder `policy_dir` from now on, tagging samples with `version`."""
         ...
 
+    def weights_digest(self):
+        """The WeightsDigest of the weights it computes with, read where they live (engines/weights_digest.py);
+        `digest_precision` (None or an autocast dtype) names the rounding it is taken at."""
+        ...
+
     def shutdown(self) -> None: ...

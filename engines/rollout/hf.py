@@ -28,6 +28,7 @@ import torch
 
 from engines.models import autocast, load_policy, load_tokenizer, precast_linear_weights, weight_files
 from engines.rollout.base import RolloutSample, SamplingSettings
+from engines.weights_digest import WeightsDigest, module_digest
 
 
 def row_seed(prompt_seed: int, sample_index: int) -> int:
@@ -187,6 +188,15 @@ class HFRolloutEngine:
                 for name, tensor in load_file(str(path)).items():
                     params[name].copy_(tensor)
         return True
+
+    @property
+    def digest_precision(self):
+        """The precision its weights are compared at: the autocast dtype its Linear weights are held in, if any."""
+        return self.autocast_dtype
+
+    def weights_digest(self) -> WeightsDigest:
+        """The digest of the weights the sampler holds (engines/weights_digest.py), at digest_precision."""
+        return module_digest(self.model, self.digest_precision)
 
     def shutdown(self) -> None:
         self.model = None

@@ -36,6 +36,7 @@ from adaptations.vllm_client_watch import client_named
 from engines.rollout.base import RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
 from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
+from engines.weights_digest import WeightsDigest, vllm_worker_digest
 
 log = logging.getLogger("ppoflow.rollout")
 
@@ -157,8 +158,7 @@ class VLLMRolloutEngine:
         if not on_gpu:
             context = self.settings.max_model_len or int(model_config.get("max_position_embeddings") or 0)
             llm_kwargs.update(whole_prefill_kwargs(context))
-        if self._tied_head:
-            allow_function_rpc()
+        allow_function_rpc()  # retie_lm_head (a tied model) and vllm_worker_digest are functions sent to the worker
         with client_named():  # its engine core dies with this process, even SIGKILLed (adaptations/vllm_client_watch)
             self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
         model_config = self._llm.llm_engine.model_config
@@ -298,6 +298,13 @@ class VLLMRolloutEngine:
         self._llm.reset_prefix_cache()
         self.policy_dir, self.policy_version = str(path), int(version)
         log.info("vllm: loaded policy version %d from %s in %.3f s", version, path, time.perf_counter() - started)
+
+    def weights_digest(self) -> WeightsDigest:
+        """The digest of the weights vLLM's worker computes with, read there (engines/weights_digest.py)."""
+        (found,) = self._llm.collective_rpc(vllm_worker_digest)
+        return WeightsDigest.from_json(found)
+
+    digest_precision = None  # vLLM holds the weights in the dtype it loaded them in, as the trainer saved them
 
     def sleep(self) -> None:
         """GPU only: free weights and KV cache (level 1) while training runs on the same GPU."""

@@ -43,6 +43,7 @@ from engines.hf_save import save_pretrained_hashed
 from engines.trainer import reshard
 from engines.trainer.lora import save_lora_policy
 from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
+from engines.weights_digest import policy_record
 
 _TRAINER_FILE = "trainer.json"
 
@@ -212,6 +213,9 @@ def save_trainer(
         "extra_state": extra,
         "world_size": world,
         "optimizer_state": optimizer_state,
+        # what a rollout engine must hold to serve this policy (stages/attest.py); here, beside policy/, so a
+        # policy folder swapped after the commit cannot bring its own record
+        "policy_digest": policy_record(out / "policy", trainer.cfg.model.autocast_dtype),
     }
     if trainer.reward_normalizer is not None:  # reward.normalize=running: the running moments (three floats)
         meta["reward_normalizer"] = trainer.reward_normalizer.state_dict()
