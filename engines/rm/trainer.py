@@ -42,6 +42,7 @@ from engines.trainer.deepspeed_setup import (
     lr_multiplier,
     make_engine,
     setup_distributed,
+    world_size,
 )
 from engines.trainer.state import load_nested, rng_state, save_nested, seed_rng, set_rng_state
 
@@ -76,7 +77,9 @@ class RMTrainer:
         self.engine = make_engine(
             model,
             # autocast_dtype: DeepSpeed turns the caller's autocast off in its engine unless told (deepspeed_config)
-            deepspeed_config(train_cfg, cfg.model.dtype, self.rm.batch_size, self.rm.lr, cfg.model.autocast_dtype),
+            deepspeed_config(
+                train_cfg, cfg.model.dtype, self.rm.batch_size, self.rm.lr, cfg.model.autocast_dtype, world=world_size()
+            ),
             factor,
         )
         self.step = 0

@@ -164,12 +164,20 @@ def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str) -> Callabl
     return factor
 
 
-def deepspeed_config(
-    train_cfg, dtype: str, train_batch_size: int, lr: float, autocast_dtype: str | None = None
-) -> dict[str, Any]:
-    """The DeepSpeed config dict for one engine (actor or critic).
+def world_size() -> int:
+    """Ranks in this process's DeepSpeed world: the initialized process group's size (setup_distributed or
+    join_process_group made it), 1 without one."""
+    import torch.distributed as dist
 
-    gradient accumulation = train_batch_size / (micro_batch_size * world size). Raises ValueError naming
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def deepspeed_config(
+    train_cfg, dtype: str, train_batch_size: int, lr: float, autocast_dtype: str | None = None, *, world: int
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for one engine (actor or critic) trained by `world` data-parallel ranks.
+
+    gradient accumulation = train_batch_size / (micro_batch_size * world). Raises ValueError naming
     train.micro_batch_size when it does not divide the per-rank train batch.
 
     `autocast_dtype` (model.autocast_dtype, e.g. "bfloat16"): the engine's forward runs under torch.autocast
@@ -180,7 +188,6 @@ def deepspeed_config(
     reduction in its own dtype (float32), as without autocast; DeepSpeed's default would all-reduce
     nn.Linear gradients in the autocast dtype.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     stage = default_zero_stage(dtype, train_cfg.offload) if train_cfg.zero_stage is None else train_cfg.zero_stage
     micro = min(train_cfg.micro_batch_size, train_batch_size // world)
     if micro < 1 or train_batch_size % (micro * world):

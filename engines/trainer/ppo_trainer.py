@@ -57,7 +57,13 @@ from engines.ppo.reward_shaping import shape_scores
 from engines.ppo.rewards import token_level_rewards
 from engines.ppo.signal import signal_metrics
 from engines.trainer import checkpoint, lora
-from engines.trainer.deepspeed_setup import deepspeed_config, lr_multiplier, make_engine, setup_distributed
+from engines.trainer.deepspeed_setup import (
+    deepspeed_config,
+    lr_multiplier,
+    make_engine,
+    setup_distributed,
+    world_size,
+)
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 from engines.trainer.loss_steps import KL_CLAMP, FirstForward, LossSteps, MetricSums
@@ -106,7 +112,12 @@ class PPOTrainer(LossSteps):
         self.actor = make_engine(
             policy,
             deepspeed_config(
-                cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.actor_lr, cfg.model.autocast_dtype
+                cfg.train,
+                cfg.model.dtype,
+                self.train_batch_size,
+                cfg.train.actor_lr,
+                cfg.model.autocast_dtype,
+                world=world_size(),
             ),
             factor,
         )
@@ -120,7 +131,12 @@ class PPOTrainer(LossSteps):
             self.critic = make_engine(
                 critic,
                 deepspeed_config(
-                    cfg.train, cfg.model.dtype, self.train_batch_size, cfg.train.critic_lr, cfg.model.autocast_dtype
+                    cfg.train,
+                    cfg.model.dtype,
+                    self.train_batch_size,
+                    cfg.train.critic_lr,
+                    cfg.model.autocast_dtype,
+                    world=world_size(),
                 ),
                 factor,
             )

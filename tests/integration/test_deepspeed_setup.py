@@ -25,8 +25,8 @@ ONE_RANK = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     before = model.weight.detach().clone()
-    engine = make_engine(model, deepspeed_config(TrainConfig(micro_batch_size=2, zero_stage=2), "float32", 2, 0.1),
-                         lambda step: 1.0)
+    config = deepspeed_config(TrainConfig(micro_batch_size=2, zero_stage=2), "float32", 2, 0.1, world=1)
+    engine = make_engine(model, config, lambda step: 1.0)
     loss = engine(torch.ones(2, 4)).sum()
     engine.backward(loss)
     engine.step()
@@ -59,7 +59,7 @@ AUTOCAST = textwrap.dedent("""
     from ppoflow.config import TrainConfig
     seen = {}
     for setting in (None, "bfloat16"):
-        cfg = deepspeed_config(TrainConfig(micro_batch_size=2, zero_stage=2), "float32", 2, 0.1, setting)
+        cfg = deepspeed_config(TrainConfig(micro_batch_size=2, zero_stage=2), "float32", 2, 0.1, setting, world=1)
         engine = make_engine(torch.nn.Linear(4, 1), cfg, lambda step: 1.0)
         seen[str(setting)] = [engine.torch_autocast_enabled(), str(engine.torch_autocast_dtype())]
     print(json.dumps(seen))
