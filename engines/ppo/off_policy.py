@@ -26,18 +26,20 @@ from typing import Optional
 ASYNC_IS_CAP = 2.0  # C when samples may be stale and algo.tis_cap is unset (veRL's default TIS cap is 2 as well)
 
 
-def behaviour_is_cap(cfg) -> Optional[float]:
+def behaviour_is_cap(old_logprobs: str, tis_cap: Optional[float], max_staleness: int) -> Optional[float]:
     """C of the importance weights pi_prox / pi_behav the update applies; None = no weights (on-policy PPO, or
-    algo.old_logprobs = rollout, where the old log-probs are pi_behav's own and every weight would be 1)."""
-    if cfg.algo.old_logprobs == "rollout":
+    `old_logprobs` = "rollout", where the old log-probs are pi_behav's own and every weight would be 1).
+    Arguments: algo.old_logprobs, algo.tis_cap, pipeline.max_staleness."""
+    if old_logprobs == "rollout":
         return None
-    if cfg.algo.tis_cap is not None:
-        return float(cfg.algo.tis_cap)
-    return ASYNC_IS_CAP if cfg.pipeline.max_staleness >= 1 else None
+    if tis_cap is not None:
+        return float(tis_cap)
+    return ASYNC_IS_CAP if max_staleness >= 1 else None
 
 
-def is_weight_metric_names(cfg) -> tuple[str, str]:
-    """(mean, clip fraction) metric names of the weights: `async/*` when samples may be stale, else `tis/*`."""
-    if cfg.pipeline.max_staleness >= 1:
+def is_weight_metric_names(max_staleness: int) -> tuple[str, str]:
+    """(mean, clip fraction) metric names of the weights: `async/*` when samples may be stale
+    (pipeline.max_staleness >= 1), else `tis/*`."""
+    if max_staleness >= 1:
         return "async/is_weight_mean", "async/is_weight_clipfrac"
     return "tis/weight_mean", "tis/clipfrac"

@@ -142,8 +142,8 @@ class PPOTrainer(LossSteps):
             )
         self.kl_controller = make_kl_controller(cfg.algo)
         self.loss_agg = cfg.algo.resolved_loss_agg
-        self.is_cap = behaviour_is_cap(cfg)
-        self.is_metric_names = is_weight_metric_names(cfg)
+        self.is_cap = behaviour_is_cap(cfg.algo.old_logprobs, cfg.algo.tis_cap, cfg.pipeline.max_staleness)
+        self.is_metric_names = is_weight_metric_names(cfg.pipeline.max_staleness)
         self.reward_normalizer = RunningMoments() if cfg.reward.normalize == "running" else None
         self._pre_step_grad_norms: dict[str, float] = {}
         self.update_count = 0

@@ -60,8 +60,8 @@ def test_on_policy_weights_leave_the_loss_exactly_as_it_was():
 )
 def test_the_cap_and_metric_names_follow_the_config(overrides, cap, names):
     cfg = load_config(None, overrides)
-    assert behaviour_is_cap(cfg) == cap
-    assert is_weight_metric_names(cfg) == names
+    assert behaviour_is_cap(cfg.algo.old_logprobs, cfg.algo.tis_cap, cfg.pipeline.max_staleness) == cap
+    assert is_weight_metric_names(cfg.pipeline.max_staleness) == names
 
 
 def test_sampler_old_logprobs_with_a_tis_cap_are_refused_naming_both():
