@@ -18,7 +18,8 @@ the engine holds, read where they live (engines/weights_digest.py), with the one
 
 A mismatch raises AttestationError naming the stage, the iteration, the expected policy and what the engine
 holds, with the policy version those weights belong to when this process attested them before (a skipped reload
-shows the previous version). Cost: the digest (vLLM: a collective_rpc to its worker) once per stage.
+shows the previous version); the registry then forgets what the engine serves, so a retried stage loads the
+policy again instead of trusting it. Cost: the digest (vLLM: a collective_rpc to its worker) once per stage.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 import threading
 import time
 
+from engines.rollout.registry import mark_served
 from engines.weights_digest import WeightsDigest, policy_record
 from stages.manifests import Attestation, PolicyRef
 from stages.policy import local_policy_dir
@@ -96,6 +98,8 @@ def attest(engine, cfg, policy: PolicyRef, stage: str, iteration: int) -> Attest
     expected = _expected_digest(expected_record(cfg, policy), engine.digest_precision)
     found = engine.weights_digest()
     if found != expected:
+        # forget what the engine was said to serve: a retry of the stage loads the policy into it again
+        mark_served(engine, "unattested", -1)
         raise AttestationError(_mismatch(engine, policy, stage, iteration, expected, found))
     with _seen_lock:
         _seen[found.value] = policy.version

@@ -66,6 +66,8 @@ def test_a_skipped_reload_on_a_warm_vllm_engine_fails_the_rollout(
     assert message.startswith("rollout stage of iteration 2: the vllm engine does not serve the policy it was handed")
     assert "expected policy version 1 (ckpt-" in message
     assert "policy version 0's weights" in message  # what the engine served before the skipped reload
+    monkeypatch.undo()  # the reload works again: a retry of the stage loads the policy instead of trusting the engine
+    assert run_rollout(cfg, 2, policy_ref(cfg, 2)).attested.version == 1
 
 
 def test_a_policy_folder_swapped_after_its_commit_fails_the_rollout(tmp_path, tiny_model_dir, digits_dataset_dir):
