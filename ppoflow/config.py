@@ -817,6 +817,26 @@ class SignalConfig(_Section):
     advice_after: int = Field(3, ge=1, description="Iterations in a row below advice_below before the advice.")
 
 
+class MismatchConfig(_Section):
+    """The train/inference mismatch gate (stages/mismatch_gate.py): how far the sampler's log-probs may be from the
+    trainer's for the same weights and tokens before the update stage warns or fails."""
+
+    max_logprob_diff_mean: Optional[float] = Field(
+        None,
+        gt=0,
+        description="Largest allowed mismatch/logprob_abs_diff_mean (nats per policy token). None: 1e-3 when the run "
+        "computes in float32 (model.dtype float32, no model.autocast_dtype), where sampler and trainer agree to "
+        "rounding (measured in the docs), else no limit (the metric is still reported).",
+    )
+    max_kl: Optional[float] = Field(
+        None, gt=0, description="Largest allowed mismatch/kl (k3 estimate of KL(sampler || trainer) per token)."
+    )
+    action: Literal["warn", "fail"] = Field(
+        "fail",
+        description="Past a limit: 'fail' the update stage by name (nothing is committed), or 'warn' in the log.",
+    )
+
+
 class StageDeadlinesConfig(_Section):
     """How long a stage may run, or wait to be taken, before it fails by name (tasks/deadlines.py)."""
 
@@ -941,6 +961,7 @@ class PPOFlowConfig(_Section):
     rm_train: RMTrainConfig = Field(default_factory=RMTrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     signal: SignalConfig = Field(default_factory=SignalConfig)
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
 
     @model_validator(mode="after")
     def _choose_zero_stage(self) -> "PPOFlowConfig":
