@@ -3,7 +3,9 @@
 #   make test   set up, then lint (ruff check + format check) and run the test suite
 #   make demo-real  a real model learns a real task: SmolLM2-135M-Instruct on reasoning-gym's basic_arithmetic (~15 min on 2 cores)
 #   make demo-rm  the reward-model chain: toy preference pairs -> ppoflow train-rm -> PPO on the learned model alone
-.PHONY: setup demo demo-real demo-rm lint test bench-docs
+#   make docs     build the docs site (mkdocs-material, strict: a broken link, a page left out of the nav or a missing
+#                 include fails) into site/; serve it with `python -m http.server -d site`
+.PHONY: setup demo demo-real demo-rm lint test bench-docs docs docs-reference
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -44,3 +46,10 @@ test: lint
 
 bench-docs: setup
 	$(PY) -m bench.report
+
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
+
+# docs/config-reference.md's table, from the config model (tests/unit/test_docs_reference.py keeps it in sync).
+docs-reference: setup
+	$(PY) scripts/docs_reference.py

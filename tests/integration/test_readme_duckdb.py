@@ -1,7 +1,8 @@
-"""The README's duckdb examples run as written, offline: locally and on S3 (moto on loopback).
+"""The duckdb examples of docs/storage.md ("Object storage and shards") run as written, offline: locally and on S3
+(moto on loopback).
 
-Each block is read from the README between its markers and executed; only the S3 endpoint is pointed at
-the test server. The printed answers are checked against pyarrow's own reading of the same shards.
+Each block is read from the page between its markers (tests/fixtures/docs.py) and executed; only the S3 endpoint
+is pointed at the test server. The printed answers are checked against pyarrow's own reading of the same shards.
 """
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 from collections import Counter
-from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
@@ -19,20 +18,19 @@ import pytest
 from storage import fs as fsutil
 from storage.shards import read_shards, write_shards
 from storage.synthetic import synthetic_table
-
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.fixtures.docs import named_block
 
 
 def readme_block(name: str) -> str:
-    text = README.read_text()
-    block = text[text.index(f"<!-- {name}:start -->") : text.index(f"<!-- {name}:end -->")]
-    return re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    block = named_block(name)
+    assert block.file == "docs/storage.md" and block.lang == "python", block.where
+    return block.text
 
 
 def run_block(code: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs/storage.md", "exec"), {})
     return out.getvalue()
 
 
@@ -68,4 +66,4 @@ def test_readme_duckdb_over_s3_shards(s3_server, s3_admin):
     finally:
         s3_admin.rm("my-bucket", recursive=True)
         s3_admin.invalidate_cache()
-    assert "AWS_ACCESS_KEY_ID" in os.environ  # the README's "usual AWS_* variables" are what s3fs used
+    assert "AWS_ACCESS_KEY_ID" in os.environ  # the page's "usual AWS_* variables" are what s3fs used

@@ -3,6 +3,7 @@
 import json
 
 import bench.report as report
+import bench.report_pages as report_pages
 
 
 def _write(folder, name, lines):
@@ -91,3 +92,55 @@ def test_a_side_whose_scores_came_from_the_cache_gets_a_caveat(tmp_path, monkeyp
     notes = [ln for ln in report.peer_real_table().splitlines() if ln.startswith("Caveat")]
     assert len(notes) == 1 and notes[0].startswith("Caveat: ppoflow_rollout_old's score stage took 0.01 s")
     assert "~3.39 s too low" in notes[0]  # 3.4 - 0.01
+
+
+def test_benchmarks_md_is_short_and_links_every_bench_page(tmp_path, monkeypatch):
+    # rendered from the repository's own results: the short page stays within 150 lines however many keys the
+    # benches log, and every bench gets one paragraph linking its own page
+    page = report_pages.summary_page("bench/results/", "docs/benchmarks/")
+    assert len(page.splitlines()) <= 150
+    for name in report.bench_names():
+        [paragraph] = [ln for ln in page.splitlines() if ln.startswith(f"**{name}**: ")]
+        assert paragraph.endswith(f"[All figures](docs/benchmarks/{name}.md)")
+        assert f"`python -m bench.{name}`" in paragraph
+    # the key-by-key dumps are on the bench pages, not here
+    assert "| figure | value |" not in page
+
+
+def test_a_bench_without_results_says_so_and_its_plots_are_not_linked(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "bench_names", lambda: ["score"])
+    page = report_pages.summary_page("../assets/results/", "")
+    assert "**score**: " in page and "not run yet on this branch" in page and "**30**" not in page
+    assert "| score | warm / cold scorer speed-up | >= 20 | not yet measured |" in page  # the goals table: no number
+    assert "![" not in page  # no results, no plots
+    (tmp_path / "score.jsonl").write_text(json.dumps({"bench": "score", "warm_over_cold": 30.0, "date": "2026"}) + "\n")
+    (tmp_path / "async_reward_vs_seconds.png").write_bytes(b"png")
+    page = report_pages.summary_page("../assets/results/", "")
+    assert "warm / cold scorer speed-up: **30** (goal >= 20)" in page
+    assert (
+        "![reward against wall time, pipelined iterations k = 0, 1, 2](../assets/results/async_reward_vs_seconds.png)"
+        in page
+    )
+
+
+def test_a_bench_page_links_its_plots_from_the_docs_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    _write(tmp_path, "scale", [{"bench": "scale", "memory_lora_over_full": 0.5, "date": "2026"}])
+    (tmp_path / "scale_memory.png").write_bytes(b"png")
+    page = report_pages.bench_page("scale")
+    assert page.startswith("# bench.scale\n") and "| memory_lora_over_full | 0.5 |" in page
+    assert "![scale_memory](../assets/results/scale_memory.png)" in page
+
+
+def test_the_nav_lists_one_page_per_bench_between_its_markers():
+    yml = (
+        "nav:\n  - Benchmarks:\n      - by bench:\n          # bench pages: start\n          - old: x.md\n"
+        "          # bench pages: end\n  - Internals: internals.md\n"
+    )
+    out = report_pages.nav_with_bench_pages(yml)
+    names = report.bench_names()
+    assert [ln.strip() for ln in out.splitlines()[4 : 4 + len(names)]] == [
+        f"- bench.{n}: benchmarks/{n}.md" for n in names
+    ]
+    assert "old: x.md" not in out and out.endswith("  - Internals: internals.md\n")

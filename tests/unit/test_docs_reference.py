@@ -1,4 +1,5 @@
-"""The README's config reference is the one the config model generates, and its commands exist."""
+"""The docs' configuration reference (docs/config-reference.md) is the one the config model generates, and the
+concepts page's column mapping (docs/concepts.md) names real shard columns."""
 
 import re
 from pathlib import Path
@@ -8,14 +9,16 @@ import pyarrow as pa
 from ppoflow.reference import config_reference_markdown
 from storage.schema import schema_for
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_config_reference_in_sync():
-    text = README.read_text()
+    text = (DOCS / "config-reference.md").read_text()
     start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
     block = text[text.index(start) + len(start) : text.index(end)].strip()
-    assert block == config_reference_markdown().strip(), "README out of date: paste `ppoflow config-reference`"
+    assert block == config_reference_markdown().strip(), (
+        "docs/config-reference.md out of date: run `make docs-reference` (scripts/docs_reference.py)"
+    )
 
 
 def test_every_config_field_documented():
@@ -29,9 +32,9 @@ def test_every_config_field_documented():
 
 
 def test_shard_column_mapping_names_every_tensor_column():
-    # "Concepts, for OpenRLHF and veRL users": each row maps ppoflow shard columns to OpenRLHF's and veRL's names;
-    # the first column names only real experience-shard columns, and every list column plus the reward has a row
-    text = README.read_text()
+    # docs/concepts.md: each row maps ppoflow shard columns to OpenRLHF's and veRL's names; the first column names
+    # only real experience-shard columns, and every list column plus the reward has a row
+    text = (DOCS / "concepts.md").read_text()
     header = "| ppoflow column | OpenRLHF `Experience` field | veRL `DataProto` batch key |"
     rows = [row.split("|")[1:4] for row in text[text.index(header) :].split("\n\n")[0].splitlines()[2:]]
     names = [[set(re.findall(r"`(\w+)`", cell)) for cell in row] for row in rows]

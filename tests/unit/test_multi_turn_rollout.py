@@ -144,14 +144,10 @@ def test_bad_environment_is_named_with_row_and_turn(engine, env, message):
 
 
 def test_the_readme_example_environment_runs(engine, tmp_path):
-    """The ten-line environment of README 'Multi-turn rollouts', copied out of the README as it stands."""
-    import textwrap
-    from pathlib import Path
+    """The ten-line environment of docs/multi-turn.md 'Multi-turn rollouts', copied out of the page as it stands."""
+    from tests.fixtures.docs import named_block
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    start = readme.index("    from engines.environments.base import Observation\n\n    class GuessDigit")
-    stop = readme.index("def close(self): pass", start) + len("def close(self): pass")
-    (tmp_path / "my_env.py").write_text(textwrap.dedent(readme[start:stop]) + "\n")
+    (tmp_path / "my_env.py").write_text(named_block("guess-digit-env").text)
     factory = load_environment_factory(f"{tmp_path / 'my_env.py'}:GuessDigit")
     samples = run_conversations(
         engine, engine.tokenizer, factory, _starts(engine.tokenizer), SAMPLING, TurnLimits(4, 200)
