@@ -64,7 +64,13 @@ def test_eval_rows_metrics_and_dynamic_sampling(prefect_api, tmp_path, tiny_mode
         rollout={"prompts_per_iteration": 4, "n_samples": 2, "dynamic_sampling": {"enabled": True, "max_rounds": 4}},
         train={"train_batch_size": 4, "micro_batch_size": 4},
         reward={"sources": [{"kind": "function", "target": f"{__file__}:parity_reward"}]},
-        eval={"data_path": _eval_set(tmp_path / "held_out.jsonl"), "every": 1, "n_samples": EVAL_N, "temperature": 1.0},
+        eval={
+            "data_path": _eval_set(tmp_path / "held_out.jsonl"),
+            "every": 1,
+            "n_samples": EVAL_N,
+            "temperature": 1.0,
+            "sampled_pass_at_k": "every",
+        },
     )
     assert ppo_training(config=cfg.model_dump(mode="json"), return_state=True).is_completed()
     layout = layout_for(cfg)
@@ -90,6 +96,16 @@ def test_eval_rows_metrics_and_dynamic_sampling(prefect_api, tmp_path, tiny_mode
         assert trained and all(max(g) > min(g) for g in trained.values()), trained
         assert row["rollout/groups_kept"] == len(trained) and row["rollout/batch_filled"] == 1.0
         assert row["rollout/zero_variance_trained_fraction"] == 0.0
+        # signal (engines/ppo/signal.py): every trained group differs; the samples with a non-zero advantage,
+        # recounted from the experience shards (GRPO without KL in the reward: all of them, as the groups differ)
+        experience = read_shards(layout.fs, layout.stage_dir(iteration, "experience"))
+        nonzero = [any(a != 0 for a in adv) for adv in experience.column("advantages").to_pylist()]
+        assert row["signal/group_spread"] == 1.0
+        assert row["signal/nonzero_advantage"] == pytest.approx(sum(nonzero) / len(nonzero), abs=1e-12)
+        # eval.sampled_pass_at_k = every: the rollout's sampling (n_samples 2) on the held-out prompts; properties
+        # of any 0/1 rewards: pass@2 >= the per-sample accuracy, and a prompt with spread has one correct sample
+        assert 0 <= row["eval/sampled_accuracy"] <= row["eval/sampled_pass@2"] <= 1
+        assert row["eval/sampled_spread"] <= row["eval/sampled_pass@2"]
         assert row["rollout/groups_kept"] + row["rollout/groups_dropped"] >= 4
 
     # Determinism: the rollout stage run again from scratch (cold process state) writes the same rows.
