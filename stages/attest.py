@@ -44,6 +44,7 @@ log = logging.getLogger("ppoflow.rollout")
 _TRAINER_JSON = "trainer/trainer.json"
 _seen_lock = threading.Lock()
 _seen: dict[str, int] = {}  # digest value -> the policy version this process attested with it
+_records: dict[tuple, dict] = {}  # (weights_id, autocast dtype) -> the committed record read for it
 
 
 class AttestationError(RuntimeError):
@@ -71,13 +72,20 @@ def _committed_record(cfg, policy: PolicyRef) -> dict | None:
 
 
 def expected_record(cfg, policy: PolicyRef) -> dict:
-    """What an engine serving `policy` holds: {"value", "dtypes", "rounded": {dtype: value}} (policy_record)."""
+    """What an engine serving `policy` holds: {"value", "dtypes", "rounded": {dtype: value}} (policy_record).
+    Kept per weights_id once read: that id hashes the commit marker's file list, trainer.json's sha256 among them."""
     if policy.checkpoint_iteration is None:
         return _initial_record(policy.uri, policy.weights_id, cfg.model.autocast_dtype)
-    record = _committed_record(cfg, policy)
-    if record is None:  # written before attestation: the verified files stand in for the trainer's record
-        log.warning("checkpoint %s records no policy digest (older ppoflow): digesting its policy/", policy.uri)
-        record = policy_record(local_policy_dir(cfg, policy), cfg.model.autocast_dtype)
+    key = (policy.weights_id, cfg.model.autocast_dtype)
+    with _seen_lock:
+        record = _records.get(key)
+    if record is None:
+        record = _committed_record(cfg, policy)
+        if record is None:  # written before attestation: the verified files stand in for the trainer's record
+            log.warning("checkpoint %s records no policy digest (older ppoflow): digesting its policy/", policy.uri)
+            record = policy_record(local_policy_dir(cfg, policy), cfg.model.autocast_dtype)
+        with _seen_lock:
+            _records[key] = record
     return record
 
 

@@ -25,6 +25,7 @@ from stages.curriculum_state import next_state, stage_state
 from stages.handed import read_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
+from stages.mismatch_gate import gate_mismatch
 from stages.policy import checkpoint_weights_id
 from stages.tables import experience_batch, experience_table, write_stage_table
 from stages.update_replay import resumed_trainer
@@ -82,6 +83,7 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
     )
     trainer = take_trainer(cfg, policy)
     result = train_on(trainer, table)
+    result.metrics = gate_mismatch(cfg, iteration, policy, table, result.metrics)  # before anything is staged
     curriculum, curriculum_metrics = next_state(cfg, policy, table)  # data.reasoning_gym.curriculum: the next level
     exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
     with checkpoint_scratch(layout) as tmp:

@@ -50,6 +50,7 @@ from stages.curriculum_state import next_state, stage_state
 from stages.handed import open_handed
 from stages.held import trainer_key
 from stages.manifests import PolicyRef, ScoreManifest, UpdateManifest
+from stages.mismatch_gate import gate_mismatch
 from stages.policy import checkpoint_weights_id, local_checkpoint_dir
 from stages.tables import experience_batch, experience_table, write_stage_table
 from stages.update_trainer import build_trainer, staleness, update_manifest
@@ -177,6 +178,7 @@ def run_update_on_ranks(cfg, iteration: int, policy: PolicyRef, scored: ScoreMan
     metrics = {**result.metrics, **curriculum_metrics}
     metrics["ranks/world_size"] = float(group.world)
     metrics["async/staleness"] = staleness(policy, table)
+    metrics = gate_mismatch(cfg, iteration, policy, table, metrics)  # after the group's work: it is not broken
     return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)
 
 

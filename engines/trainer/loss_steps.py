@@ -26,6 +26,7 @@ import torch
 
 from engines.ppo.losses import StepNorm, entropy_loss, kl_loss, policy_loss, step_norm, truncated_is_weights, value_loss
 from engines.ppo.masked import masked_mean
+from engines.ppo.mismatch import MismatchSums, mismatch_sums
 from engines.trainer.deepspeed_setup import sum_over_ranks
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput
@@ -70,6 +71,11 @@ class LossSteps:
     """The optimizer step and its micro-steps; mixed into PPOTrainer, which sets actor, critic, cfg, loss_agg,
     is_cap, is_metric_names, kl_controller and _pre_step_grad_norms, and defines _policy_forward / _critic_forward."""
 
+    # Armed (a list) by engines/trainer/mismatch.py when the sampler-vs-trainer gap is taken from the update's first
+    # step: each actor micro-step of that step adds its MismatchSums, and the step's end moves them to first_step_sums.
+    first_step_mismatch: Optional[list[MismatchSums]] = None
+    first_step_sums: tuple[MismatchSums, ...] | list[MismatchSums] = ()
+
     def _optimizer_step(
         self, batch, rows, old_logprobs, values, adv, sums: MetricSums, first: Optional[FirstForward] = None
     ) -> None:
@@ -105,6 +111,8 @@ class LossSteps:
         # The step's loss is the sum of its micro-batch shares (each aggregated with the step's denominators),
         # over all ranks.
         step_losses = sum_over_ranks(step_losses, self.actor.world_size)
+        if self.first_step_mismatch is not None:  # measured: later steps run moved weights
+            self.first_step_sums, self.first_step_mismatch = self.first_step_mismatch, None
         sums.add("loss/policy", step_losses["loss/policy"])
         self._add_optim_metrics("actor", self.actor, sums)
         if self.critic is not None:
@@ -144,6 +152,8 @@ class LossSteps:
         algo = self.cfg.algo
         if out is None:
             out = self._policy_forward(mb, with_entropy=True)
+        if self.first_step_mismatch is not None:  # the update's first step: the sampler's weights (mismatch.py)
+            self.first_step_mismatch.append(mismatch_sums(mb.rollout_logprobs, out.logprobs.detach(), mb.trained_mask))
         agg = dict(agg_mode=self.loss_agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs, max_len=norm.max_len)
         weight = float(loss_mask.sum())
         tis_weights = None

@@ -67,6 +67,7 @@ from engines.trainer.deepspeed_setup import (
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 from engines.trainer.loss_steps import KL_CLAMP, FirstForward, LossSteps, MetricSums
+from engines.trainer.mismatch import first_step_mismatch, start_mismatch
 from engines.trainer.rank_rows import agree_shape, gather_rows, pad_to, rank_rows
 from engines.trainer.state import seed_rng
 from ppoflow.algorithms import get_algorithm
@@ -332,6 +333,8 @@ class PPOTrainer(LossSteps):
             values = self._old_values(local)  # the old log-probs are the sampler's, taken below
         else:
             old_logprobs, values = self._old_logprobs_and_values(local)
+        # sampler vs trainer before any weight moves (engines/trainer/mismatch.py)
+        mismatch = start_mismatch(self, local, None if self._old_from_rollout else old_logprobs, first)
         if self._old_from_rollout:  # the sampler's log-probs (0 at padding, as the actor's are masked there)
             old_logprobs = local.rollout_logprobs.float()
         raw, old_logprobs, values = gather_rows(local, old_logprobs, values, world)  # the whole batch from here
@@ -359,6 +362,7 @@ class PPOTrainer(LossSteps):
         metrics.update(shaping_metrics)
         metrics["kl/sequence_mean"] = kl_per_sequence
         metrics.update(sums.means())
+        metrics.update(mismatch if mismatch is not None else first_step_mismatch(self))
         # Per sequence, not per token: a target of 6 nats means 6 nats per response, as in the paper (a
         # per-token mean would be ~length times smaller and drive beta down for as long as the run lasts).
         self.kl_controller.update(kl_per_sequence, len(batch))
