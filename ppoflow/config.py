@@ -7,7 +7,7 @@ run (`<root>/<run>/config.yaml`) and inside every checkpoint.
 Defaults follow OpenRLHF where it is sound: gamma = lambda = 1, value clip 0.5, reward clip +-10,
 k1 KL estimator folded into the reward.
 
-Every field carries a description; `ppoflow config-reference` prints them as the README's table.
+Every field carries a description; `ppoflow config-reference` prints them as docs/config-reference.md's table.
 A validation error names the dotted field, the value given and what is allowed.
 """
 
@@ -915,7 +915,7 @@ class PipelineConfig(_Section):
     )
     deadlines: StageDeadlinesConfig = Field(
         default_factory=StageDeadlinesConfig,
-        description="Stage deadlines and how long a stage may wait for a worker (README 'When things fail').",
+        description="Stage deadlines and how long a stage may wait for a worker (docs: When things fail).",
     )
 
     @field_validator("stage_pools")

@@ -1,4 +1,4 @@
-"""The config reference, generated from the config model (README's table comes from here)."""
+"""The config reference, generated from the config model (docs/config-reference.md's table comes from here)."""
 
 from __future__ import annotations
 
