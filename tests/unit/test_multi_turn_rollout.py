@@ -144,7 +144,7 @@ def test_bad_environment_is_named_with_row_and_turn(engine, env, message):
 
 
 def test_the_readme_example_environment_runs(engine, tmp_path):
-    """The ten-line environment of docs/multi-turn.md 'Multi-turn rollouts', copied out of the page as it stands."""
+    """The example environment of docs/multi-turn.md 'Multi-turn rollouts', copied out of the page as it stands."""
     from tests.fixtures.docs import named_block
 
     (tmp_path / "my_env.py").write_text(named_block("guess-digit-env").text)
