@@ -19,6 +19,10 @@ for callers that live on (tests, notebooks).
 With `verbose`, fds 1 and 2 go to a pipe instead, and a thread copies what arrives both to the log file
 and to the terminal (a `tee`); output written after the thread stopped (at interpreter exit) is lost.
 
+A process that Prefect started to run a flow run (a Retry executed by `ppoflow serve`, a deployment's run on a
+work pool) gets a log file too, `<run>/logs/flow-run-<UTC time>-<pid>.log`, started by the training flow
+(`flow_run_log`), its output also left where it went (a tee).
+
 For a run on object storage the log file is written to a local mirror folder,
 `<local cache>/mirror/<root as a folder name>/<run>/logs/` (local cache = storage.local_cache_dir, else
 $PPOFLOW_CACHE, else ~/.cache/ppoflow), and copied to `<run>/logs/` in the bucket when the command ends
@@ -42,6 +46,8 @@ from ppoflow.terminal import use_terminal
 from storage.fs import local_cache_root
 
 log = logging.getLogger("ppoflow.cli")
+# The capture running in this process (at most one: fds 1 and 2 are the process's), None when none.
+_active: dict[str, Optional["OutputCapture"]] = {"capture": None}
 
 
 def mirror_dir(root_url: str, run_name: str, local_cache_dir: Optional[str] = None) -> str:
@@ -121,6 +127,7 @@ class OutputCapture:
             os.close(write_fd)
         _note_start(self.log_path)
         use_terminal(self.terminal)  # a process ended from below (a stage past its deadline) says so there
+        _active["capture"] = self
         return self
 
     def release(self) -> None:
@@ -128,6 +135,7 @@ class OutputCapture:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         use_terminal(None)
+        _active["capture"] = None
         for fd, saved in self._saved.items():
             os.dup2(saved, fd)
             os.close(saved)
@@ -187,6 +195,18 @@ def capture_output(cfg: PPOFlowConfig, command: str, verbose: bool = False) -> O
     """Start capturing this process's output for run `cfg` (see OutputCapture); returns the capture."""
     folder, remote = log_dir_for(cfg)
     return OutputCapture(os.path.join(folder, log_file_name(command)), verbose=verbose, remote_dir=remote).start()
+
+
+def flow_run_log(cfg: PPOFlowConfig) -> Optional[OutputCapture]:
+    """A run log for a process Prefect started to run a flow run of run `cfg` (a Retry executed by `ppoflow serve`,
+    a deployment's run on a work pool's worker, a fork started from the UI): `<run>/logs/flow-run-<time>-<pid>.log`,
+    with the output still going where it went (the serve's or the worker's stdout: a tee). None, and nothing
+    started, in a process that captures already (`ppoflow train`: its own log file) and in one Prefect did not
+    start for a flow run (no PREFECT__FLOW_RUN_ID: a test or a notebook calling the flow). Never released: the
+    process ends with the flow run; `publish` copies the file to an S3 root at the flow's end."""
+    if _active["capture"] is not None or not os.environ.get("PREFECT__FLOW_RUN_ID"):
+        return None
+    return capture_output(cfg, "flow-run", verbose=True)
 
 
 def quiet_libraries() -> None:

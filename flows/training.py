@@ -10,6 +10,7 @@ torchrun group on this machine, for the flow run's duration (flows/update_group.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger
@@ -19,6 +20,7 @@ from adaptations import install_process_adaptations
 from engines.reasoning_tasks import materialize as materialize_generated_data
 from flows.artifacts import publish_iteration_artifacts, start_progress, update_progress
 from flows.iteration import evaluate_initial_policy, ppo_iteration, recover_missing_rows, rerun_missing_evals
+from flows.logs import flow_run_log
 from flows.pipeline import run_pipelined, subflow_settings
 from flows.preflight import preflight
 from flows.run_inputs import start_run
@@ -41,13 +43,22 @@ from storage.layout import RunLayout, layout_for
 def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
     """Train the run described by `config` (PPOFlowConfig as JSON); returns the last metrics and the run's URI."""
     install_process_adaptations()  # a deployment's run enters here (the CLI installed them already: idempotent)
-    # run.root absolute (flows/run_root.py) before config.yaml records it; data.reasoning_gym: the .jsonl files
-    cfg = materialize_generated_data(absolute_root(as_config(config)))
-    preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
-    layout = layout_for(cfg)
-    with claimed_run(layout) as previous:  # refused here, before any work, while another process trains the run
-        with owned_update_group(cfg):  # train.num_ranks > 1, update on no worker or pool: its own torchrun group
-            return _train_claimed(cfg, layout, previous)
+    cfg = absolute_root(as_config(config))  # run.root absolute (flows/run_root.py) before config.yaml records it
+    run_log = flow_run_log(cfg)  # a process Prefect started for this run (serve's Retry, a pool): its own log file
+    try:
+        cfg = materialize_generated_data(cfg)  # data.reasoning_gym: the .jsonl files, written once
+        preflight(cfg)  # bad data, model folders, bucket, deployments: one clear error before any work
+        layout = layout_for(cfg)
+        with claimed_run(layout) as previous:  # refused here, before any work, while another process trains it
+            with owned_update_group(cfg):  # train.num_ranks > 1, update on no worker or pool: its own torchrun group
+                return _train_claimed(cfg, layout, previous)
+    except BaseException:
+        if run_log is not None:  # the traceback into the run log (Prefect's logger sent it to the API only)
+            traceback.print_exc()
+        raise
+    finally:
+        if run_log is not None:
+            run_log.publish(cfg.storage)
 
 
 def _train_claimed(cfg: PPOFlowConfig, layout: RunLayout, previous: Optional[dict[str, Any]]) -> dict[str, Any]:

@@ -143,3 +143,58 @@ def test_on_a_terminal_the_bar_does_not_bring_library_output_back(tmp_path):
     assert "library-print" not in terminal and "library-warning" not in terminal
     written = log.read_text()
     assert written.count("library-print") == 2 and written.count("library-warning") == 2
+
+
+@pytest.mark.slow
+def test_a_retry_executed_by_serve_writes_a_run_log_of_its_own(prefect_api, tmp_path, tiny_model_dir):
+    # Issue 56: `ppoflow train` logs to <run>/logs/train-*.log, but its Retry, executed by `ppoflow serve` in a
+    # process of its own, wrote its output only to serve's stdout. A run whose data file is missing fails in
+    # preflight (fast) under both; the retry's log holds its error and traceback, and serve's stdout still shows it.
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env |= {"PYTHONPATH": str(REPO), "PREFECT_API_URL": prefect_api}
+    root = tmp_path / "runs"
+    argv = ["train", "/dev/null", "--set", f"run.root={root}", "--set", "run.name=retry-log"]
+    argv += ["--set", f"model.policy_path={tiny_model_dir}", "--set", f"data.path={tmp_path / 'missing.jsonl'}"]
+    first = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *argv], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode == 2 and "missing.jsonl" in first.stdout + first.stderr, first.stdout + first.stderr
+    logs = root / "retry-log" / "logs"
+    assert [p.name.split("-")[0] for p in logs.iterdir()] == ["train"]
+    flow_run_id = re.search(r"/runs/flow-run/([0-9a-f-]{36})", first.stdout + first.stderr).group(1)
+
+    serve_out = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve"], cwd=REPO, env=env, stdout=serve_out,
+                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        retried = subprocess.run(
+            [sys.executable, "-m", "prefect", "flow-run", "retry", flow_run_id],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert retried.returncode == 0, retried.stdout + retried.stderr
+        deadline = time.time() + 240
+        with get_client(sync_client=True) as client:
+            while time.time() < deadline:
+                run = client.read_flow_run(flow_run_id)
+                if run.run_count >= 2 and run.state.is_final():
+                    break
+                time.sleep(2)
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, 9)  # its own session: the runner's children go too
+    served = (tmp_path / "serve.log").read_text()
+    assert run.run_count >= 2 and run.state.is_failed(), (run.state, served[-3000:])
+    (retry_log,) = [p for p in logs.iterdir() if p.name.startswith("flow-run-")]
+    text = retry_log.read_text()
+    assert "missing.jsonl" in text and "Traceback (most recent call last)" in text, text[-3000:]
+    assert "missing.jsonl" in served  # the tee: serve's stdout still shows the run's output
