@@ -365,6 +365,15 @@ class EnvironmentConfig(_Section):
         ge=2,
         description="Prompt plus every turn's tokens per sample at most; a turn is cut, or an observation left out, where it would pass this (truncation 'max_total_tokens').",
     )
+    max_failed_group_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="A sample whose environment fails (EnvironmentFailed) drops its whole group of n samples from the "
+        "rollout (never trained partially: a partial group biases its baseline); more than this share of the "
+        "iteration's groups failing fails the rollout stage, naming the environment, the rows and the first error. "
+        "0 = any failure fails the stage.",
+    )
 
     @field_validator("source")
     @classmethod

@@ -31,6 +31,7 @@ from engines.rollout.registry import get_rollout_engine, serve_in_memory
 from stages.attest import attest
 from stages.curriculum_state import iteration_level, tag_level
 from stages.dynamic import sample_dynamic, stage_rewards
+from stages.env_failures import env_failure_metrics
 from stages.held import prompt_source_for, trainer_key
 from stages.manifests import PolicyRef, RolloutManifest, ShardsManifest, provenance
 from stages.policy import initial_policy_ref, local_policy_dir
@@ -135,6 +136,6 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
         started,
         policy_version=policy.version,
         engine=engine.name,
-        metrics=metrics,
+        metrics={**metrics, **env_failure_metrics(table)},  # multi-turn: groups dropped for a failed environment
         attested=attested,
     )

@@ -21,6 +21,7 @@ from engines.data import PromptSource, load_rows
 from engines.environments.loader import EnvironmentFactory, load_environment_factory
 from engines.rollout.base import RolloutEngine, SamplingSettings
 from engines.rollout.multi_turn import ConversationStart, TurnLimits, run_conversations
+from stages.env_failures import drop_failed_groups, with_accounting
 from stages.tables import rollout_table
 
 
@@ -85,10 +86,15 @@ def sample_conversations(
     engine: RolloutEngine, source: PromptSource, cfg, iteration: int, records: list, seeds: list[int]
 ) -> pa.Table:
     """`records` (PromptRecord) as n conversations each with the configured environment, as multi-turn rollout
-    rows ordered by (prompt, sample). Errors: the environment's (EnvironmentFailed naming it, the row, the sample
-    and the turn), the loader's (naming the spec), the engine's (naming the prompt)."""
+    rows ordered by (prompt, sample); a group with a failed environment is dropped whole and counted in the
+    table's metadata (stages/env_failures.py). Errors: EnvironmentFailuresExceeded past
+    rollout.environment.max_failed_group_share (naming the environment, the rows, the first error), the loader's
+    (naming the spec), the engine's (naming the prompt)."""
     starts = conversation_starts(source, cfg, records, seeds)
     limits = TurnLimits.from_config(cfg.rollout.environment)
     sampling = SamplingSettings.from_config(cfg.rollout)
-    samples = run_conversations(engine, source.tokenizer, environment_factory(cfg), starts, sampling, limits)
-    return rollout_table(records, samples, source.tokenizer, iteration)
+    factory = environment_factory(cfg)
+    samples = run_conversations(engine, source.tokenizer, factory, starts, sampling, limits, on_env_failure="record")
+    env = cfg.rollout.environment
+    kept, accounting = drop_failed_groups(samples, records, env.source, env.max_failed_group_share)
+    return with_accounting(rollout_table(records, kept, source.tokenizer, iteration), accounting)

@@ -164,5 +164,14 @@ def write_stage_table(
         kind,
         max_rows=cfg.storage.shard_max_rows,
         max_bytes=cfg.storage.shard_max_bytes,
-        metadata=shard_metadata(cfg, iteration, kind),
+        metadata={**_carried(table), **shard_metadata(cfg, iteration, kind)},
     )
+
+
+_CARRIED = (b"ppoflow.env_failures",)  # a stage's own accounting of rows it left out (stages/env_failures.py)
+
+
+def _carried(table: pa.Table) -> dict[str, str]:
+    """The table's schema metadata under the _CARRIED keys, kept in its shards (the others are the writer's)."""
+    metadata = table.schema.metadata or {}
+    return {key.decode(): metadata[key].decode() for key in _CARRIED if key in metadata}

@@ -29,8 +29,10 @@ Reproducibility: every turn's seed is a function of (row seed, sample, turn), th
 iteration, row) (engines/rollout/base.py), so a retried or resumed rollout draws the same conversations as long
 as the environment is deterministic given the row and the conversation.
 
-Errors: an environment whose factory, reset or step raises, or returns the wrong type, fails the rollout with
-one EnvironmentFailed (engines/environments/checked.py: CheckedEnvironment) naming the environment, the row,
+Errors: with on_env_failure "record" (the rollout stage), an environment that fails ends its own conversation only,
+which comes back with env_error set (stages/env_failures.py drops its whole group). Otherwise ("raise", the
+default, the eval's): an environment whose factory, reset or step raises, or returns the wrong type, fails the
+call with one EnvironmentFailed (engines/environments/checked.py: CheckedEnvironment) naming the environment, the row,
 the sample and the turn (a call that hangs times out there); every environment opened is
 closed (close errors are reported only when nothing else failed).
 """
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from engines.environments.base import Message
-from engines.environments.checked import CheckedEnvironment
+from engines.environments.checked import CheckedEnvironment, EnvironmentFailed
 from engines.environments.loader import EnvironmentFactory
 from engines.rollout.base import RolloutEngine, RolloutSample, SamplingSettings
 
@@ -89,6 +91,7 @@ class ConversationSample(RolloutSample):
     truncation: Optional[str] = None
     messages: list[Message] = field(default_factory=list)
     env_info: list[dict] = field(default_factory=list)  # each step's Observation.info, in turn order
+    env_error: Optional[str] = None  # on_env_failure="record": the EnvironmentFailed that ended it (never trained)
 
 
 def turn_seed(row_seed: int, sample_index: int, turn: int) -> int:
@@ -148,7 +151,7 @@ class _Conversation:
     start: ConversationStart
     position: int  # index of `start` in the starts run together (RolloutSample.prompt_index)
     sample_index: int
-    env: CheckedEnvironment
+    env: Optional[CheckedEnvironment]  # None: the environment failed before it existed (on_env_failure "record")
     messages: list[Message]
     prompt_text: str
     prompt_ids: list[int]
@@ -162,6 +165,7 @@ class _Conversation:
     truncation: Optional[str] = None
     policy_version: int = 0
     infos: list[dict] = field(default_factory=list)
+    error: Optional[str] = None
 
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -192,6 +196,7 @@ class _Conversation:
             truncation=self.truncation,
             messages=self.messages,
             env_info=self.infos,
+            env_error=self.error,
         )
 
 
@@ -208,6 +213,30 @@ def _open(
         conv.prompt_text = tokenizer.apply_chat_template(conv.messages, tokenize=False, add_generation_prompt=True)
         conv.prompt_ids = list(tokenizer(conv.prompt_text, add_special_tokens=False)["input_ids"])
     return conv
+
+
+def _open_or_record(start, position: int, j: int, factory, tokenizer, opened: list, record: bool) -> _Conversation:
+    """_open; with `record`, an EnvironmentFailed gives a conversation that ended with it instead (no turn)."""
+    before = len(opened)
+    try:
+        return _open(start, position, j, factory, tokenizer, opened)
+    except EnvironmentFailed as e:
+        if not record:
+            raise
+        env = opened[-1] if len(opened) > before else None  # built, then its reset failed
+        conv = _Conversation(start, position, j, env, [], start.prompt_text, list(start.prompt_ids))
+        conv.error = str(e)
+        conv.finish("environment_failed")
+        if env is not None:
+            env.close(raise_errors=False)
+        return conv
+
+
+def _fail(c: _Conversation, error: EnvironmentFailed) -> None:
+    """End `c` with `error` (on_env_failure="record"); its environment is closed now, quietly: it broke already."""
+    c.error = str(error)
+    c.finish("environment_failed")
+    c.env.close(raise_errors=False)
 
 
 def _generate_turn(
@@ -256,21 +285,25 @@ def run_conversations(
     starts: Sequence[ConversationStart],
     sampling: SamplingSettings,
     limits: TurnLimits,
+    on_env_failure: str = "raise",
 ) -> list[ConversationSample]:
     """`sampling.n` conversations per start, ordered by (start, sample); see the module docstring.
 
-    Raises EnvironmentFailed (engines/environments/checked.py) naming the environment, the row, the sample and
-    the turn; ValueError naming the row when the first message leaves no room under max_total_tokens, and
+    on_env_failure "raise": the first EnvironmentFailed (engines/environments/checked.py, naming the environment,
+    the row, the sample and the turn) fails the call. "record": it ends that conversation only, which comes back
+    with `env_error` set and no further turns; the others go on (the caller drops the whole group:
+    stages/env_failures.py). ValueError naming the row when the first message leaves no room under max_total_tokens, and
     before any work when max_total_tokens is more than the engine's context.
     """
     _check_context(engine, limits)
     opened: list[CheckedEnvironment] = []
     convs: list[_Conversation] = []
     try:
+        record = on_env_failure == "record"
         for position, start in enumerate(starts):
             for j in range(sampling.n):
-                convs.append(_open(start, position, j, factory, tokenizer, opened))
-        _check_room(convs, limits)
+                convs.append(_open_or_record(start, position, j, factory, tokenizer, opened, record))
+        _check_room([c for c in convs if c.error is None], limits)
         for turn in range(limits.max_turns):
             active = [c for c in convs if not c.ended]
             if not active:
@@ -278,15 +311,22 @@ def run_conversations(
             before = {id(c): len(c.response_ids) for c in active}
             _generate_turn(engine, active, sampling, turn, limits)
             for c in active:
-                _step(c, turn, tokenizer, limits, c.response_ids[before[id(c)] :])
+                try:
+                    _step(c, turn, tokenizer, limits, c.response_ids[before[id(c)] :])
+                except EnvironmentFailed as e:
+                    if not record:
+                        raise
+                    _fail(c, e)
                 if not c.ended and c.length() >= limits.max_total_tokens:
                     c.finish("max_total_tokens")
     except BaseException:
         for env in opened:  # the first error is the one to report: a failing close must not mask it
             env.close(raise_errors=False)
         raise
+    failed = {id(c.env) for c in convs if c.error is not None}
     for env in opened:
-        env.close()
+        if id(env) not in failed:  # (a failed one was closed when it failed)
+            env.close()
     return [c.sample() for c in convs]
 
 

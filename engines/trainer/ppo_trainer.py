@@ -276,7 +276,8 @@ class PPOTrainer(LossSteps):
         if total_rows % self.train_batch_size:
             raise ValueError(
                 f"update batch has {total_rows} samples, not a multiple of the train batch "
-                f"{self.train_batch_size} (train.train_batch_size)"
+                f"{self.train_batch_size} (train.train_batch_size; a rollout that dropped groups for failed "
+                f"environments has fewer rows: leave train.train_batch_size unset for one step per batch)"
             )
         if self._old_from_rollout and batch.rollout_logprobs is None:
             raise ValueError(
@@ -322,6 +323,8 @@ class PPOTrainer(LossSteps):
         world = self.actor.world_size
         own_rows = own_rows.to(self.device)
         shape = agree_shape(own_rows, world)
+        if self.cfg.train.train_batch_size is None:  # one step over the batch as it came: fewer rows than the
+            self.train_batch_size = shape.rows  # rollout's when groups were dropped (stages/env_failures.py)
         self._check_batch(own_rows, shape.rows)
         pad_id = self.tokenizer.pad_token_id or 0  # as stages.tables.experience_batch pads
         local = pad_to(own_rows, shape.prompt_width, shape.response_width, pad_id)  # the widths one rank pads to
