@@ -9,7 +9,8 @@ sampler's policy only when the rows were sampled by `policy` itself; rows sample
 (pipeline.max_staleness >= 1) would measure staleness, not mismatch: their mismatch/* are left out (absent, not
 a made-up value), mismatch/off_policy_rows counts them, and the gate does not judge them.
 
-Limits: mismatch.max_logprob_diff_mean (None: 1e-3 when the run computes in float32, else none) and
+Limits: mismatch.max_logprob_diff_mean (None: 1e-3 when the run computes in float32 and the sampler can return the
+trainer's log-probs, else none) and
 mismatch.max_kl; past one, mismatch.action 'fail' raises MismatchError naming the iteration, the metric, the value
 and the limit (nothing of the iteration is committed), 'warn' logs the same words.
 """
@@ -22,6 +23,8 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from engines.rollout.base import SamplingSettings
+from engines.rollout.vllm_logprobs import logprobs_are_exact, logprobs_mode_for
 from stages.manifests import PolicyRef
 
 log = logging.getLogger("ppoflow.update")
@@ -34,11 +37,15 @@ class MismatchError(RuntimeError):
 
 
 def default_diff_limit(cfg) -> Optional[float]:
-    """mismatch.max_logprob_diff_mean, or its default: FLOAT32_LIMIT for a float32 run, else None (no limit)."""
+    """mismatch.max_logprob_diff_mean, or its default: FLOAT32_LIMIT for a float32 run whose sampler can return the
+    trainer's log-probs, else None (no limit): vLLM cannot with top-p/top-k truncation at a temperature other than 1
+    (engines/rollout/vllm_logprobs.py; the engine warns)."""
     if cfg.mismatch.max_logprob_diff_mean is not None:
         return cfg.mismatch.max_logprob_diff_mean
     in_float32 = cfg.model.dtype == "float32" and cfg.model.autocast_dtype is None
-    return FLOAT32_LIMIT if in_float32 else None
+    sampling = SamplingSettings.from_config(cfg.rollout)
+    exact = cfg.rollout.engine == "hf" or logprobs_are_exact(logprobs_mode_for(sampling), sampling)
+    return FLOAT32_LIMIT if in_float32 and exact else None
 
 
 def gate_mismatch(cfg, iteration: int, policy: PolicyRef, rows: pa.Table, metrics: dict) -> dict:

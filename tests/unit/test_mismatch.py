@@ -76,3 +76,8 @@ def test_the_default_limit_holds_for_float32_only():
     bf16 = PPOFlowConfig.model_validate({"model": {"policy_path": "unused", "autocast_dtype": "bfloat16"}})
     assert default_diff_limit(bf16) is None
     assert default_diff_limit(_cfg(max_logprob_diff_mean=0.2)) == 0.2
+    # vLLM with top-p at T = 0.7 returns the truncated distribution's log-probs, not the trainer's: no default limit
+    truncated = {"model": {"policy_path": "unused"}, "rollout": {"engine": "vllm", "temperature": 0.7, "top_p": 0.9}}
+    assert default_diff_limit(PPOFlowConfig.model_validate(truncated)) is None
+    truncated["rollout"]["engine"] = "hf"  # HF's sampler takes them before truncation
+    assert default_diff_limit(PPOFlowConfig.model_validate(truncated)) == FLOAT32_LIMIT
