@@ -355,32 +355,40 @@ def _tree_rss(proc) -> int:
     return total
 
 
-def measure_pipeline(iterations: int, extra_sets: list[str], env: dict, timeout_s: float) -> dict:
+def run_train(root: Path, sets: list[str], env: dict, timeout_s: float) -> tuple[list[dict], float, int]:
+    """`ppoflow train` on the recipe with `sets` (run.root among them) as a subprocess, its output in
+    root/train.log: (its metrics rows, the wall time it started at, the peak RSS of its process tree in bytes).
+    Raises RuntimeError with the log's tail when it fails or outlives `timeout_s` (it is killed)."""
     import psutil
 
     from ppoflow.config import load_config
 
-    root = Path(tempfile.mkdtemp(prefix="ppoflow-bench-real-"))
-    sets = [f"run.root={root}", f"run.iterations={iterations}", "eval.before_training=false"]
-    sets += ["data.reasoning_gym.eval_size=0", *extra_sets]
     argv = [str(Path(sys.executable).parent / "ppoflow"), "train", str(RECIPE)]
     argv += [a for s in sets for a in ("--set", s)]
     run_name = load_config(RECIPE, sets).run.name
+    with open(root / "train.log", "w") as log:
+        started = time.time()
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        watched, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            peak = max(peak, _tree_rss(watched))
+            if time.time() - started > timeout_s:
+                proc.kill()
+                break
+            time.sleep(0.5)
+    if proc.wait() != 0:
+        tail = (root / "train.log").read_text()[-4000:]
+        raise RuntimeError(f"ppoflow train failed (rc {proc.returncode}):\n{tail}")
+    rows = [json.loads(line) for line in (root / run_name / "metrics.jsonl").read_text().splitlines() if line]
+    return rows, started, peak
+
+
+def measure_pipeline(iterations: int, extra_sets: list[str], env: dict, timeout_s: float) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="ppoflow-bench-real-"))
+    sets = [f"run.root={root}", f"run.iterations={iterations}", "eval.before_training=false"]
+    sets += ["data.reasoning_gym.eval_size=0", *extra_sets]
     try:
-        with open(root / "train.log", "w") as log:
-            started = time.time()
-            proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-            watched, peak = psutil.Process(proc.pid), 0
-            while proc.poll() is None:
-                peak = max(peak, _tree_rss(watched))
-                if time.time() - started > timeout_s:
-                    proc.kill()
-                    break
-                time.sleep(0.5)
-        if proc.wait() != 0:
-            tail = (root / "train.log").read_text()[-4000:]
-            raise RuntimeError(f"ppoflow train failed (rc {proc.returncode}):\n{tail}")
-        rows = [json.loads(line) for line in (root / run_name / "metrics.jsonl").read_text().splitlines() if line]
+        rows, started, peak = run_train(root, sets, env, timeout_s)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     first, steady = stage_seconds(rows)

@@ -31,6 +31,9 @@ NOT_BENCHES = {
     "processes",
     "peer_real_sides",
     "interleave",
+    "kernel_shares",  # bench.update_mfu's profile helper
+    "update_flops",  # bench.update_mfu's FLOP model
+    "roofline_flops",  # bench.roofline's FLOP model
 }
 FIRST = "peer_real"  # the real-model peer leads the page
 META = ("bench", "date", "commit", "cpu_count", "machine")
