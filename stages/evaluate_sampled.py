@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from engines.evaluation import eval_metrics
+from engines.evaluation import eval_metrics, pass_at_k
 from engines.rollout.base import SamplingSettings
 
 
@@ -42,9 +42,16 @@ def sample_as_rollout(engine, source, records: list, cfg, seeds: list, iteration
 
 def sampled_metrics(scored: pa.Table, n: int) -> dict[str, float]:
     """eval/sampled_* of the scored rows, n consecutive rows per held-out prompt (module docstring). ValueError
-    from eval_metrics when the row count is not a multiple of n."""
+    from eval_metrics when the row count is not a multiple of n.
+
+    pass@k counts a sample as correct when its reward is 1.0, as eval/accuracy does, whenever every reward is in
+    [0, 1]: reasoning-gym's scorers give partial credit (0.01 for a wrong number), which leaves eval_metrics' own
+    pass@k (0/1 rewards only) out, while 1.0 is still their "correct"."""
     rewards = scored.column("reward").to_pylist()
-    metrics = {k.replace("eval/", "eval/sampled_", 1): v for k, v in eval_metrics(rewards, n, ks=[n]).items()}
+    metrics = {k.replace("eval/", "eval/sampled_", 1): v for k, v in eval_metrics(rewards, n, ks=()).items()}
     groups = [rewards[p : p + n] for p in range(0, len(rewards), n)]
+    if "eval/sampled_accuracy" in metrics:
+        correct = [sum(r == 1.0 for r in g) for g in groups]
+        metrics[f"eval/sampled_pass@{n}"] = sum(pass_at_k(n, c, n) for c in correct) / len(correct)
     metrics["eval/sampled_spread"] = sum(max(g) != min(g) for g in groups) / len(groups)
     return metrics

@@ -100,6 +100,11 @@ def test_sampled_eval_metrics_by_hand():
         "eval/sampled_pass@4": pytest.approx(2 / 3),
         "eval/sampled_spread": pytest.approx(1 / 3),
     }
+    # partial credit (reasoning-gym's 0.01 for a wrong number): 1.0 still counts as correct for pass@k.
+    # Prompts [1, .01] and [.01, .01]: pass@2 = (1 + 0) / 2; the second prompt's rewards are equal: spread 1/2.
+    partial = sampled_metrics(pa.table({"reward": pa.array([1.0, 0.01, 0.01, 0.01], pa.float32())}), 2)
+    assert partial["eval/sampled_pass@2"] == 0.5 and partial["eval/sampled_accuracy"] == 0.25
+    assert partial["eval/sampled_spread"] == 0.5
     assert sampled_due(_cfg(), 0) and not sampled_due(_cfg(), 3)  # default: the initial eval only
     assert sampled_due(_cfg("eval.sampled_pass_at_k=every"), 3)
     assert not sampled_due(_cfg("eval.sampled_pass_at_k=never"), 0)
