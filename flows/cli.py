@@ -73,7 +73,7 @@ def cmd_train(args) -> int:
 
     def body(console) -> None:
         if note:
-            console.print(note, highlight=False, markup=False)
+            console.print(note, highlight=False, markup=False, soft_wrap=True)
         train(cfg, console)
 
     return _run_with_capture(cfg, "train", args, body)

@@ -73,7 +73,7 @@ class FitTable:
         widths = self.widths()
         groups = column_groups(widths, options.max_width, self.key)
         if self.title:  # one line, never wrapped: a table's title would wrap at a narrow table's width
-            split = f" ({len(groups)} tables of {options.max_width} columns)" if len(groups) > 1 else ""
+            split = f" (in {len(groups)} tables to fit {options.max_width} columns)" if len(groups) > 1 else ""
             yield Text(self.title + split, style="bold", no_wrap=True, overflow="ignore")
         for group in groups:
             table = Table()
