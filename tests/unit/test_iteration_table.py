@@ -39,7 +39,7 @@ ROWS = [
 
 def test_a_fresh_start_prints_row_zero_and_counts_only_iterations(tmp_path):
     lines, completed = _table(tmp_path, ROWS, already=0)
-    assert lines[0].split()[:3] == ["iter", "reward", "kl"]
+    assert lines[0].split()[:4] == ["iter", "reward", "signal", "kl"]
     assert [line.split()[0] for line in lines[1:]] == ["0", "1", "2"]
     assert lines[1].split()[-4:-2] == ["0.250", "0.25"]  # eval, acc of the initial policy
     assert completed == 2  # iterations 1 and 2, not row 0
@@ -49,3 +49,15 @@ def test_a_resumed_start_prints_only_the_new_iterations(tmp_path):
     lines, completed = _table(tmp_path, ROWS, already=1)
     assert [line.split()[0] for line in lines[1:]] == ["2"]
     assert completed == 2
+
+
+def test_the_signal_advice_is_printed_once(tmp_path):
+    # 3 iterations (the defaults' signal.advice_after) at 1/16, 0, 1/8 of the groups with spread (< 0.25)
+    rows = [
+        {"iteration": i, "reward/mean": 0.0, "signal/group_spread": s} for i, s in ((1, 0.0625), (2, 0), (3, 0.125))
+    ]
+    lines, _ = _table(tmp_path, rows, already=0)
+    advice = [line for line in lines if "little to learn from" in line]
+    assert len(advice) == 1 and "0.06, 0.00, 0.12" in advice[0]  # two polls, one line
+    quiet = [{**r, "signal/group_spread": 0.5} for r in rows]
+    assert not [line for line in _table(tmp_path / "quiet", quiet, already=0)[0] if "little to learn" in line]
