@@ -8,6 +8,8 @@
    for both the check and the training, and an over-long prompt is named by its row before any work.
    When the rollout runs on a pool, its worker tokenises the data; tokenising a large dataset here too
    would pay that cost twice, so the lengths are then checked by the worker (first rollout, same error).
+   The longest prompt plus rollout.max_new_tokens is checked against the policy's context then too
+   (flows/preflight_limits.py room_problems, with a fix).
 
 4. the latest committed checkpoint can resume on `train.num_ranks` ranks (a run saved by another number of
    ranks resumes where engines/trainer/reshard.py can re-cut it; otherwise one error naming both counts,
@@ -19,6 +21,7 @@ as a message, not a traceback). Nothing here writes to the run's storage.
 
 from __future__ import annotations
 
+from flows.preflight_limits import room_problems
 from flows.preflight_static import PreflightError, format_problems, static_problems
 from ppoflow.config import PPOFlowConfig
 
@@ -64,11 +67,13 @@ def check_prompt_lengths(cfg: PPOFlowConfig) -> None:
     from stages.held import prompt_source_for
 
     try:
-        prompt_source_for(cfg)
+        source = prompt_source_for(cfg)
     except TokenizerError as e:
         raise PreflightError(format_problems(cfg, [f"model.policy_path: {e}"])) from None
     except (KeyError, ValueError) as e:  # PromptSource names the file and the row
         raise PreflightError(format_problems(cfg, [f"data.path: {e.args[0] if e.args else e}"])) from None
+    if problems := room_problems(cfg, source.prompt_ids):  # longest prompt + max_new_tokens within the context
+        raise PreflightError(format_problems(cfg, problems))
 
 
 def rank_count_problems(cfg: PPOFlowConfig) -> list[str]:

@@ -11,13 +11,17 @@ max_total_tokens = the context, and, when the prompts' limit leaves no room unde
 the context - rollout.max_new_tokens (a prompt of the allowed length still has room for one whole reply; half the
 context when a reply alone fills it). A policy folder without a readable config.json is model_folder_problems'
 to name.
+
+`room_problems(cfg, prompt_ids)`: the single-turn counterpart, once the prompts are tokenised (flows/preflight.py):
+the longest prompt plus rollout.max_new_tokens must fit the context too (the engine refused that prompt in
+iteration 1); the fix is rollout.max_new_tokens = the context - the longest prompt, when that leaves a token.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ppoflow.config import PPOFlowConfig
 
@@ -56,4 +60,24 @@ def limit_problems(cfg: PPOFlowConfig) -> list[str]:
     return [
         f"rollout.environment.max_total_tokens={env.max_total_tokens} is more than the policy's context of "
         f"{context} tokens ({where}); a conversation must fit it. Fix: {fix}"
+    ]
+
+
+def room_problems(cfg: PPOFlowConfig, prompt_ids: Sequence[Sequence[int]]) -> list[str]:
+    """One problem when the longest tokenised prompt plus rollout.max_new_tokens outgrows the policy's context
+    (single-turn rollouts; a conversation is limit_problems'). `prompt_ids`: every prompt as the rollout sends it."""
+    found = policy_context(cfg) if cfg.rollout.environment is None and prompt_ids else None
+    if found is None:
+        return []
+    context, where = found
+    row = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    longest = len(prompt_ids[row])
+    if longest + cfg.rollout.max_new_tokens <= context:
+        return []
+    room = context - longest
+    fix = f"--set rollout.max_new_tokens={room}" if room >= 1 else f"shorten row {row} (or drop it)"
+    return [
+        f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: the longest prompt ({cfg.data.path} row {row}, "
+        f"{longest} tokens) plus that many new tokens is more than the policy's context of {context} tokens "
+        f"({where}). Fix: {fix}"
     ]

@@ -290,3 +290,23 @@ def test_a_relative_path_not_found_names_the_folder_it_was_resolved_against(tiny
         f"not found (data.path: a datasets folder, .jsonl or .parquet) (a relative path, "
         f"resolved against the working folder {tmp_path})"
     ), problem
+
+
+def test_the_longest_prompt_and_max_new_tokens_are_checked_against_the_context_with_a_fix_that_passes(
+    tiny_model_dir, digits_dataset_dir, tmp_path
+):
+    # Before, the engine refused the prompt in iteration 1's rollout. The fix is a property: N passes, N + 1 not.
+    import re
+
+    from flows.preflight import preflight
+
+    base = ["model.policy_path=" + str(tiny_model_dir), "data.path=" + str(digits_dataset_dir)]
+    base += ["run.root=" + str(tmp_path / "runs")]
+    with pytest.raises(PreflightError) as err:
+        preflight(load_config(None, base + ["rollout.max_new_tokens=255"]))
+    text = str(err.value)
+    assert "is more than the policy's context of 256 tokens" in text and f"{digits_dataset_dir} row " in text, text
+    room = int(re.search(r"Fix: --set rollout\.max_new_tokens=(\d+)", text).group(1))
+    preflight(load_config(None, base + [f"rollout.max_new_tokens={room}"]))
+    with pytest.raises(PreflightError, match=f"rollout.max_new_tokens={room + 1}: the longest prompt"):
+        preflight(load_config(None, base + [f"rollout.max_new_tokens={room + 1}"]))
