@@ -1,7 +1,7 @@
 """Token limits checked against the policy's context before iteration 1, with a fix that itself validates.
 
 A multi-turn conversation (prompt + every turn) is at most `rollout.environment.max_total_tokens` tokens; the
-engine refuses more than its context (rollout.max_model_len, else the policy's max_position_embeddings). The
+engine refuses more than its context (vLLM's rollout.max_model_len, else the policy's max_position_embeddings). The
 engine found that only when it started, in iteration 1's rollout (~40 s in), and suggested "at most <context>",
 which the config itself refuses when data.max_prompt_tokens >= <context> (max_total_tokens must be greater).
 
@@ -35,7 +35,7 @@ def policy_context(cfg: PPOFlowConfig) -> Optional[tuple[int, str]]:
         positions = None
     where = f"max_position_embeddings of {cfg.model.policy_path}/config.json"
     candidates = [(int(positions), where)] if isinstance(positions, int) and positions > 0 else []
-    if cfg.rollout.max_model_len:
+    if cfg.rollout.max_model_len and cfg.rollout.engine != "hf":  # vLLM's setting; HF generate ignores it
         candidates.append((cfg.rollout.max_model_len, "rollout.max_model_len"))
     return min(candidates) if candidates else None
 

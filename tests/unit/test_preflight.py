@@ -274,10 +274,13 @@ def test_a_conversation_longer_than_the_policy_s_context_is_found_with_a_fix_tha
     assert fix == [f"rollout.environment.max_total_tokens={context}", f"data.max_prompt_tokens={context - 16}"]
     assert static_problems(load_config(None, base + fix)) == []  # the fix validates and passes the check
     # vLLM's rollout.max_model_len, when smaller, is the context; the prompts' limit under it is kept
-    shorter = base + ["rollout.max_model_len=200", "data.max_prompt_tokens=100"]
+    shorter = base + ["rollout.engine=vllm", "rollout.max_model_len=200", "data.max_prompt_tokens=100"]
     (problem,) = static_problems(load_config(None, shorter))
     assert "context of 200 tokens (rollout.max_model_len)" in problem
     assert problem.endswith("Fix: --set rollout.environment.max_total_tokens=200")
+    # HF generate ignores rollout.max_model_len: the policy's positions are the context
+    (problem,) = static_problems(load_config(None, shorter + ["rollout.engine=hf"]))
+    assert "context of 256 tokens (max_position_embeddings" in problem
 
 
 def test_a_relative_path_not_found_names_the_folder_it_was_resolved_against(tiny_model_dir, tmp_path, monkeypatch):
