@@ -16,6 +16,10 @@ The adaptations (what upstream does; installed or called by; the test that fails
   a SIGKILL of that run (stopped from an atexit hook only). By install_process_adaptations.
   tests/unit/test_adaptations_prefect_server.py.
 - `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (flows/cli.py). Same test.
+- `prefect_task_worker.SlotTaskWorker`, Prefect 3.7.7: its task worker stays subscribed while busy (the server hands
+  it the next run, which waits for the slot while another worker idles) and ends at a handshake timeout. Used by
+  flows/workers.py (warm stage workers). tests/unit/test_adaptations_prefect_task_worker.py;
+  tests/integration/test_worker_resubscribe.py.
 - `deepspeed.skip_shm_comm_build`, DeepSpeed 0.19.8 on the CPU accelerator: JIT-builds its shared-memory
   all-reduce op (~150 s on 2 cores) whatever the world size. Called by engines/trainer/deepspeed_setup.py when
   it sets up the process group (it depends on the world size). tests/unit/test_adaptations_deepspeed.py.

@@ -73,7 +73,7 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 def test_worker_subscribes_again_after_a_handshake_timeout(prefect_api, caplog):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.workers import SlotTaskWorker
+    from adaptations.prefect_task_worker import SlotTaskWorker
 
     host, port = prefect_api.split("//", 1)[1].split("/", 1)[0].split(":")
     relay = HandshakeStaller((host, int(port)))
