@@ -50,6 +50,17 @@ def table_row(row: dict[str, Any]) -> str:
     return " ".join(_fmt(row, key, fmt).rjust(width) for key, _, width, fmt in _COLUMNS)
 
 
+def promotion_line(row: dict[str, Any]) -> Optional[str]:
+    """The line saying that iteration's update moved the curriculum up a level (data.reasoning_gym.curriculum), or
+    None when the row shows no move."""
+    level, after = row.get("curriculum/level"), row.get("curriculum/next_level")
+    if level is None or after is None or after <= level:
+        return None
+    reward = row.get("curriculum/reward_at_level")
+    measured = "" if reward is None else f" (reward at level {int(level)}: {reward:.3f})"
+    return f"curriculum: level {int(level)} -> {int(after)} from iteration {int(row['iteration']) + 1}{measured}"
+
+
 class IterationTable:
     """Prints the iteration rows of metrics.jsonl that it has not printed yet, header first.
 
@@ -87,6 +98,8 @@ class IterationTable:
                     self.header_printed = True
                 self.printed_iterations.add(iteration)
                 self.progress.console.print(table_row(row), highlight=False)
+                if (promotion := promotion_line(row)) is not None:
+                    self.progress.console.print(promotion, highlight=False)
             done = self.committed + len(self.printed_iterations - {0})
             self.progress.update(self.task_id, completed=done)
             self._advise(rows)

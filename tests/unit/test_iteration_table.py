@@ -61,3 +61,19 @@ def test_the_signal_advice_is_printed_once(tmp_path):
     assert len(advice) == 1 and "0.06, 0.00, 0.12" in advice[0]  # two polls, one line
     quiet = [{**r, "signal/group_spread": 0.5} for r in rows]
     assert not [line for line in _table(tmp_path / "quiet", quiet, already=0)[0] if "little to learn" in line]
+
+
+def test_a_promotion_is_said_under_its_row(tmp_path):
+    rows = [
+        {"iteration": 1, "reward/mean": 0.6, "curriculum/level": 0, "curriculum/next_level": 0},
+        {
+            "iteration": 2,
+            "reward/mean": 0.7,
+            "curriculum/level": 0,
+            "curriculum/next_level": 1,
+            "curriculum/reward_at_level": 0.703125,
+        },
+    ]
+    lines, _ = _table(tmp_path, rows, already=0)
+    assert lines[-1] == "curriculum: level 0 -> 1 from iteration 3 (reward at level 0: 0.703)"
+    assert sum("curriculum:" in line for line in lines) == 1
