@@ -27,15 +27,23 @@ def signal_share(row: dict[str, Any]) -> Optional[float]:
     return None if share is None else float(share)
 
 
-def _tries(cfg) -> list[str]:
-    """What to try, in the order that costs least to try: settings the run does not use yet first."""
+def _tries(cfg, last: dict[str, Any]) -> list[str]:
+    """What to try, in the order that costs least to try: settings the run does not use yet first. `last`: the
+    newest row (a curriculum run above its start level gets the advice about its step)."""
     tries = []
+    spec = cfg.data.reasoning_gym
+    plan = None if spec is None else spec.curriculum
+    level = last.get("curriculum/level")
+    if plan is not None and level is not None and level > plan.start_level:
+        tries.append(
+            f"a smaller step to curriculum level {int(level)} (an intermediate entry in data.reasoning_gym."
+            f"curriculum.levels, or range_mode: inclusive, which keeps the easier problems in the mix)"
+        )
     if not cfg.rollout.dynamic_sampling.enabled:
         tries.append("rollout.dynamic_sampling.enabled=true (sample until groups differ)")
     tries.append(f"more samples per prompt (rollout.n_samples={cfg.rollout.n_samples})")
     tries.append("an easier task (data.reasoning_gym.config) or a higher rollout.temperature")
-    spec = cfg.data.reasoning_gym
-    if spec is None or spec.curriculum is None:
+    if plan is None:
         tries.append("a curriculum (data.reasoning_gym.curriculum) that starts where the model succeeds sometimes")
     return tries
 
@@ -43,7 +51,8 @@ def _tries(cfg) -> list[str]:
 def _initial_eval(rows: list[dict[str, Any]]) -> str:
     initial = next((r for r in rows if r.get("iteration") == 0), {})
     parts = [f"greedy accuracy {initial['eval/accuracy']:.3f}"] if "eval/accuracy" in initial else []
-    parts += [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(initial.items()) if k.startswith("eval/sampled_")]
+    sampled = [k for k in sorted(initial) if k.startswith(("eval/sampled_pass@", "eval/sampled_spread"))]
+    parts += [f"{k.removeprefix('eval/')} {initial[k]:.3f}" for k in sampled]
     return f"; initial eval: {', '.join(parts)}" if parts else ""
 
 
@@ -63,5 +72,5 @@ def signal_advice(rows: list[dict[str, Any]], cfg) -> Optional[str]:
     return (
         f"little to learn from: in iterations {first}-{final} only {', '.join(f'{s:.2f}' for s in shares)} of the "
         f"prompt groups had rewards that differ (below signal.advice_below={below}), and a group whose samples all "
-        f"score the same gives GRPO nothing{_initial_eval(rows)}. Try: {'; '.join(_tries(cfg))}."
+        f"score the same gives GRPO nothing{_initial_eval(rows)}. Try: {'; '.join(_tries(cfg, last[-1]))}."
     )

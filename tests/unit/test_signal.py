@@ -69,6 +69,18 @@ class TestAdvice:
         unmeasured = self.rows(0.1, 0.1) + [{"iteration": 3}]  # a rebuilt row without the key breaks the run
         assert signal_advice(unmeasured, _cfg()) is None
 
+    def test_a_curriculum_above_its_start_is_told_about_its_step(self):
+        # the real recipe's run: level 0 -> 1 at iteration 4, then 0.19, 0.00, 0.12 of the groups with spread
+        cfg = _cfg("data.reasoning_gym.task=basic_arithmetic", 'data.reasoning_gym.curriculum={"target_level": 3}')
+        rows = [
+            {"iteration": i, "signal/group_spread": s, "curriculum/level": 1} for i, s in ((4, 0.19), (5, 0), (6, 0.12))
+        ]
+        line = signal_advice(rows, cfg)
+        assert "a smaller step to curriculum level 1" in line and "range_mode: inclusive" in line
+        assert "a curriculum (data.reasoning_gym.curriculum)" not in line  # it has one
+        at_start = [{**r, "curriculum/level": 0} for r in rows]
+        assert "a smaller step" not in signal_advice(at_start, cfg)
+
     def test_dynamic_sampling_uses_the_sampled_share(self):
         # kept groups all differ (group_spread 1.0), but 15 of 16 sampled groups were flat: share 1/16
         row = {"signal/group_spread": 1.0, "rollout/zero_variance_sampled_fraction": 15 / 16}
