@@ -25,6 +25,12 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q "torch==2.13.0" ${PPOFLOW_TORCH_INDEX:+--index-url "$PPOFLOW_TORCH_INDEX"}
 python -m pip install -q -e ".[cpu,dev]"
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# prefect-kubernetes renders deploy/kubernetes/*.json for tests/unit/test_kubernetes_templates.py, in a folder of its
+# own that only that test's subprocess puts on its path: installed in the environment, Prefect's server loads it as a
+# collection at start-up and its import (kopf) turns uvicorn's start-up lines off. 0.7.11: the newest release that
+# accepts prefect 3.7.7; --no-deps with the packages it adds to this environment, pinned.
+python -m pip install -q --no-deps --upgrade --target .venv/k8s-site prefect-kubernetes==0.7.11 \
+  kubernetes-asyncio==36.1.0 kopf==1.45.2 iso8601==2.1.0 tenacity==9.2.1 pyOpenSSL==26.4.0
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   python -m pip uninstall -y -q triton 2>/dev/null || true
 fi
