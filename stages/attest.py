@@ -30,6 +30,7 @@ import json
 import logging
 import threading
 import time
+from typing import Optional
 
 from engines.rollout.registry import mark_served
 from engines.weights_digest import WeightsDigest, policy_record
@@ -99,12 +100,17 @@ def _expected_digest(record: dict, precision) -> WeightsDigest:
     return WeightsDigest(value=value, dtypes=tuple(sorted({*record["dtypes"], precision})))
 
 
-def attest(engine, cfg, policy: PolicyRef, stage: str, iteration: int) -> Attestation:
-    """Prove that `engine` serves `policy` (module docstring); the Attestation for the stage's manifest.
+def attest(engine, cfg, policy: PolicyRef, stage: str, iteration: int) -> Optional[Attestation]:
+    """Prove that `engine` serves `policy` (module docstring); the Attestation for the stage's manifest, None (with
+    a warning) for an engine that cannot digest what it holds (vLLM with tensor parallelism).
     AttestationError naming `stage`, `iteration`, the expected and the found weights otherwise."""
     started = time.perf_counter()
-    expected = _expected_digest(expected_record(cfg, policy), engine.digest_precision)
     found = engine.weights_digest()
+    if found is None:
+        log.warning("%s iteration %d: the %s engine cannot digest its weights here: not attested", stage, iteration,
+                    engine.name)  # fmt: skip
+        return None
+    expected = _expected_digest(expected_record(cfg, policy), engine.digest_precision)
     if found != expected:
         # forget what the engine was said to serve: a retry of the stage loads the policy into it again
         mark_served(engine, "unattested", -1)

@@ -299,8 +299,11 @@ class VLLMRolloutEngine:
         self.policy_dir, self.policy_version = str(path), int(version)
         log.info("vllm: loaded policy version %d from %s in %.3f s", version, path, time.perf_counter() - started)
 
-    def weights_digest(self) -> WeightsDigest:
-        """The digest of the weights vLLM's worker computes with, read there (engines/weights_digest.py)."""
+    def weights_digest(self) -> Optional[WeightsDigest]:
+        """The digest of the weights vLLM's worker computes with, read there (engines/weights_digest.py); None with
+        tensor parallelism (each worker holds a shard, cut along the dimension the digest reads: not attested)."""
+        if self.settings.tensor_parallel_size > 1:
+            return None
         (found,) = self._llm.collective_rpc(vllm_worker_digest)
         return WeightsDigest.from_json(found)
 
