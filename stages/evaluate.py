@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 from engines import warm
 from engines.evaluation import eval_metrics
 from engines.rollout.base import SamplingSettings
-from stages.attest import attest
+from stages.engine_replacement import with_live_engine
 from stages.evaluate_multi_turn import multi_turn_eval_metrics, sample_eval_conversations
 from stages.evaluate_sampled import sample_as_rollout, sampled_due, sampled_metrics
 from stages.held import eval_prompt_source_for, score_cache_for, scorer_for
@@ -91,15 +91,19 @@ def run_eval(cfg, iteration: int, policy: PolicyRef) -> EvalManifest:
     seeds = [eval_sampling_seed(cfg.run.seed, r.index) for r in records]
     multi_turn = cfg.rollout.environment is not None
     with warm.stage_lock("rollout"):  # pipelined iterations: the rollout engine serves one stage at a time
-        engine = rollout_engine_for(cfg, policy)
-        attested = attest(engine, cfg, policy, "eval", iteration)
-        if multi_turn:
-            table = sample_eval_conversations(engine, source, cfg, records, eval_sampling(cfg), seeds, iteration)
-        else:
-            table = sample_table(engine, source, records, eval_sampling(cfg), seeds, iteration)
-        # eval.sampled_pass_at_k: the same prompts as the rollout samples them (stages/evaluate_sampled.py)
-        sampled = (
-            sample_as_rollout(engine, source, records, cfg, seeds, iteration) if sampled_due(cfg, iteration) else None
+
+        def sample(engine):
+            if multi_turn:
+                table = sample_eval_conversations(engine, source, cfg, records, eval_sampling(cfg), seeds, iteration)
+            else:
+                table = sample_table(engine, source, records, eval_sampling(cfg), seeds, iteration)
+            # eval.sampled_pass_at_k: the same prompts as the rollout samples them (stages/evaluate_sampled.py)
+            due = sampled_due(cfg, iteration)
+            return table, sample_as_rollout(engine, source, records, cfg, seeds, iteration) if due else None
+
+        # an engine whose process dies is built again and samples again (stages/engine_replacement.py)
+        (table, sampled), engine, attested, _ = with_live_engine(
+            rollout_engine_for, cfg, policy, "eval", iteration, sample
         )
     layout = layout_for(cfg)
     scorer = scorer_for(cfg)

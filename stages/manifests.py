@@ -96,6 +96,11 @@ class RolloutManifest(ShardsManifest):
     attested: Optional[Attestation] = Field(
         None, description="the policy the engine was proved to serve (stages/attest.py); None only in old records"
     )
+    engine_replacements: int = Field(
+        0,
+        ge=0,
+        description="engines built again because the engine's process died in the stage (rollout.engine_replacements)",
+    )
 
 
 class RolloutPartManifest(ShardsManifest):

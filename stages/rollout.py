@@ -28,9 +28,9 @@ from engines import warm
 from engines.data import PromptSource
 from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_sampling_seed
 from engines.rollout.registry import get_rollout_engine, serve_in_memory
-from stages.attest import attest
 from stages.curriculum_state import iteration_level, tag_level
 from stages.dynamic import sample_dynamic, stage_rewards
+from stages.engine_replacement import with_live_engine
 from stages.env_failures import env_failure_metrics
 from stages.held import prompt_source_for, trainer_key
 from stages.manifests import PolicyRef, RolloutManifest, ShardsManifest, provenance
@@ -121,13 +121,17 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
     level = iteration_level(cfg, policy)  # data.reasoning_gym.curriculum: the level `policy`'s checkpoint committed
     source = prompt_source_for(cfg, level)
     with warm.stage_lock("rollout"):  # pipelined iterations: one engine, one rollout at a time
-        engine = rollout_engine_for(cfg, policy)
-        attested = attest(engine, cfg, policy, "rollout", iteration)
-        if cfg.rollout.dynamic_sampling.enabled:
-            sample = lambda records: sample_records(engine, source, cfg, iteration, records)  # noqa: E731
-            table, metrics = sample_dynamic(sample, source, cfg, iteration, stage_rewards(cfg))
-        else:
-            table = sample_rollout(engine, source, cfg, iteration)
+
+        def sample(engine):
+            if not cfg.rollout.dynamic_sampling.enabled:
+                return sample_rollout(engine, source, cfg, iteration), {}
+            draw = lambda records: sample_records(engine, source, cfg, iteration, records)  # noqa: E731
+            return sample_dynamic(draw, source, cfg, iteration, stage_rewards(cfg))
+
+        # an engine whose process dies is built again and samples again (stages/engine_replacement.py)
+        (table, metrics), engine, attested, replaced = with_live_engine(
+            rollout_engine_for, cfg, policy, "rollout", iteration, sample
+        )
     written = write_stage_table(cfg, layout_for(cfg), iteration, "rollout", tag_level(table, level))
     return sampled_manifest(
         RolloutManifest,
@@ -138,4 +142,5 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
         engine=engine.name,
         metrics={**metrics, **env_failure_metrics(table)},  # multi-turn: groups dropped for a failed environment
         attested=attested,
+        engine_replacements=replaced,
     )

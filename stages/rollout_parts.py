@@ -27,8 +27,8 @@ import time
 import pyarrow as pa
 
 from engines import warm
-from stages.attest import attest
 from stages.curriculum_state import iteration_level, tag_level
+from stages.engine_replacement import with_live_engine
 from stages.handed import read_handed
 from stages.held import prompt_source_for
 from stages.manifests import PolicyRef, RolloutManifest, RolloutPartManifest
@@ -63,9 +63,10 @@ def run_rollout_part(cfg, iteration: int, policy: PolicyRef, part: int, parts: i
     every = source.prompts_for_iteration(iteration, cfg.rollout.prompts_per_iteration, cfg.run.seed)
     records = split_prompts(every, part, parts)
     with warm.stage_lock("rollout"):  # pipelined iterations (or parts in threads): one engine, one call at a time
-        engine = rollout_engine_for(cfg, policy)
-        attested = attest(engine, cfg, policy, f"rollout part {part} of {parts}", iteration)
-        table = tag_level(sample_records(engine, source, cfg, iteration, records), level)
+        sample = lambda engine: sample_records(engine, source, cfg, iteration, records)  # noqa: E731
+        stage = f"rollout part {part} of {parts}"
+        table, engine, attested, _ = with_live_engine(rollout_engine_for, cfg, policy, stage, iteration, sample)
+        table = tag_level(table, level)
     layout = layout_for(cfg)
     folder = part_dir(layout, iteration, part, parts)
     written = write_stage_table(cfg, layout, iteration, "rollout", table, folder=folder)

@@ -66,6 +66,11 @@ class RolloutSample:
     policy_version: int = 0
 
 
+class EngineDied(RuntimeError):
+    """The engine's own process died under a call (vLLM's EngineCore: killed, out of memory, a segfault). The engine
+    object is unusable from then on: drop it (registry.discard) and build another."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generation engine. Long-lived: built once per worker process, weights refreshed per iteration."""

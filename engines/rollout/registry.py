@@ -156,6 +156,19 @@ def mark_served(engine: RolloutEngine, source: str, version: int) -> None:
                 _engines[identity] = (engine, source, int(version))
 
 
+def discard(engine: RolloutEngine) -> None:
+    """Forget `engine` (its process died: EngineDied) and shut down what is left of it; the next get_rollout_engine
+    builds a new one. A shutdown that fails is logged: the engine is gone either way."""
+    with _lock:
+        for identity, (cached, _dir, _version) in list(_engines.items()):
+            if cached is engine:
+                _engines.pop(identity)
+    try:
+        engine.shutdown()
+    except Exception:  # noqa: BLE001 - a dead engine's shutdown may fail half-way; it is dropped regardless
+        log.warning("shutting down the dead rollout engine %s failed", getattr(engine, "name", "?"), exc_info=True)
+
+
 def shutdown_all() -> None:
     """Shut every cached engine down (idempotent); registered with atexit."""
     with _lock:

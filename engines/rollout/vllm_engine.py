@@ -33,7 +33,8 @@ from typing import Optional, Sequence
 
 from adaptations.vllm import allow_function_rpc, retie_lm_head
 from adaptations.vllm_client_watch import client_named
-from engines.rollout.base import RolloutSample, SamplingSettings
+from adaptations.vllm_dead_core import core_is_dead, fail_fast_on_dead_core
+from engines.rollout.base import EngineDied, RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
 from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
 from engines.weights_digest import WeightsDigest, vllm_worker_digest
@@ -161,6 +162,8 @@ class VLLMRolloutEngine:
         allow_function_rpc()  # retie_lm_head (a tied model) and vllm_worker_digest are functions sent to the worker
         with client_named():  # its engine core dies with this process, even SIGKILLed (adaptations/vllm_client_watch)
             self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
+        if not fail_fast_on_dead_core(self._llm):  # a dead engine core raises instead of blocking generate for good
+            log.warning("this vLLM's client is not the one adaptations/vllm_dead_core.py knows: a dead core may hang")
         model_config = self._llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
@@ -252,7 +255,15 @@ class VLLMRolloutEngine:
             self._sampling_params(sampling, None if seeds is None else int(seeds[i]), ignore_eos)
             for i in range(len(prompts))
         ]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        try:
+            outputs = self._llm.generate(requests, params, use_tqdm=False)
+        except Exception as e:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            # a call after the death may also fail on the sockets the client's shutdown closed (adaptations/)
+            if isinstance(e, EngineDeadError) or core_is_dead(self._llm):
+                raise EngineDied(f"vLLM's engine core process died during generate ({self.policy_dir})") from e
+            raise
         return [sample for i, out in enumerate(outputs) for sample in self._to_samples(i, prompts[i], out)]
 
     def _to_samples(self, prompt_index: int, prompt_ids: Sequence[int], request_output) -> list[RolloutSample]:
