@@ -63,11 +63,13 @@ def test_demo_terminal_shows_progress_and_table_only(demo_run):
     noise = library_lines(result.stdout + result.stderr)
     assert not noise, "library output reached the terminal:\n" + "\n".join(noise[:20])
     assert "Traceback" not in result.stdout + result.stderr
-    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["iter", "reward", "kl"])
+    header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["iter", "reward", "signal", "kl"])
     rows = [line.split() for line in lines[header + 1 : header + 1 + ITERATIONS]]
     assert [int(r[0]) for r in rows] == list(range(1, ITERATIONS + 1))
     metrics = [json.loads(x) for x in (root / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert [float(r[1]) for r in rows] == pytest.approx([round(m["reward/mean"], 3) for m in metrics], abs=1e-3)
+    # issue 53: the share of groups whose rewards differ, beside the reward (printed to 2 decimals)
+    assert [float(r[2]) for r in rows] == pytest.approx([m["signal/group_spread"] for m in metrics], abs=0.0051)
     # The bar ends at N/N on a completed run (the watcher used to stop one iteration short).
     progress = [line for line in lines if line.startswith("run demo") and "eta" in line]
     assert progress and f"{ITERATIONS}/{ITERATIONS}" in progress[-1], lines
