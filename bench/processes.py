@@ -34,7 +34,7 @@ STAGES = ("rollout", "score", "update", "checkpoint")
 WARM_GROUPS = {"rollout": ["rollout"], "score": ["score"], "train": ["update"]}
 WARM_STAGES = [stage for stages in WARM_GROUPS.values() for stage in stages]
 # prefect.yaml's process work pools, and the stage deployments that pipeline.stage_pools names
-POOLS = ["ppoflow-pool", "rollout-pool", "score-pool", "train-pool"]
+POOLS = ["ppoflow-pool", "rollout-pool", "score-pool", "train-pool", "worker-pool"]  # worker-pool: flows/worker_flow.py
 POOL_GROUPS = {"rollout-pool": ["rollout"], "score-pool": ["score"], "train-pool": ["update", "checkpoint"]}
 STAGE_POOLS = {
     "rollout": "ppo-rollout/ppo-rollout",
