@@ -17,7 +17,6 @@ Why here and not `ppoflow.train`: the `ppoflow` package is the config floor and 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any, Iterable, TextIO, Union
@@ -70,10 +69,9 @@ def _prepare_process() -> None:
     """What `ppoflow`'s main does before a command that runs flows (flows/cli.py): quiet the libraries at their
     source, give Prefect's temporary server time to start on a busy machine, install the upstream adaptations."""
     from adaptations import install_process_adaptations
-    from flows.logs import quiet_libraries
+    from flows.logs import prepare_flow_process
 
-    quiet_libraries()
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    prepare_flow_process()
     install_process_adaptations()
 
 

@@ -340,16 +340,11 @@ _WITHOUT_PREFECT = {"shards", "runs", "models", "config-reference", "prefect-ser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import os
 
-    from flows.logs import quiet_libraries
+    from flows.logs import prepare_flow_process
 
-    # Before Prefect is imported (its settings are read once, at import): every command, the servers it starts
-    # (`prefect-server`, the temporary one of `train`, `serve`, `worker`) included.
-    quiet_libraries()
-    # Without PREFECT_API_URL, Prefect starts a local server for the run; its 20 s default start-up
-    # timeout is too short on a busy 2-core machine (first start runs the database migrations).
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # every command, the servers it starts (`prefect-server`, the temporary one of `train`, `serve`, `worker`) included
+    prepare_flow_process()
     args = build_parser().parse_args(argv)
     if args.command not in _WITHOUT_PREFECT:  # a command that runs, serves or submits flows: adapt Prefect first
         from adaptations import install_process_adaptations

@@ -209,6 +209,15 @@ def flow_run_log(cfg: PPOFlowConfig) -> Optional[OutputCapture]:
     return capture_output(cfg, "flow-run", verbose=True)
 
 
+def prepare_flow_process() -> None:
+    """What an entry point that runs flows does first, before Prefect is imported (its settings are read once, at
+    import): quiet the libraries at their source, and give Prefect's temporary server time to start. Without
+    PREFECT_API_URL Prefect starts a local server for the run; its 20 s default start-up timeout is too short on a busy
+    2-core machine (the first start runs the database migrations). Used by `ppoflow` (flows/cli.py) and flows.api."""
+    quiet_libraries()
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
 def quiet_libraries() -> None:
     """Environment settings that remove noise at its source, before any library reads them.
 
