@@ -32,6 +32,13 @@ in bfloat16 under a float32 trainer is named as such (its bits differ as well). 
 confined to the Linear columns not read (PROBE_COLUMNS of each layer's input size), which no training step, no
 skipped reload and no other checkpoint makes.
 
+Format: DIGEST_FORMAT numbers the algorithm above, and a trainer's record carries it ("format"), so a record written
+by another algorithm is never compared with this one's (stages/attest.py digests the checkpoint's files again
+instead of reporting different weights). Format 1: a record without "format" (written before formats were
+numbered: by the first algorithm, one gather per probe column and embeddings whole, or by the second one before
+it was numbered; either way it is digested again). Format 2: strided probe columns (probe_step), embeddings at
+them too. Bump it whenever a change here changes a digest's value.
+
 Cost (measured in the rollout stage's `attest/seconds`): the embeddings and norms once, plus PROBE_COLUMNS rows
 through every Linear kernel. Failure modes: tensor parallelism (each worker holds a shard) is not supported:
 ValueError. Integer-quantized weights would be digested as stored.
@@ -46,6 +53,7 @@ from typing import Iterable, Optional
 
 import torch
 
+DIGEST_FORMAT = 2  # the algorithm's number, recorded beside each digest (module docstring, "Format")
 PROBE_COLUMNS = 16  # input columns read from each Linear layer
 _CHUNK = 1 << 22  # elements per pass: bounds the int32 temporaries at 16 MB whatever the tensor's size
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -208,7 +216,13 @@ def vllm_worker_digest(worker, precision: Optional[str] = None) -> dict:
 def policy_record(policy_dir: str | Path, autocast_dtype: Optional[str] = None) -> dict:
     """What a trainer records of the policy folder it saved (trainer/trainer.json's "policy_digest"): the digest as
     stored, and, under `autocast_dtype`, the digest rounded to it (what an engine that keeps bfloat16 copies of the
-    Linear weights holds: engines/rollout/hf.py). JSON: {"value", "dtypes", "rounded": {dtype: value}}."""
-    record = folder_digest(policy_dir).to_json()
+    Linear weights holds: engines/rollout/hf.py), in format DIGEST_FORMAT.
+    JSON: {"format", "value", "dtypes", "rounded": {dtype: value}}."""
+    record = {"format": DIGEST_FORMAT, **folder_digest(policy_dir).to_json()}
     record["rounded"] = {autocast_dtype: folder_digest(policy_dir, autocast_dtype).value} if autocast_dtype else {}
     return record
+
+
+def record_format(record: dict) -> int:
+    """The digest format of a trainer's record: its "format", 1 for a record written before formats were numbered."""
+    return int(record.get("format", 1))

@@ -12,8 +12,10 @@ the engine holds, read where they live (engines/weights_digest.py), with the one
 
 - a checkpoint: "policy_digest" in its trainer/trainer.json, written by the trainer as it saved policy/, and
   read here with its sha256 checked against the commit marker (a swapped policy/ cannot bring its own record);
-  a checkpoint written before attestation existed has none: its verified policy/ files are digested instead
-  (logged as such);
+  a checkpoint written before attestation existed has none, and one written by another digest algorithm holds a
+  record in another format (engines/weights_digest.py, DIGEST_FORMAT): its verified policy/ files are digested
+  instead (logged as such), so an upgrade of the algorithm never reads as other weights; when they cannot be read,
+  a RuntimeError says "digest format vN, this ppoflow computes vM" and why the files could not stand in;
 - the initial model (version 0): its folder's files, digested once per process.
 
 A mismatch raises AttestationError naming the stage, the iteration, the expected policy and what the engine
@@ -33,7 +35,7 @@ import time
 from typing import Optional
 
 from engines.rollout.registry import mark_served
-from engines.weights_digest import WeightsDigest, policy_record
+from engines.weights_digest import DIGEST_FORMAT, WeightsDigest, policy_record, record_format
 from stages.manifests import Attestation, PolicyRef
 from stages.policy import local_policy_dir
 from storage import fs as fsutil
@@ -82,12 +84,30 @@ def expected_record(cfg, policy: PolicyRef) -> dict:
         record = _records.get(key)
     if record is None:
         record = _committed_record(cfg, policy)
-        if record is None:  # written before attestation: the verified files stand in for the trainer's record
-            log.warning("checkpoint %s records no policy digest (older ppoflow): digesting its policy/", policy.uri)
-            record = policy_record(local_policy_dir(cfg, policy), cfg.model.autocast_dtype)
+        if record is None or record_format(record) != DIGEST_FORMAT:
+            record = _digest_files_instead(cfg, policy, record)
         with _seen_lock:
             _records[key] = record
     return record
+
+
+def _digest_files_instead(cfg, policy: PolicyRef, record: dict | None) -> dict:
+    """The record of a checkpoint whose own is absent (written before attestation) or in another digest format,
+    made here from its policy/ files, fetched and checked against the commit marker. RuntimeError "digest format
+    vN, this ppoflow computes vM" (with the reason) when those files cannot be read: never a false "weights differ"."""
+    if record is None:
+        log.warning("checkpoint %s records no policy digest (older ppoflow): digesting its policy/", policy.uri)
+    else:
+        log.warning("checkpoint %s records its policy digest in format v%d, this ppoflow computes v%d: digesting its "
+                    "policy/", policy.uri, record_format(record), DIGEST_FORMAT)  # fmt: skip
+    try:
+        return policy_record(local_policy_dir(cfg, policy), cfg.model.autocast_dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the files is reported with the format gap
+        found = "no policy digest" if record is None else f"digest format v{record_format(record)}"
+        raise RuntimeError(
+            f"checkpoint {policy.uri} records {found}, this ppoflow computes v{DIGEST_FORMAT}, and its policy/ "
+            f"could not be digested instead: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _expected_digest(record: dict, precision) -> WeightsDigest:
