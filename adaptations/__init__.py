@@ -3,7 +3,7 @@ function whose docstring names the version it was written against and what upstr
 
 Nothing here acts on import. The adaptations that hold for a whole process are installed by its entry point,
 with `install_process_adaptations()`: the `ppoflow` commands that run, serve or submit flows (flows/cli.py), the
-flows a deployment runs (flows/training.py, flows/stage_runs.py, flows/rm_training.py: the first thing they do),
+flows a deployment runs (flows/training.py, runtime/stage_runs.py, flows/rm_training.py: the first thing they do),
 the benchmark drivers that run flows in-process, and tests/conftest.py. The others are called where the
 condition they depend on is known (a world size, a built engine, one save, a model's tied head).
 
@@ -18,7 +18,7 @@ The adaptations (what upstream does; installed or called by; the test that fails
 - `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (flows/cli.py). Same test.
 - `prefect_task_worker.SlotTaskWorker`, Prefect 3.7.7: its task worker stays subscribed while busy (the server hands
   it the next run, which waits for the slot while another worker idles) and ends at a handshake timeout. Used by
-  flows/workers.py (warm stage workers). tests/unit/test_adaptations_prefect_task_worker.py;
+  runtime/workers.py (warm stage workers). tests/unit/test_adaptations_prefect_task_worker.py;
   tests/integration/test_worker_resubscribe.py.
 - `deepspeed.skip_shm_comm_build`, DeepSpeed 0.19.8 on the CPU accelerator: JIT-builds its shared-memory
   all-reduce op (~150 s on 2 cores) whatever the world size. Called by engines/trainer/deepspeed_setup.py when

@@ -12,7 +12,7 @@ subscription: closing the subscription with the run received makes the server pu
 into its queue, for a worker with a free slot. A handshake that times out or a dropped connection ends upstream's
 worker; here the worker subscribes again after a growing wait (_RESUBSCRIBE_S), each failure logged.
 
-Two more things it does, each given by the caller (the floor that knows what they mean: flows/workers.py):
+Two more things it does, each given by the caller (the floor that knows what they mean: runtime/workers.py):
 - `presence_keys` / `presence_id`: a second subscription, on presence keys, held for as long as the worker runs,
   so that a submitting flow can tell a busy worker from none;
 - `after_run`: called after each task run (the update worker ends its process there when its torchrun group broke).

@@ -69,7 +69,7 @@ def async_config(workdir: str, run: str, iterations: int, mode: str, k: int, see
 
 def driver(mode: str, k: int, workdir: str, run: str, iterations: int, seed: int = 0) -> None:
     """Run the training flow in this process; print its metrics rows and stage body seconds as one JSON line."""
-    from flows.records import read_stage_record
+    from storage.stage_records import read_stage_record
 
     keep = ("iteration", "reward/mean", "time/finished_unix", "async/staleness")
     layout, rows = train_in_driver(async_config(workdir, run, iterations, mode, k, seed), keep)

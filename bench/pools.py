@@ -78,7 +78,7 @@ def variant_config(workdir: str, run: str, iterations: int, workload: str, varia
 
 def driver(variant: str, workdir: str, run: str, iterations: int, workload: str) -> None:
     """Run the training flow once in this process; print its metrics rows and stage records as one JSON line."""
-    from flows.records import read_stage_record
+    from storage.stage_records import read_stage_record
 
     keep = ("iteration", "reward/mean", "time/finished_unix", *[f"timing/{s}" for s in STAGES])
     layout, rows = train_in_driver(variant_config(workdir, run, iterations, workload, variant), keep)

@@ -22,8 +22,8 @@ def publish_iteration_artifacts(cfg: PPOFlowConfig, row: dict[str, Any]) -> None
     training flow so that its run's Artifacts tab lists every iteration: the metrics row as a table, then where
     its shards and checkpoint are (read back from the iteration's stage records). One artifact, not a table and
     a list: each is a request on the iteration's path (~10 ms here)."""
-    from flows.records import read_stage_record
     from storage.layout import layout_for
+    from storage.stage_records import read_stage_record
 
     iteration = row["iteration"]
     layout = layout_for(cfg)

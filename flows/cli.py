@@ -181,7 +181,7 @@ def cmd_serve_reward(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from flows.workers import serve_stages
+    from runtime.workers import serve_stages
 
     serve_stages(args.stage, retries=args.retries)
     return 0

@@ -32,7 +32,7 @@ killed run turns Crashed about 2 minutes after its last heartbeat and can then b
 
 Failure modes: no Prefect API (the server is down) fails at `apply()` with Prefect's connection error,
 before any work; the automation's creation failing (an old server without automations) is logged and the
-run goes on (the next start of the run still marks the dead run Crashed: flows/stale_runs.py).
+run goes on (the next start of the run still marks the dead run Crashed: runtime/stale_runs.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
       retry:   http://127.0.0.1:4200/runs/flow-run/<id> (Retry in the Prefect UI, ...), with `ppoflow serve` running
 
 The stage and iteration come from the traceback: the innermost frame of ppoflow's own code that holds
-an int `iteration` and a stage name in `stage` (flows/stage_runs.py runs every stage that way). Object
+an int `iteration` and a stage name in `stage` (runtime/stage_runs.py runs every stage that way). Object
 storage errors add the root URL and its endpoint. The resume command is the command that failed:
 a run resumes at LATEST + 1, and inside the failed iteration at the first stage without a cached result. With
 PREFECT_API_URL set (a server that outlives the command), the failed flow run's page, to Retry it from the UI.
@@ -38,7 +38,7 @@ class StageError(RuntimeError):
         self.stage, self.iteration = stage, iteration
         first = (str(cause).strip() or "(no message)").splitlines()[0]
         text = f"{type(cause).__name__}: {first}"
-        # A stage on a work pool failed in its own flow run (flows/stage_runs.StageFailed): its error, then where.
+        # A stage on a work pool failed in its own flow run (runtime/stage_runs.StageFailed): its error, then where.
         if own := getattr(cause, "stage_error", None):
             text = f"{own} ({getattr(cause, 'where', None) or 'on its work pool'})"
         super().__init__(f"{stage} stage of iteration {iteration} failed: {text}")
@@ -52,20 +52,6 @@ def _stage_error(stage: str, iteration: int, text: str) -> StageError:
     error.stage, error.iteration = stage, iteration
     RuntimeError.__init__(error, text)
     return error
-
-
-# What Prefect puts before `<type>: <message>` of the exception that failed a flow or task run.
-_PREFECT_PREFIXES = ("Flow run encountered an exception:", "Task run encountered an exception:")
-
-
-def stage_run_error(state) -> Optional[str]:
-    """The first line of the error a stage's flow run ended with, from its Prefect state's message
-    ("RewardError: reward function boom.py:reward raised on row 3"), or None when the state holds none."""
-    message = (getattr(state, "message", None) or "").strip()
-    for prefix in _PREFECT_PREFIXES:
-        if message.startswith(prefix):
-            message = message[len(prefix) :].strip()
-    return message.splitlines()[0] if message else None
 
 
 class Terminated(KeyboardInterrupt):

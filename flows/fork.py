@@ -26,7 +26,7 @@ point RUN has not committed or whose checkpoint retention removed, a NEW that ex
 Forking again with the same arguments is a no-op (a fork interrupted half-way is completed).
 
 `replay=M` (`--replay M`): the fork's iterations N+1..N+M train on RUN's committed rollout shards instead of sampling
-again (flows/replay.py), recorded as `parent.replay = [N+1, N+M]` in its run.json. Refused, naming the field: a
+again (runtime/replay.py), recorded as `parent.replay = [N+1, N+M]` in its run.json. Refused, naming the field: a
 changed model, data or rollout setting (the saved rows would not be what the fork samples), dynamic sampling with a
 changed reward (which groups it kept was the reward's), iterations RUN has not committed or has no rollout record
 of, and iterations past N+1+pipeline.max_staleness without algo.tis_cap (RUN's policy sampled them, not the fork's).

@@ -17,16 +17,17 @@ from typing import Any
 from prefect import flow
 
 from flows.failure import StageError
-from flows.in_flight import mark_committed, wait_for_previous
-from flows.records import read_metrics, read_stage_record, record_metrics
-from flows.stage_runs import run_stage
+from flows.records import read_metrics, record_metrics
 from ppoflow.config import as_config
+from runtime.in_flight import mark_committed, wait_for_previous
+from runtime.stage_runs import run_stage
 from stages.evaluate import eval_due
 from stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
 from stages.policy import behaviour_policy_ref, policy_ref
 from storage.checkpoints import read_commit_marker
 from storage.layout import RunLayout, layout_for
 from storage.lineage import own_first_iteration
+from storage.stage_records import read_stage_record
 
 
 def iteration_metrics(
@@ -138,7 +139,7 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
             raise StageError(stage, iteration, error) from error
         timings[stage] = time.perf_counter() - started
         if stage == "checkpoint":
-            mark_committed(cfg, iteration)  # pipelined iterations: the next update may start (flows/in_flight.py)
+            mark_committed(cfg, iteration)  # pipelined iterations: the next update may start (runtime/in_flight.py)
     row = iteration_metrics(iteration, manifests, timings)
     record_metrics(layout_for(cfg), row)
     return row

@@ -31,7 +31,6 @@ $PPOFLOW_CACHE, else ~/.cache/ppoflow), and copied to `<run>/logs/` in the bucke
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
@@ -43,36 +42,11 @@ from typing import Optional, TextIO
 
 from ppoflow.config import PPOFlowConfig
 from ppoflow.terminal import use_terminal
-from storage.fs import local_cache_root
+from storage.run_logs import log_dir_for
 
 log = logging.getLogger("ppoflow.cli")
 # The capture running in this process (at most one: fds 1 and 2 are the process's), None when none.
 _active: dict[str, Optional["OutputCapture"]] = {"capture": None}
-
-
-def mirror_dir(root_url: str, run_name: str, local_cache_dir: Optional[str] = None) -> str:
-    """The local mirror of a run on object storage: `<local cache>/mirror/<root as a folder name>/<run>`.
-
-    Named after the root URL (readable part plus a hash), so two buckets with the same run name do not
-    share a folder.
-    """
-    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in root_url.split("://", 1)[-1])[:80]
-    digest = hashlib.sha256(root_url.encode()).hexdigest()[:8]
-    return os.path.join(local_cache_root(local_cache_dir), "mirror", f"{readable}-{digest}", run_name)
-
-
-def _is_local_root(root: str) -> bool:
-    return "://" not in root or root.startswith("file://")
-
-
-def log_dir_for(cfg: PPOFlowConfig) -> tuple[str, Optional[str]]:
-    """(local folder the log file is written to, remote folder URL it is copied to, or None when local)."""
-    root = str(cfg.run.root)
-    if _is_local_root(root):
-        local_root = root[len("file://") :] if root.startswith("file://") else root
-        return os.path.join(os.path.abspath(local_root), cfg.run.name, "logs"), None
-    mirror = mirror_dir(root, cfg.run.name, cfg.storage.local_cache_dir)
-    return os.path.join(mirror, "logs"), root.rstrip("/") + f"/{cfg.run.name}/logs"
 
 
 def terminal_width(fd: int) -> int:

@@ -19,7 +19,7 @@ rollout and one score at a time, the trainer borrowed while its weights are copi
 
 Failure: an iteration that fails fails the ones after it at their update (their rollout and score finish and
 are cached), but a stage of theirs on a warm worker that no worker has started yet is not run: the worker it
-waits for may be the one that died (flows/in_flight.earlier_failure). The training flow waits for the in-flight
+waits for may be the one that died (runtime/in_flight.earlier_failure). The training flow waits for the in-flight
 iterations to end and raises the first error. A Retry of the flow run, or the next start of the
 run, resumes from the last commit: each in-flight iteration at its first uncached stage.
 """
@@ -34,8 +34,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import SettingsContext, get_settings_context
 from prefect.futures import PrefectFuture
 
-from flows.in_flight import register_in_flight
 from flows.iteration import ppo_iteration
+from runtime.in_flight import register_in_flight
 from storage.layout import layout_for
 
 

@@ -1,10 +1,8 @@
-"""Small JSON records a run keeps beside its shards: per-stage manifests and metrics.jsonl.
+"""A run's metrics.jsonl, written by the flows, and handed to the run's trackers (flows/tracker.py).
 
-Stage records (`<run>/iter-000003/_stages/<stage>.json`) let a parent flow read what a stage deployment on
-another pool produced, and let `ppoflow runs show` list an iteration's outputs. metrics.jsonl has one line
-per iteration; rewriting an iteration's line (after a retry) replaces it, never duplicates it. Stage
-records are rewritten whole in one PUT; metrics.jsonl gets the next iteration's line appended on a local
-disk and is rewritten whole otherwise (S3 has no append).
+metrics.jsonl has one line per iteration; rewriting an iteration's line (after a retry) replaces it, never
+duplicates it. It gets the next iteration's line appended on a local disk and is rewritten whole otherwise (S3 has
+no append). Reading it is storage/metrics.py's; the stage records beside the shards are storage/stage_records.py's.
 """
 
 from __future__ import annotations
@@ -15,22 +13,9 @@ import re
 from typing import Any
 
 from flows.tracker import track_row
-from storage.fs import append_line_durably, is_local, join, read_json, write_bytes_atomic, write_json
+from storage.fs import append_line_durably, is_local, write_bytes_atomic
 from storage.layout import RunLayout
 from storage.metrics import complete_lines, read_metrics  # noqa: F401 - read_metrics: the flows' import
-
-
-def stage_record_path(layout: RunLayout, iteration: int, stage: str) -> str:
-    return join(layout.iteration_dir(iteration), "_stages", f"{stage}.json")
-
-
-def write_stage_record(layout: RunLayout, iteration: int, stage: str, manifest: dict[str, Any]) -> None:
-    write_json(layout.fs, stage_record_path(layout, iteration, stage), manifest)
-
-
-def read_stage_record(layout: RunLayout, iteration: int, stage: str) -> dict[str, Any] | None:
-    return read_json(layout.fs, stage_record_path(layout, iteration, stage))
-
 
 _TAIL_BYTES = 1 << 16  # read from the end of metrics.jsonl to find its last line (a row is ~1 KB)
 _ITERATION_PREFIX = re.compile(rb'^\{"iteration": (\d+)[,}]')

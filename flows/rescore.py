@@ -1,16 +1,16 @@
 """`ppoflow rescore RUN --iteration K --name NEW --set reward...`: the fork of RUN at K-1 that replays K
-(flows/replay.py), its score stage only, and a line comparing the two rewards.
+(runtime/replay.py), its score stage only, and a line comparing the two rewards.
 
-Its own module, above flows/stage_runs.py: the rescore runs a stage, while run_stage (flows/stage_runs.py) asks
-flows/replay.py whether an iteration is replayed; in one module the two would import each other.
+Its own module, above runtime/stage_runs.py: the rescore runs a stage, while run_stage (runtime/stage_runs.py) asks
+runtime/replay.py whether an iteration is replayed; in one module the two would import each other.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from flows.replay import replayed_rollout
-from flows.stage_runs import run_stage_in_process
+from runtime.replay import replayed_rollout
+from runtime.stage_runs import run_stage_in_process
 from stages.manifests import ScoreManifest
 from storage import lineage
 from storage.layout import RunLayout, layout_for

@@ -28,8 +28,8 @@ from flows.preflight_static import PreflightError, format_problems
 from flows.records import read_metrics, record_metrics
 from flows.run_names import named_after_run
 from flows.run_root import absolute_root
-from flows.stage_runs import run_stage
 from ppoflow.config import PPOFlowConfig, as_config
+from runtime.stage_runs import run_stage
 from stages.manifests import RMExportManifest, RMPlan
 from stages.reward_model import start_ref
 from storage.checkpoints import latest_iteration, read_commit_marker
@@ -110,10 +110,10 @@ def rm_training(config: dict[str, Any]) -> RMExportManifest:
 def train_reward_model(cfg: PPOFlowConfig, console: Any = None) -> RMExportManifest:
     """Run the flow in this process and print one line per unit and where the model is on `console` (a rich
     Console; `ppoflow train-rm` passes the one its output capture leaves on the terminal). ConfigError first when
-    PREFECT_API_URL names a server that does not answer (flows/prefect_api.py)."""
+    PREFECT_API_URL names a server that does not answer (runtime/prefect_api.py)."""
     from rich.console import Console
 
-    from flows.prefect_api import check_prefect_api
+    from runtime.prefect_api import check_prefect_api
 
     check_prefect_api()
     console = console or Console()

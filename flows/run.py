@@ -143,11 +143,11 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
 
     The flow run is a run of the `ppoflow-train` deployment (flows/deployment.py), so it can be retried from
     the UI and with `prefect flow-run retry ID`. ConfigError before anything else when PREFECT_API_URL names a
-    server that does not answer (flows/prefect_api.py)."""
+    server that does not answer (runtime/prefect_api.py)."""
     from engines.reasoning_tasks import materialize
     from flows.deployment import train_through_deployment
-    from flows.prefect_api import check_prefect_api, temporary_server_starting
     from flows.run_root import absolute_root
+    from runtime.prefect_api import check_prefect_api, temporary_server_starting
     from stages.rollout import build_initial_engine
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
@@ -188,8 +188,8 @@ def _builds_rollout_here(cfg: PPOFlowConfig) -> bool:
     static checks. The thread: with pipeline.max_staleness >= 1 the stages run on the task runner's threads, and an
     engine built here would give this thread an OpenMP team of its own besides theirs (engines/compute_thread.py).
     The checks: a run its preflight refuses should not wait for an engine build to end before it exits."""
-    from flows.placement import placement
     from flows.preflight_static import static_problems
+    from runtime.placement import placement
 
     if cfg.pipeline.max_staleness or placement(cfg, "rollout", 1) != "process":
         return False

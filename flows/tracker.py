@@ -56,7 +56,7 @@ def tensorboard_dir_for(layout: RunLayout) -> str:
     """Where the event files are written: `<run>/tensorboard` locally, the local mirror for object storage."""
     if not _remote(layout):
         return os.path.join(layout.run_dir, "tensorboard")
-    from flows.logs import mirror_dir
+    from storage.run_logs import mirror_dir
 
     return os.path.join(mirror_dir(layout.root_url, layout.run_name, layout.storage_cfg.local_cache_dir), "tensorboard")
 

@@ -5,7 +5,7 @@ flow run (UI, `prefect flow-run retry`) skips committed iterations entirely and,
 the stages whose results are cached.
 
 A run with train.num_ranks > 1 whose update goes to no warm worker or pool has its update ranks started here, as a
-torchrun group on this machine, for the flow run's duration (flows/update_group.py).
+torchrun group on this machine, for the flow run's duration (runtime/update_group.py).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from flows.preflight import preflight
 from flows.run_inputs import start_run
 from flows.run_names import named_after_run
 from flows.run_root import absolute_root
-from flows.stale_runs import claimed_run, is_dead_here, mark_crashed
 from flows.subflow_identity import keyed_by
-from flows.update_group import owned_update_group
 from ppoflow.config import MAX_STALENESS, PPOFlowConfig, as_config
+from runtime.stale_runs import claimed_run, is_dead_here, mark_crashed
+from runtime.update_group import owned_update_group
 from storage.checkpoints import latest_iteration
 from storage.layout import RunLayout, layout_for
 
@@ -62,7 +62,7 @@ def ppo_training(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train_claimed(cfg: PPOFlowConfig, layout: RunLayout, previous: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """The training flow's work while its process holds the run (flows/stale_runs.py); `previous`: the record of
+    """The training flow's work while its process holds the run (runtime/stale_runs.py); `previous`: the record of
     the process that held it before (None if none)."""
     layout.write_config_once(cfg.to_yaml(), defaults=type(cfg)().model_dump(mode="json"))
     start_run(cfg, layout)  # run.json: a run id at the first start; later starts refuse changed input contents
@@ -117,7 +117,7 @@ def _train_claimed(cfg: PPOFlowConfig, layout: RunLayout, previous: Optional[dic
 
 def _crash_stale_run(cfg: PPOFlowConfig, previous: Optional[dict[str, Any]], logger) -> None:
     """Mark what this run's previous start left Running in Prefect Crashed when its process died
-    (flows/stale_runs.py): that flow run, or, when this is a retry of it, the subflow and task runs it left."""
+    (runtime/stale_runs.py): that flow run, or, when this is a retry of it, the subflow and task runs it left."""
     from prefect.runtime import flow_run
 
     current = str(flow_run.id) if flow_run.id else None

@@ -6,20 +6,20 @@ prefect.yaml.
     prefect worker start --pool worker-pool
     prefect deployment run ppo-stage-worker/ppo-rollout-worker  (one per worker wanted; each runs until stopped)
 
-The flow run is the worker (`flows.workers.serve_stages`, what `ppoflow worker --stage ...` runs): it serves the
+The flow run is the worker (`runtime.workers.serve_stages`, what `ppoflow worker --stage ...` runs): it serves the
 stage tasks of its `stages` for as long as it runs, its engines warm between iterations and runs, and a training run
 with those stages in `pipeline.stage_workers` sends them there. What Prefect shows of it: the flow run stays Running
 while it serves; when its process dies (killed, out of memory, the pod evicted) the pool's worker reports the exit
 and the server marks it Crashed; cancelling it from the UI stops it. A training run's stage that a dead worker held
 fails by name (its lease: tasks/leases.py), and one that no worker takes fails after
-`pipeline.deadlines.pickup_s` naming the stage (flows/stage_runs.py); start the deployment again and retry.
+`pipeline.deadlines.pickup_s` naming the stage (runtime/stage_runs.py); start the deployment again and retry.
 """
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.workers import STAGES, serve_stages
+from runtime.workers import STAGES, serve_stages
 
 
 @flow(name="ppo-stage-worker", log_prints=True)

@@ -63,8 +63,9 @@ def wait_for_previous(cfg, iteration: int) -> None:
 def earlier_failure(cfg, iteration: int) -> Optional[str]:
     """Why an earlier iteration of this run, in flight in this process, ended without committing ("iteration 3 ended
     Failed (...)"), else None. Then `iteration` can no longer complete (its update would raise
-    PreviousIterationFailed), and a stage of it that has not started on a warm worker is not run (flows/stage_runs.py):
-    the worker it waits for may be the one that died, and waiting for it would keep the run from ending."""
+    PreviousIterationFailed), and a stage of it that has not started on a warm worker is not run
+    (runtime/stage_runs.py): the worker it waits for may be the one that died, and waiting for it would keep the run
+    from ending."""
     run_dir = layout_for(cfg).run_dir
     with _lock:
         iterations = sorted(i for d, i in _in_flight if d == run_dir and i < iteration)

@@ -1,21 +1,21 @@
-"""Where a stage of an iteration runs: `placement`, the one place that decides (flows/stage_runs.py runs the stage
+"""Where a stage of an iteration runs: `placement`, the one place that decides (runtime/stage_runs.py runs the stage
 there). Decided from the config alone, and for a fork's rollout from its run.json (storage/lineage.py)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from flows.update_group import starts_update_group
 from ppoflow.config import PPOFlowConfig
+from runtime.update_group import starts_update_group
 from storage.layout import layout_for
 from storage.lineage import rollout_owner
 
 # The stage tasks that run where another stage's workers run: eval samples with the rollout engine, so the warm
-# workers serving rollout serve it too (flows/workers.py), and so they do a split rollout's parts.
+# workers serving rollout serve it too (runtime/workers.py), and so they do a split rollout's parts.
 WORKER_STAGE = {"eval": "rollout", "rollout-part": "rollout"}
 
 
-GROUP_STAGES = ("update", "checkpoint")  # what the run's own update group serves (flows/update_group.py)
+GROUP_STAGES = ("update", "checkpoint")  # what the run's own update group serves (runtime/update_group.py)
 
 
 Placement = Literal["replay", "pool", "parts", "worker", "group", "process"]
@@ -25,14 +25,14 @@ def placement(cfg: PPOFlowConfig, stage: str, iteration: int) -> Placement:
     """Where `stage` of `iteration` runs; the first that applies, in this order:
 
         replay   rollout of an iteration that this run, a fork, replays from its parent (its run.json, read through
-                 storage/lineage.py): nothing is sampled, the parent's manifest is taken (flows/replay.py)
+                 storage/lineage.py): nothing is sampled, the parent's manifest is taken (runtime/replay.py)
         pool     pipeline.stage_pools names the stage: a flow run of that deployment on its work pool
         parts    rollout with pipeline.rollout_parts > 1: a task run per part, each placed as "rollout-part" (on
                  the rollout's warm workers, or in-process), then the merge in-process
         worker   pipeline.stage_workers names the stage, or the stage whose workers run it (WORKER_STAGE: eval and
                  a rollout part go where rollout goes): a warm worker
         group    update and checkpoint of a run whose training flow starts its own update group (train.num_ranks > 1,
-                 update on no worker or pool: flows/update_group.starts_update_group): that torchrun group
+                 update on no worker or pool: runtime/update_group.starts_update_group): that torchrun group
         process  the stage task in this process (the default)
 
     Everything else is decided from the config. The reward-model stages (rm-prepare, rm-unit, rm-export) always come

@@ -7,7 +7,8 @@ heartbeats (Prefect marks a worker OFFLINE after missing them) and NOT_READY oth
 its flow run has not been taken and the pool has had no live worker for pipeline.deadlines.pickup_s; the flow
 run is cancelled, so that a worker started later does not run it behind the training run's back.
 
-Once a worker has taken the flow run, the stage's own deadline (tasks/deadlines.py) runs in that process.
+Once a worker has taken the flow run, the stage's own deadline (tasks/deadlines.py) runs in that process. When the
+flow run ends other than Completed, `stage_run_error` reads the stage's own error from its state's message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,20 @@ from prefect.client.schemas.objects import FlowRun, WorkPoolStatus
 from prefect.states import Cancelled
 
 POLL_S = 2.0
+
+
+# What Prefect puts before `<type>: <message>` of the exception that failed a flow or task run.
+_PREFECT_PREFIXES = ("Flow run encountered an exception:", "Task run encountered an exception:")
+
+
+def stage_run_error(state) -> Optional[str]:
+    """The first line of the error a stage's flow run ended with, from its Prefect state's message
+    ("RewardError: reward function boom.py:reward raised on row 3"), or None when the state holds none."""
+    message = (getattr(state, "message", None) or "").strip()
+    for prefix in _PREFECT_PREFIXES:
+        if message.startswith(prefix):
+            message = message[len(prefix) :].strip()
+    return message.splitlines()[0] if message else None
 
 
 class PoolUnserved(RuntimeError):

@@ -11,7 +11,7 @@ policy, not the fork's: off-policy, so replaying them needs algo.tis_cap (import
 log-probs the rows carry).
 
 How each stage of a replayed iteration runs:
-- rollout: no task, no engine; `replayed_rollout` answers run_stage (flows/stage_runs.py) with RUN's rollout manifest
+- rollout: no task, no engine; `replayed_rollout` answers run_stage (runtime/stage_runs.py) with RUN's rollout manifest
   of that iteration (its content hash, rows, the parent's folder as its uri), recorded as the fork's
   `_stages/rollout.json`, with `rollout/replayed: 1` in its metrics. The fork's iteration folder holds no rollout/.
 - score: reads RUN's rollout shards in place (the hand-off it is given names them: stages/handed.py) after
@@ -29,10 +29,10 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from flows.records import write_stage_record
 from stages.manifests import RolloutManifest, provenance
 from storage import lineage
 from storage.layout import layout_for
+from storage.stage_records import write_stage_record
 
 
 def replayed_rollout(cfg, iteration: int) -> Optional[RolloutManifest]:

@@ -6,21 +6,21 @@ cache key and results persisted under the run's storage.
 
 On a warm worker (`pipeline.stage_workers: [rollout, score, update, checkpoint]`): the same task is submitted
 with `.delay()` and runs in a long-lived `ppoflow worker` process that keeps its engine between iterations
-(flows/workers.py); the task run still belongs to the iteration's flow run, with the same cache key.
+(runtime/workers.py); the task run still belongs to the iteration's flow run, with the same cache key.
 
 With `pipeline.rollout_parts: N` > 1 the rollout runs as N part task runs (in-process one after another, or side by
 side on the warm rollout workers) and one merge task here that records the iteration's rollout manifest.
 
 On the run's own update group (`train.num_ranks: N` > 1, update on no worker or pool): the training flow has started a
-torchrun group of N ranks as a warm update worker on this machine (flows/update_group.py); the update and checkpoint
+torchrun group of N ranks as a warm update worker on this machine (runtime/update_group.py); the update and checkpoint
 tasks go to it as to any warm worker, each retried (pipeline.retries) once the group serves again.
 
 On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}`): `run_deployment` starts the
-stage's flow (below) on that deployment's work pool, waits for it, checks its final state, and reads the
+stage's flow (flows/stage_flows.py) on that deployment's work pool, waits for it, checks its final state, and reads the
 manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
 the same; only the process (and machine) differs.
 
-`placement` (flows/placement.py) is the one place that makes this choice (and the replay of a fork's rollout);
+`placement` (runtime/placement.py) is the one place that makes this choice (and the replay of a fork's rollout);
 `run_stage` dispatches on it. The reward-model stages (tasks/rm_train.py) run through the same `run_stage`, always
 in-process.
 """
@@ -28,34 +28,27 @@ in-process.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
-from prefect import Flow, flow
 from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Crashed
 
-from adaptations import install_process_adaptations
-from flows.failure import stage_run_error
-from flows.in_flight import earlier_failure
-from flows.placement import WORKER_STAGE, placement
-from flows.pool_pickup import PoolUnserved, wait_for_pool_run
-from flows.records import read_stage_record, write_stage_record
-from flows.replay import replayed_rollout
-from flows.update_group import running
-from ppoflow.config import PPOFlowConfig, as_config
+from ppoflow.config import PPOFlowConfig
+from runtime.in_flight import earlier_failure
+from runtime.placement import WORKER_STAGE, placement
+from runtime.pool_pickup import PoolUnserved, stage_run_error, wait_for_pool_run
+from runtime.replay import replayed_rollout
+from runtime.update_group import running
 from stages.manifests import (
     STAGE_MANIFESTS,
-    CheckpointManifest,
-    EvalManifest,
     HandOff,
     PolicyRef,
     RolloutManifest,
-    ScoreManifest,
     StageManifest,
-    UpdateManifest,
 )
 from storage.layout import layout_for
+from storage.stage_records import read_stage_record, write_stage_record
 from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
 from tasks.rm_train import RM_STAGE_TASKS
@@ -168,8 +161,8 @@ class _WorkerWatch:
     - the worker holding the stage's lease died (SIGKILL, OOM, a lost machine): the task run is set Crashed;
     - nobody has taken the submission yet (no lease, the run Scheduled or Pending) and an earlier in-flight
       iteration of the run has failed: this iteration cannot complete, and the worker it waits for may be the dead
-      one (flows/in_flight.py). The task run is set Cancelled, so that a worker started later drops it instead of
-      running it (flows/workers.py);
+      one (runtime/in_flight.py). The task run is set Cancelled, so that a worker started later drops it instead of
+      running it (runtime/workers.py);
     - no lease, and no worker serving the stage has been present at the server for pipeline.deadlines.pickup_s
       (tasks/leases.py; the default is long enough for a worker started with the flow to import and connect):
       none will take the submission (Cancelled), or the one that took a stage without a lease (eval) is gone
@@ -271,7 +264,7 @@ def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff)
     """Run `stage` of `iteration` where `placement` says, with its input hand-offs -> its manifest (recorded as
     `_stages/<stage>.json`). Raises the stage's error, or StageFailed from a pool or a warm worker."""
     where = placement(cfg, stage, iteration)
-    if where == "replay":  # a fork replaying its parent's saved rollout: nothing is sampled (flows/replay.py)
+    if where == "replay":  # a fork replaying its parent's saved rollout: nothing is sampled (runtime/replay.py)
         return replayed_rollout(cfg, iteration)
     if where == "pool":
         return run_stage_on_pool(cfg, stage, cfg.pipeline.stage_pools[stage], iteration, **inputs)
@@ -291,7 +284,7 @@ def run_stage_on_group(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs:
     Why here and not as the task's retries on the worker: a rank that died breaks the group, whose rank 0 then
     refuses every command until torchrun has restarted it (a new rank 0, a new worker process); only a new
     submission reaches the restarted group. Raises the last attempt's error; UpdateGroupFailed when the group has
-    exited or does not serve (flows/update_group.py); RuntimeError when this process runs no such group."""
+    exited or does not serve (runtime/update_group.py); RuntimeError when this process runs no such group."""
     group = running()
     if group is None:
         raise RuntimeError(
@@ -333,42 +326,3 @@ def _logger():
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger(__name__)
-
-
-# One flow per stage, for deployments on their own pools (prefect.yaml). Explicit, typed signatures: Prefect
-# validates the JSON parameters back into manifests, and its parameter schema (the UI form) names each input.
-# A deployment's run enters at one of these: each installs the process's adaptations first (adaptations/).
-def _sampling_stage_flow(stage: str, returns: type) -> Flow:
-    """The flow of a stage whose one input is the policy it samples with: rollout, and eval (the rollout engine)."""
-
-    def stage_flow(config: dict[str, Any], iteration: int, policy: PolicyRef):
-        install_process_adaptations()
-        return run_stage_in_process(as_config(config), stage, iteration, policy=policy)
-
-    stage_flow.__name__ = stage_flow.__qualname__ = f"{stage}_stage"
-    stage_flow.__annotations__["return"] = returns
-    return flow(stage_flow, name=f"ppo-{stage}", flow_run_name=f"{stage}-iter-{{iteration}}")
-
-
-rollout_stage = _sampling_stage_flow("rollout", RolloutManifest)
-
-
-@flow(name="ppo-score", flow_run_name="score-iter-{iteration}")
-def score_stage(config: dict[str, Any], iteration: int, rollout: RolloutManifest) -> ScoreManifest:
-    install_process_adaptations()
-    return run_stage_in_process(as_config(config), "score", iteration, rollout=rollout)
-
-
-@flow(name="ppo-update", flow_run_name="update-iter-{iteration}")
-def update_stage(config: dict[str, Any], iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
-    install_process_adaptations()
-    return run_stage_in_process(as_config(config), "update", iteration, policy=policy, scored=scored)
-
-
-@flow(name="ppo-checkpoint", flow_run_name="checkpoint-iter-{iteration}")
-def checkpoint_stage(config: dict[str, Any], iteration: int, update: UpdateManifest) -> CheckpointManifest:
-    install_process_adaptations()
-    return run_stage_in_process(as_config(config), "checkpoint", iteration, update=update)
-
-
-eval_stage = _sampling_stage_flow("eval", EvalManifest)

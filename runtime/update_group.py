@@ -9,7 +9,7 @@ nor a pool (pipeline.stage_pools) gets one on this machine, started by its train
 
     with owned_update_group(cfg):      started at the flow's start (it boots while rollout and scoring run), and
         ...                            stopped when the flow ends, fails or is interrupted (SIGTERM, Ctrl-C)
-    running()                          the group this process owns now, if any: flows/stage_runs.py sends the update
+    running()                          the group this process owns now, if any: runtime/stage_runs.py sends the update
                                        and checkpoint stages to it (placement "group") and waits for it to serve
 
 Why torchrun as a child process and not torch's `elastic_launch` in this process: the agent installs signal handlers
@@ -21,7 +21,7 @@ PYTHONPATH.
 
 Failure: torchrun's agent restarts every rank when one dies (R = pipeline.retries + 1: one restart for each retry of
 a stage, and one for a rank lost between stages). The stage that was running fails with the group's error, or with
-StageFailed when rank 0 is gone (its lease); flows/stage_runs.py then retries it up to pipeline.retries times on the
+StageFailed when rank 0 is gone (its lease); runtime/stage_runs.py then retries it up to pipeline.retries times on the
 restarted group, whose trainers are built from the committed checkpoint, so the run ends as one that never failed.
 A group that exits (restarts used up, a rank that cannot start) or does not serve within READY_S fails the stage
 with UpdateGroupFailed, naming its log. Its output, the agent's and the ranks', goes to
@@ -48,8 +48,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from flows.logs import log_dir_for
 from ppoflow.config import PPOFlowConfig
+from storage.run_logs import log_dir_for
 
 READY_S = 600.0  # N processes importing torch, DeepSpeed and Prefect, then connecting, on a loaded machine
 STOP_S = 45.0  # SIGTERM -> the agent stops its ranks (torchrun waits 30 s for them before SIGKILL)
@@ -95,7 +95,7 @@ class OwnedUpdateGroup:
         if len(pids) < self.ranks:
             return False
         listed = serving_workers(STAGE_TASKS["update"].task_key)
-        if listed is None:  # the server cannot say: the stage's own watch decides (flows/stage_runs.py)
+        if listed is None:  # the server cannot say: the stage's own watch decides (runtime/stage_runs.py)
             return True
         return bool({f"{socket.gethostname()}:{pid}" for pid in pids} & set(listed))
 
@@ -152,7 +152,7 @@ class OwnedUpdateGroup:
 
 def starts_update_group(cfg: PPOFlowConfig) -> bool:
     """Whether the training flow of `cfg` starts its own update group: train.num_ranks > 1 and the update sent to
-    neither a warm worker nor a pool (flows/placement.placement sends update and checkpoint to it then)."""
+    neither a warm worker nor a pool (runtime/placement.placement sends update and checkpoint to it then)."""
     on_pool = bool((cfg.pipeline.stage_pools or {}).get("update"))
     return cfg.train.num_ranks > 1 and "update" not in cfg.pipeline.stage_workers and not on_pool
 

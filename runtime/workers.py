@@ -18,7 +18,7 @@ The worker is Prefect's task worker as adaptations/prefect_task_worker.py change
 task run only while it has a free slot, so a busy worker does not take the second part of a split rollout from an
 idle one; it holds a presence subscription for as long as it runs (its keys and client id from tasks/leases.py), so
 that the submitting flow can tell a busy worker from none; it drops, unrun, a task run cancelled while it waited
-in the server's queue (flows/stage_runs.py cancels a submission that no worker had taken when it gives up waiting:
+in the server's queue (runtime/stage_runs.py cancels a submission that no worker had taken when it gives up waiting:
 a worker started later must not run a stage its flow no longer waits for).
 
 Several update ranks (engines/trainer/torchrun_group.py): `torchrun --nproc-per-node=N --no-python ppoflow worker
@@ -26,7 +26,7 @@ Several update ranks (engines/trainer/torchrun_group.py): `torchrun --nproc-per-
 such processes; rank 0 serves the stages here as one worker, the others follow its commands and never talk to
 Prefect. After a stage that broke the group rank 0 ends its process, so that torchrun restarts the whole group.
 A run with train.num_ranks > 1 and no worker or pool for its update gets such a group from its training flow
-(flows/update_group.py); a worker that torchrun did not start refuses such a run's update (stages/update_ranks.py).
+(runtime/update_group.py); a worker that torchrun did not start refuses such a run's update (stages/update_ranks.py).
 
 What the worker decides, not the submitting flow: a task's retries (`--retries`) and where its results
 persist (Prefect's default result storage; on several machines point PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK

@@ -16,7 +16,7 @@ Reward-model training (`ppoflow train-rm`, flows/rm_training.py) has its stages 
     reward_model.run_rm_unit(cfg, unit, RMPlan, RMCheckpointRef) -> RMUnitManifest
     reward_model.run_rm_export(cfg, RMPlan, RMCheckpointRef)     -> RMExportManifest
 
-The Prefect tasks (tasks/), the stage flows that pool workers run (flows/stage_runs.py) and the in-process
+The Prefect tasks (tasks/), the stage flows that pool workers run (runtime/stage_runs.py) and the in-process
 pipeline call exactly these; the bare loop (stages/loop.py) calls their compute halves (`sample_rollout`,
 `score_rows`, `train_on`) with the tables in memory instead of shards. This is the floor that reads and writes the
 run's storage for the stages; the hand-offs are typed (stages/manifests.py), a stage reads the shards a

@@ -1,5 +1,5 @@
 """Scoring a replayed iteration: rows a parent run scored already, scored again under a fork's scorer, computing
-only what changed (flows/replay.py says when an iteration is replayed).
+only what changed (runtime/replay.py says when an iteration is replayed).
 
     replay_scorer(cfg, scorer, owner, parent_cfg, iteration) -> ReplayScorer | None
 

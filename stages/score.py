@@ -12,7 +12,7 @@ Failure and retry (the decision for a stage that fails half-way):
   retry computes only what it has not computed before (a retry of a completed stage computes nothing).
 
 What it reads: the rollout shards at the handed manifest's uri, refused (stages/handed.py) unless they have its
-content hash; a refusal happens before anything is written. A fork that replays this iteration (flows/replay.py) is
+content hash; a refusal happens before anything is written. A fork that replays this iteration (runtime/replay.py) is
 handed its parent's rollout manifest, so it reads the parent's folder in place, and scores the rows through a
 ReplayScorer (stages/rescore.py): only the reward sources the fork changed run.
 """

@@ -2,7 +2,7 @@
 
 The group is the warm update worker (engines/trainer/torchrun_group.py): `torchrun --nproc-per-node=N --no-python
 ppoflow worker --stage update --stage checkpoint`, started by the user (pipeline.stage_workers) or by `ppoflow train`
-itself (flows/update_group.py). Rank 0 runs the stage's task; ranks 1..N-1 run `follow` below. Per iteration rank 0
+itself (runtime/update_group.py). Rank 0 runs the stage's task; ranks 1..N-1 run `follow` below. Per iteration rank 0
 sends them small JSON commands, each followed by the same call on every rank:
 
     build   {config, policy, checkpoint_dir}   build_trainer(cfg, policy, checkpoint_dir)  (only when the ranks'
@@ -234,5 +234,5 @@ class _Rank:
 
 
 def follow(group: torchrun_group.TorchrunGroup) -> None:
-    """Ranks 1..N-1 of a torchrun group (flows/workers.py): rank 0's commands until it stops them (exits)."""
+    """Ranks 1..N-1 of a torchrun group (runtime/workers.py): rank 0's commands until it stops them (exits)."""
     group.follow(_Rank())

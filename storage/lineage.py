@@ -5,7 +5,7 @@
     <parent>/_forks/<fork>.json                      {run, root, forked_at, iterations}: the parent's
                                                      checkpoints that fork refers to (its retention keeps them)
     <fork>/run.json's parent.replay = [N+1, N+M]     the fork's iterations N+1..N+M replay the parent's committed
-                                                     rollout shards (flows/replay.py): its rollout of those
+                                                     rollout shards (runtime/replay.py): its rollout of those
                                                      iterations is the parent's, read in place (rollout_owner)
 
 A reference folder reads as committed (storage/checkpoints.py resolves its marker and files through the
@@ -27,6 +27,7 @@ from typing import Any, Optional
 from storage import fs as fsutil
 from storage.layout import RunLayout
 from storage.run_identity import read_run_record
+from storage.stage_records import read_stage_record
 
 REFERENCE_NAME = "_REFERENCE.json"
 FORKS_DIR = "_forks"
@@ -149,9 +150,9 @@ def rollout_owner(layout: RunLayout, iteration: int) -> RunLayout:
 
 
 def stage_record(layout: RunLayout, iteration: int, stage: str) -> Optional[dict[str, Any]]:
-    """`<run>/iter-NNNNNN/_stages/<stage>.json` (flows/records.py writes it), for the storage and engine layers that
+    """`<run>/iter-NNNNNN/_stages/<stage>.json` (storage/stage_records.py), for the storage and engine layers that
     read another run's records: a replayed iteration's rollout and score manifests. None when absent."""
-    return fsutil.read_json(layout.fs, fsutil.join(layout.iteration_dir(iteration), "_stages", f"{stage}.json"))
+    return read_stage_record(layout, iteration, stage)
 
 
 def own_first_iteration(layout: RunLayout) -> int:

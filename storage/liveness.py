@@ -14,9 +14,9 @@ Who uses it, and what decides where this module cannot:
 
     holder                    its mark                                  judged by
     a stage on a warm worker  <iter>/_stages/<stage>.lease.json, a      why_dead(lease, STALE_S) in the flow that
-                              heartbeat every 5 s (tasks/leases.py)     submitted it (flows/stage_runs.py)
+                              heartbeat every 5 s (tasks/leases.py)     submitted it (runtime/stage_runs.py)
     a run's training flow     <run>/_active.json: pid, start time       why_dead on this host; for another host,
-                              (flows/stale_runs.py)                     Prefect's flow run state (its heartbeats and
+                              (runtime/stale_runs.py)                     Prefect's flow run state (its heartbeats and
                                                                         the Crashed automation, flows/deployment.py)
     a checkpoint save         its scratch folder's name:                why_dead (storage/scratch.py)
                               .ppoflow-ckpt.<host>.<pid>.<random>

@@ -6,7 +6,7 @@ Running and the submitting flow would wait for it forever. So a stage running on
 calls `serve_as_worker()`) holds a lease beside the iteration's stage records,
 `<run>/iter-NNNNNN/_stages/<stage>.lease.json` = {host, pid, heartbeat_unix}, refreshed every HEARTBEAT_S
 seconds by a daemon thread while the stage body runs, and removed when it ends. The submitting side
-(flows/stage_runs.py) clears the previous attempt's lease before it submits, and reads the lease while it waits:
+(runtime/stage_runs.py) clears the previous attempt's lease before it submits, and reads the lease while it waits:
 the worker is dead when the lease names a process of this host that no longer runs, or when its heartbeat is
 older than STALE_S (a worker on another machine).
 
@@ -15,10 +15,10 @@ In-process stages hold no lease: their process is the flow's.
 A lease says nothing while no worker has taken the submission, and Prefect's server queues a submission for as
 long as it takes: one whose only worker died (idle, or mid-stage with more submissions queued behind) would wait
 forever. So a worker is also present: it holds one subscription to the server for as long as it runs, on a
-presence key per task it serves (flows/workers.py); the server lists it (`/task_workers/filter`) while that
+presence key per task it serves (runtime/workers.py); the server lists it (`/task_workers/filter`) while that
 connection lives and forgets it within a second or two of the process's death. Prefect's own listing of task
 workers cannot tell: a warm worker holds its subscription for work only while its slot is free, so a busy
-worker is not listed there. `serving_workers` reads the presence listing; flows/stage_runs.py fails a submission
+worker is not listed there. `serving_workers` reads the presence listing; runtime/stage_runs.py fails a submission
 that nobody has taken while no worker has been present for its task for pipeline.deadlines.pickup_s seconds.
 """
 

@@ -3,7 +3,7 @@ resume it (with `ppoflow serve` running, as the README says).
 
 Sequence (one run, 2 iterations):
 1. start 1 is killed in iteration 1's update: its flow run stays Running (nobody told Prefect);
-2. start 2 (the same command) marks start 1 Crashed (flows/stale_runs.py) and is killed before iteration 1;
+2. start 2 (the same command) marks start 1 Crashed (runtime/stale_runs.py) and is killed before iteration 1;
 3. nothing starts the run again: Prefect's own zombie detection (the automation `ppoflow train` creates, fed by
    the flow run's heartbeats) sets start 2 Crashed within MISSED_BEATS heartbeats;
 4. with `ppoflow serve` running, the exact call the UI's Retry button makes (POST set_state AwaitingRetry,

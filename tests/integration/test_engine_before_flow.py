@@ -93,7 +93,7 @@ def test_a_failed_early_build_is_left_to_the_rollout_stage(
 SERVER_SCRIPT = """
 import time, httpx
 from prefect.server.api.server import SubprocessASGIServer
-from flows.prefect_api import temporary_server_starting
+from runtime.prefect_api import temporary_server_starting
 
 with temporary_server_starting():
     time.sleep(0.5)

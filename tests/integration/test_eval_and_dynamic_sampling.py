@@ -46,12 +46,13 @@ def _groups(table) -> dict[int, list[float]]:
 def test_eval_rows_metrics_and_dynamic_sampling(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch):
     from engines import warm
     from flows.iteration import ppo_iteration
-    from flows.records import read_metrics, read_stage_record
+    from flows.records import read_metrics
     from flows.training import ppo_training
     from stages.policy import policy_ref
     from stages.rollout import run_rollout
     from storage.layout import layout_for
     from storage.shards import read_shards
+    from storage.stage_records import read_stage_record
     from tests.fixtures.faults import count_stage_bodies
 
     cfg = small_config(
@@ -131,11 +132,12 @@ def test_an_eval_lost_between_commit_and_row_runs_again_on_resume(
     that never failed (same seed, same committed policy)."""
     import pytest as _pytest
 
-    from flows.records import read_metrics, read_stage_record
+    from flows.records import read_metrics
     from flows.training import ppo_training
     from storage.checkpoints import latest_iteration
     from storage.layout import layout_for
     from storage.shards import read_shards
+    from storage.stage_records import read_stage_record
     from tests.fixtures.faults import fail_when
 
     def config(name):

@@ -100,7 +100,7 @@ def test_a_stage_that_fails_on_its_pool_gives_its_own_error_to_the_training_run(
     # Issue 56: the training run's state said only "StageFailed: ... checkpoint-iter-1 ... ended FAILED"; the
     # stage's own error (here the checkpoint stage's CheckpointError: nothing was staged) was one click away.
     from flows.failure import StageError
-    from flows.stage_runs import StageFailed, run_stage_on_pool
+    from runtime.stage_runs import StageFailed, run_stage_on_pool
     from stages.manifests import UpdateManifest
 
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}

@@ -52,9 +52,10 @@ def _task_runs(flow_run_name: str):
 def test_k1_follows_the_fixed_schedule_overlaps_stages_and_corrects_stale_rows(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
 ):
-    from flows.records import read_metrics, read_stage_record
+    from flows.records import read_metrics
     from stages.manifests import RolloutManifest
     from storage.layout import layout_for
+    from storage.stage_records import read_stage_record
     from tests.fixtures.faults import slow_down
 
     # The tiny update takes ~0.1 s, less than Prefect takes to begin the next slot's subflow, so without this the

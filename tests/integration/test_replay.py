@@ -1,4 +1,4 @@
-"""Replay (flows/replay.py): a fork at 2 that replays the parent's iteration 3 with a changed reward, in-process,
+"""Replay (runtime/replay.py): a fork at 2 that replays the parent's iteration 3 with a changed reward, in-process,
 tiny model, CPU.
 
 The parent `base` trains 1..3 with the toy digits reward. Two forks at 2 add a second reward source, `length`

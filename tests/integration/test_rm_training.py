@@ -154,11 +154,11 @@ def test_a_finished_unit_comes_back_from_its_cache(prefect_api, tmp_path, tiny_m
     with the same inputs, finds its persisted manifest by its key (tasks/cache_keys.py) instead of running. Running
     unit 1 again would not even be possible: its checkpoint is committed and is never overwritten."""
     from engines.toy.preferences import build_preferences
-    from flows.records import read_stage_record
-    from flows.stage_runs import run_stage
     from ppoflow.config import load_config
+    from runtime.stage_runs import run_stage
     from stages.reward_model import start_ref
     from storage.layout import layout_for
+    from storage.stage_records import read_stage_record
 
     data = build_preferences(tmp_path / "pairs.jsonl", num_pairs=24, seed=3)  # 18 train pairs: 2 steps an epoch
     cfg = load_config(str(_config(tmp_path, "cached", tiny_model_dir, data)))  # 2 epochs, units of <= 5 steps

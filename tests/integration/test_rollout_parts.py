@@ -60,8 +60,8 @@ def _assert_same_run(layout, reference, iterations: int) -> None:
 
 
 def _part_manifests(layout, iteration: int, parts: int):
-    from flows.records import read_stage_record
     from stages.manifests import RolloutPartManifest
+    from storage.stage_records import read_stage_record
     from tasks.stage_tasks import part_stage_name
 
     return [
@@ -73,9 +73,9 @@ def _part_manifests(layout, iteration: int, parts: int):
 def test_parts_in_process_equal_one_rollout_and_train_the_same_weights(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
-    from flows.records import read_stage_record
     from stages.manifests import RolloutManifest
     from storage.layout import layout_for
+    from storage.stage_records import read_stage_record
 
     root = str(tmp_path / "runs")
     one = small_config(root, "one-part", tiny_model_dir, digits_dataset_dir, iterations=2)
@@ -117,9 +117,9 @@ def _wait_for_task_workers(pids: list[int], timeout_s: float = 120.0) -> None:
 def test_two_rollout_workers_sample_one_part_each_and_a_dead_one_is_named(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
-    from flows.records import read_stage_record
     from stages.manifests import RolloutManifest
     from storage.layout import layout_for
+    from storage.stage_records import read_stage_record
     from tasks.leases import read_lease
     from tasks.stage_tasks import part_stage_name
 

@@ -1,5 +1,5 @@
 """Two `ppoflow train` commands on one run: the second is refused at once while the first trains; a start after
-a SIGKILLed one takes the run over (flows/stale_runs.py).
+a SIGKILLed one takes the run over (runtime/stale_runs.py).
 
 1. start 1 holds the run: it waits (tests/fixtures/hold_cli.py) inside the training flow, after its claim;
 2. start 2, the same command, is refused before any work: status 2, one `ppoflow: error:` naming start 1's pid

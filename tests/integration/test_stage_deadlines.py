@@ -1,4 +1,4 @@
-"""Stage deadlines on the real CLI and a real Prefect server (tasks/deadlines.py, flows/pool_pickup.py).
+"""Stage deadlines on the real CLI and a real Prefect server (tasks/deadlines.py, runtime/pool_pickup.py).
 
 - A stage stuck in Python (tests/fixtures/hang_cli.py, `python`) is interrupted at its deadline, fails by name,
   and Prefect's retry reruns it: the run completes, its metrics rows equal an uninterrupted run's.
@@ -105,7 +105,7 @@ def test_a_stage_on_a_pool_without_workers_fails_naming_the_pool(
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from flows.stage_runs import rollout_stage
+    from flows.stage_flows import rollout_stage
     from flows.training import ppo_training
 
     pool = "nobody-home"
@@ -116,7 +116,7 @@ def test_a_stage_on_a_pool_without_workers_fails_naming_the_pool(
             assert "already exists" in str(error) or "409" in str(error), error
         flow_id = client.create_flow_from_name(rollout_stage.name)
         client.create_deployment(
-            flow_id=flow_id, name="unserved", work_pool_name=pool, entrypoint="flows/stage_runs.py:rollout_stage"
+            flow_id=flow_id, name="unserved", work_pool_name=pool, entrypoint="flows/stage_flows.py:rollout_stage"
         )
     cfg = small_config(
         str(tmp_path / "runs"),

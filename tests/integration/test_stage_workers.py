@@ -69,8 +69,8 @@ def _held_out(tmp_path) -> str:
 
 
 def _manifests(layout, stage: str, iterations: int):
-    from flows.records import read_stage_record
     from stages.manifests import STAGE_MANIFESTS
+    from storage.stage_records import read_stage_record
 
     return [
         STAGE_MANIFESTS[stage].model_validate(read_stage_record(layout, i, stage)) for i in range(1, iterations + 1)
@@ -81,10 +81,11 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from engines import warm
-    from flows.records import read_metrics, read_stage_record
+    from flows.records import read_metrics
     from flows.training import ppo_training
     from stages.manifests import EvalManifest
     from storage.layout import layout_for
+    from storage.stage_records import read_stage_record
 
     workers = {name: _start_worker(tmp_path, name, stages) for name, stages in WORKERS.items()}
     host = socket.gethostname()

@@ -1,5 +1,5 @@
 """Several update ranks are a torchrun group that is the warm update worker (issue 36 part 1), started either by the
-training flow itself (train.num_ranks = 2, update on no worker: flows/update_group.py) or by hand with the README's
+training flow itself (train.num_ranks = 2, update on no worker: runtime/update_group.py) or by hand with the README's
 one-node command,
 
     torchrun --standalone --nproc-per-node=2 --no-python ppoflow worker --stage update --stage checkpoint
@@ -130,8 +130,8 @@ def compared(row: dict) -> dict:
 
 
 def update_manifests(layout, iterations: int = ITERATIONS):
-    from flows.records import read_stage_record
     from stages.manifests import UpdateManifest
+    from storage.stage_records import read_stage_record
 
     return [UpdateManifest.model_validate(read_stage_record(layout, i, "update")) for i in range(1, iterations + 1)]
 
@@ -184,7 +184,7 @@ def _gone(pid: int) -> bool:
 def _kill_rank_1_once(appears: Path, killed: dict, absent: Path | None = None) -> threading.Thread:
     """A thread that SIGKILLs rank 1 of the group this process started as soon as `appears` exists; its pid goes in
     `killed`, and with `absent`, whether that file did not exist yet at the kill (killed["idle"])."""
-    from flows.update_group import running
+    from runtime.update_group import running
 
     def watch() -> None:
         deadline = time.monotonic() + 900
@@ -214,7 +214,7 @@ def kill_rank_1_between_stages(run_layout, iteration: int, killed: dict) -> thre
     """Rank 1 SIGKILLed once `iteration`'s checkpoint stage is recorded and before the next update has a lease (the
     group idle, the flow sampling the next iteration); its pid goes in `killed`, with whether the next update's lease
     was still absent at the kill."""
-    from flows.records import stage_record_path
+    from storage.stage_records import stage_record_path
     from tasks.leases import lease_path
 
     record = Path(stage_record_path(run_layout, iteration, "checkpoint"))
@@ -228,7 +228,7 @@ def test_two_ranks_by_the_flow_or_by_hand_take_the_one_rank_update_and_survive_a
 
     from flows.records import read_metrics
     from flows.training import ppo_training
-    from flows.update_group import running
+    from runtime.update_group import running
     from storage.layout import layout_for
 
     threads = torch.get_num_threads()
@@ -316,7 +316,7 @@ def test_the_group_a_flow_starts_ends_with_the_flow_when_it_is_interrupted(
 ):
     """Ctrl-C (KeyboardInterrupt; SIGTERM raises flows/failure.Terminated, one of them) in the middle of a run whose
     flow owns the group: torchrun's agent and both ranks are gone when the interrupt leaves the block."""
-    from flows.update_group import owned_update_group, running
+    from runtime.update_group import owned_update_group, running
 
     cfg = ranks_config(tmp_path, "interrupted", tiny_model_dir, digits_dataset_dir, on_workers=False)
     with pytest.raises(KeyboardInterrupt):

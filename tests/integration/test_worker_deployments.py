@@ -52,9 +52,9 @@ def test_a_work_pool_starts_warm_workers_that_train_and_crash_visibly(
 ):
     from prefect import get_client
 
-    from flows.records import read_stage_record
     from flows.training import ppo_training
     from storage.layout import layout_for
+    from storage.stage_records import read_stage_record
 
     env = _env()
     out = prefect_cli("work-pool", "create", POOL, "--type", "process", env=env)

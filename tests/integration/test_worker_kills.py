@@ -14,7 +14,7 @@ What must hold:
 
 One set of workers and one uninterrupted run serve every case; each killed worker is replaced by one that SIGKILLs
 itself at its 3rd stage body (tests/fixtures/kill_cli.py). The first test, without a server, is the rule that stops
-the iterations after a failed one (flows/in_flight.earlier_failure).
+the iterations after a failed one (runtime/in_flight.earlier_failure).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_an_iteration_that_ended_without_its_commit_stops_the_ones_after_it(tmp_
     from prefect.states import Failed
 
     from engines.toy.run_config import toy_config
-    from flows.in_flight import earlier_failure, mark_committed, register_in_flight
+    from runtime.in_flight import earlier_failure, mark_committed, register_in_flight
     from storage.layout import layout_for
 
     cfg = toy_config(tmp_path / "runs", "in-flight", tmp_path / "model", tmp_path / "data")
@@ -190,7 +190,7 @@ def test_killed_rollout_and_score_workers_fail_the_pipelined_run_by_name_and_a_r
         assert read_lease(layout_for(unserved), 1, "rollout") is None
         assert "Cancelled" in (tmp_path / "rollout.log").read_text()
 
-        # The killed runs: what ends them must be the failed iteration 3 (flows/in_flight.earlier_failure), not the
+        # The killed runs: what ends them must be the failed iteration 3 (runtime/in_flight.earlier_failure), not the
         # dead worker's absence, so the latter is given no time to act.
         for victim, kill in KILLS.items():
             stop_workers([workers.pop(victim)])

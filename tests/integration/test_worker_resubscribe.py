@@ -4,7 +4,7 @@ The worker reaches the real loopback Prefect server through a TCP relay (this fi
 websocket handshake to /task_runs/subscriptions/scheduled open without answering, so the client's opening
 handshake times out (websockets' open_timeout, 10 s), as it does when a server is too busy to answer or the
 worker's process was stopped mid-handshake. Every other connection is relayed. Prefect's own task worker exits
-on that TimeoutError; the warm worker (flows/workers.py) must log it, subscribe again and run the task a test
+on that TimeoutError; the warm worker (runtime/workers.py) must log it, subscribe again and run the task a test
 submits afterwards.
 """
 
@@ -96,7 +96,7 @@ def test_worker_subscribes_again_after_a_handshake_timeout(prefect_api, caplog):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        # as flows/stage_runs.py submits: the submission (Prefect's run context) pickled, the result JSON
+        # as runtime/stage_runs.py submits: the submission (Prefect's run context) pickled, the result JSON
         future = echo.with_options(result_serializer="pickle").delay(41)
         for _ in range(90):  # the worker exiting (the failure this test is about) ends the wait at once
             if errors or future.state.is_final():
@@ -106,7 +106,7 @@ def test_worker_subscribes_again_after_a_handshake_timeout(prefect_api, caplog):
         assert future.result(timeout=10) == 41
         assert relay.stalled, "the relay never saw the worker's subscription: the test proved nothing"
         assert not errors, errors
-        # The stalled handshake may be the presence subscription's (flows/workers.py holds two, and which connects
+        # The stalled handshake may be the presence subscription's (runtime/workers.py holds two, and which connects
         # first is a race): the task then runs at once, and the stall is logged when its open_timeout (10 s) ends.
         logged = lambda: any(  # noqa: E731
             "TimeoutError" in r.getMessage() and "trying again" in r.getMessage() for r in caplog.records

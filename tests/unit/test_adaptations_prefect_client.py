@@ -65,7 +65,7 @@ def test_a_client_module_of_another_shape_is_left_alone(monkeypatch):
 
 _UNADAPTED = """
 import json, ssl, sys
-import flows.workers, tasks  # ppoflow's packages: importing them must adapt nothing
+import runtime.workers, tasks  # ppoflow's packages: importing them must adapt nothing
 from prefect.client import orchestration
 from prefect.client.orchestration import get_client
 

@@ -62,8 +62,9 @@ def test_a_pool_stage_s_own_error_leads_the_training_run_s_message():
     # Issue 56: on pools the training run's state said "StageFailed: ... ended FAILED", without the error.
     from prefect.states import Crashed, Failed
 
-    from flows.failure import StageError, stage_run_error
-    from flows.stage_runs import StageFailed
+    from flows.failure import StageError
+    from runtime.pool_pickup import stage_run_error
+    from runtime.stage_runs import StageFailed
 
     state = Failed(message="Flow run encountered an exception: RewardError: reward function boom.py:reward raised")
     assert stage_run_error(state) == "RewardError: reward function boom.py:reward raised"

@@ -10,7 +10,9 @@ Floors, lowest first; a module may import its own floor and the floors below it,
     stages        the stage bodies (one function per stage, typed manifests in and out) and the bare loop that
                   calls them: what a task, a pool worker and the in-process pipeline run
     tasks         Prefect tasks
-    flows         Prefect flows and the CLI
+    runtime       where and how a stage runs (in-process, warm workers, the update group, pools): imports tasks
+    flows         Prefect flows
+    cli           the `ppoflow` command
 
 The graph is read from the source with `ast`, nothing imported: every `import` and `from ... import`, at
 module level or inside a function (a lazy import is still a dependency), resolved to the longest module path
@@ -24,9 +26,19 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FLOORS = ("ppoflow", "adaptations", "storage", "engines", "stages", "tasks", "flows")
+FLOORS = ("ppoflow", "adaptations", "storage", "engines", "stages", "tasks", "runtime", "flows")
 # ppoflow and adaptations are both ground floors: neither imports the other.
-LEVEL = {"ppoflow": 0, "adaptations": 0, "storage": 1, "engines": 2, "stages": 3, "tasks": 4, "flows": 5}
+LEVEL = {
+    "ppoflow": 0,
+    "adaptations": 0,
+    "storage": 1,
+    "engines": 2,
+    "stages": 3,
+    "tasks": 4,
+    "runtime": 5,
+    "flows": 6,
+    "cli": 7,
+}
 
 Edge = tuple[str, str, str]  # (importer, imported, "file:line")
 
@@ -164,6 +176,7 @@ def test_the_graph_reads_the_real_tree():
     edges = {(a, b) for a, b, _ in import_edges(module_files())}
     assert ("stages.update", "stages.update_trainer") in edges
     assert ("flows.preflight", "flows.preflight_static") in edges
+    assert ("runtime.stage_runs", "tasks.stage_tasks") in edges
     assert len(edges) > 300
 
 

@@ -14,7 +14,7 @@ from prefect.futures import PrefectConcurrentFuture
 from prefect.states import Completed, Failed
 
 from engines.toy.run_config import toy_config
-from flows.in_flight import PreviousIterationFailed, mark_committed, register_in_flight, wait_for_previous
+from runtime.in_flight import PreviousIterationFailed, mark_committed, register_in_flight, wait_for_previous
 from storage.layout import layout_for
 
 

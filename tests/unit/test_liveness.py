@@ -6,7 +6,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from flows.stale_runs import is_dead_here
+from runtime.stale_runs import is_dead_here
 from storage.liveness import ProcessMark, pid_alive, process_start_time, this_process, why_dead
 from storage.scratch import remove_stale_scratch
 from tasks.leases import lease_holder_dead

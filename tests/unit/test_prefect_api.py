@@ -1,12 +1,12 @@
-"""flows/prefect_api.py: a PREFECT_API_URL that does not answer is one message naming the setting, its value and
+"""runtime/prefect_api.py: a PREFECT_API_URL that does not answer is one message naming the setting, its value and
 the ways out, asked of the API before any work (before: `ConnectError: [Errno 111] Connection refused`)."""
 
 import socket
 
 import pytest
 
-from flows.prefect_api import check_prefect_api, prefect_api_problem
 from ppoflow.config import ConfigError
+from runtime.prefect_api import check_prefect_api, prefect_api_problem
 
 
 def _closed_port() -> int:

@@ -1,4 +1,4 @@
-"""The run's claim (flows/stale_runs.py): a start is refused while another process still trains the run, and
+"""The run's claim (runtime/stale_runs.py): a start is refused while another process still trains the run, and
 never because of a record whose process cannot be training it (this process, a retry of the same flow run, a
 dead or reused pid, a flow run Prefect says ended). Records of live processes are real: a `sleep` child."""
 
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from flows.stale_runs import (
+from ppoflow.config import ConfigError, StorageConfig
+from runtime.stale_runs import (
     RunClaimedError,
     active_record_path,
     claim_run,
@@ -18,7 +19,6 @@ from flows.stale_runs import (
     release_run,
     this_process_record,
 )
-from ppoflow.config import ConfigError, StorageConfig
 from storage.fs import read_json, write_json
 from storage.layout import RunLayout
 from storage.liveness import process_start_time

@@ -1,4 +1,4 @@
-"""flows/placement.placement: where each stage runs, for each kind of config, by hand from the rules in its docstring
+"""runtime/placement.placement: where each stage runs, for each kind of config, by hand from the rules in its docstring
 (replay, pool, parts, worker, group, process, first that applies); and that a config cannot send a reward-model stage to
 a pool or a warm worker (it is refused when built, naming the field)."""
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from flows.placement import placement
 from ppoflow.config import ConfigError, load_config
+from runtime.placement import placement
 
 PPO = ("rollout", "rollout-part", "score", "update", "checkpoint", "eval")
 RM = ("rm-prepare", "rm-unit", "rm-export")
@@ -113,7 +113,7 @@ def test_a_config_asking_for_a_reward_model_stage_elsewhere_is_refused(override,
     ],
 )
 def test_a_lost_worker_is_met_with_the_advice_for_whoever_started_it(tmp_path, overrides, stage, says, never):
-    from flows.stage_runs import _restart_advice
+    from runtime.stage_runs import _restart_advice
 
     cfg = load_config(None, overrides + [f"run.root={tmp_path}"])
     advice = _restart_advice(cfg, stage, 3)

@@ -1,0 +1,15 @@
+"""Where and how a stage of an iteration runs: the floor between the Prefect tasks (tasks/) and the Prefect flows
+(flows/).
+
+    placement.py     where a stage runs (in-process, warm worker, update group, pool, replay, parts): decided once
+    stage_runs.py    run_stage: runs a stage there and returns its manifest
+    workers.py       `ppoflow worker`: a warm process that serves stage tasks and keeps its engines
+    update_group.py  the torchrun group of update ranks a training run starts for itself
+    pool_pickup.py   waiting for a stage's flow run on a work pool (no worker: fail, not wait for ever)
+    in_flight.py     the iterations in flight in this process, and how a later one learns an earlier one failed
+    replay.py        a fork's replayed rollout, answered from its parent's records
+    stale_runs.py    one process trains a run at a time; Prefect learns that a run's process died
+    prefect_api.py   is the Prefect API that PREFECT_API_URL names there, and the temporary server's start-up
+
+Imports tasks, stages, engines and storage, never flows/ or cli/ (tests/unit/test_import_graph.py).
+"""
