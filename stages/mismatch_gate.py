@@ -5,9 +5,10 @@ from the trainer's than the config allows (section `mismatch`).
 
 The trainer measures mismatch/* (engines/trainer/mismatch.py: mean and max |log-prob difference| on the policy's
 tokens and a k3 estimate of KL(sampler || trainer)) with the weights it starts the update from. That is the
-sampler's policy only when the rows were sampled by `policy` itself; rows sampled by an older behaviour policy
-(pipeline.max_staleness >= 1) would measure staleness, not mismatch: their mismatch/* are left out (absent, not
-a made-up value), mismatch/off_policy_rows counts them, and the gate does not judge them.
+sampler's policy only when the rows were sampled by `policy` itself. Rows sampled by an older behaviour policy
+(pipeline.max_staleness >= 1) are measured against their OWN behaviour policy instead (stages/mismatch_behaviour.py:
+the trainer's forward of the checkpoint named by their policy_version), so mismatch/* stays a sampler-vs-trainer gap
+on the same weights, never staleness; mismatch/off_policy_rows counts those rows, and the gate judges them alike.
 
 Limits: mismatch.max_logprob_diff_mean (None: 1e-3 when the run computes in float32 and the sampler can return the
 trainer's log-probs, else none) and
@@ -26,6 +27,7 @@ import pyarrow.compute as pc
 from engines.rollout.base import SamplingSettings
 from engines.rollout.vllm_logprobs import logprobs_are_exact, logprobs_mode_for
 from stages.manifests import PolicyRef
+from stages.mismatch_behaviour import behaviour_mismatch
 
 log = logging.getLogger("ppoflow.update")
 
@@ -49,12 +51,14 @@ def default_diff_limit(cfg) -> Optional[float]:
 
 
 def gate_mismatch(cfg, iteration: int, policy: PolicyRef, rows: pa.Table, metrics: dict) -> dict:
-    """`metrics` with mismatch/* judged (module docstring): a new dict, off-policy rows' mismatch/* left out.
-    MismatchError past a limit with mismatch.action 'fail'."""
+    """`metrics` with mismatch/* judged (module docstring): a new dict; with off-policy rows, their mismatch/* as
+    measured against their behaviour policy. MismatchError past a limit with mismatch.action 'fail'."""
     off_policy = int(pc.sum(pc.not_equal(rows.column("policy_version"), policy.version)).as_py() or 0)
+    metrics = dict(metrics)
     if off_policy:
-        kept = {name: value for name, value in metrics.items() if not name.startswith("mismatch/")}
-        return {**kept, "mismatch/off_policy_rows": float(off_policy)}
+        metrics = {name: value for name, value in metrics.items() if not name.startswith("mismatch/")}
+        metrics.update(behaviour_mismatch(cfg, rows), **{"mismatch/off_policy_rows": float(off_policy)})
+    sampled_by = sorted(set(rows.column("policy_version").to_pylist())) if off_policy else [policy.version]
     limits = {"mismatch/logprob_abs_diff_mean": default_diff_limit(cfg), "mismatch/kl": cfg.mismatch.max_kl}
     for name, limit in limits.items():
         value = metrics.get(name)
@@ -62,10 +66,11 @@ def gate_mismatch(cfg, iteration: int, policy: PolicyRef, rows: pa.Table, metric
             continue
         message = (
             f"update stage of iteration {iteration}: {name} = {value:.3g} is over the limit {limit:.3g} (config "
-            f"mismatch): the sampler's log-probs (policy version {policy.version}) are not the trainer's for the same "
-            f"weights; look for an engine in another dtype, weights that did not reach it, or another kernel"
+            f"mismatch): the sampler's log-probs (policy version {', '.join(map(str, sampled_by))}) are not the "
+            f"trainer's for the same weights; look for an engine in another dtype, weights that did not reach it, "
+            f"or another kernel"
         )
         if cfg.mismatch.action == "fail":
             raise MismatchError(message)
         log.warning("%s", message)
-    return dict(metrics)
+    return metrics

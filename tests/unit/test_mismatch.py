@@ -66,9 +66,13 @@ def test_past_the_limit_the_update_fails_by_name_or_warns(caplog):
         gate_mismatch(_cfg(max_logprob_diff_mean=0.05, max_kl=5e-5), 3, POLICY, ON_POLICY, MEASURED)
 
 
-def test_rows_of_another_behaviour_policy_are_not_judged_against_the_trainers():
-    stale = pa.table({"policy_version": [1, 1, 1]})  # sampled by version 1; the trainer starts from version 2
-    assert gate_mismatch(_cfg(), 4, POLICY, stale, MEASURED) == {"loss/policy": 0.1, "mismatch/off_policy_rows": 3.0}
+def test_rows_of_another_behaviour_policy_are_measured_against_its_checkpoint(tmp_path):
+    # sampled by version 1; the trainer starts from version 2: the trainer's own mismatch/* are of another policy,
+    # so the gate measures the rows against checkpoint 1 (tests/integration/test_mismatch_gate.py), here absent
+    stale = pa.table({"policy_version": [1, 1, 1]})
+    cfg = PPOFlowConfig.model_validate({"model": {"policy_path": "unused"}, "run": {"root": str(tmp_path)}})
+    with pytest.raises(RuntimeError, match="3 rows were sampled by policy version 1, whose checkpoint is needed"):
+        gate_mismatch(cfg, 4, POLICY, stale, MEASURED)
 
 
 def test_the_default_limit_holds_for_float32_only():
