@@ -2,7 +2,7 @@
 function whose docstring names the version it was written against and what upstream does that it works around.
 
 Nothing here acts on import. The adaptations that hold for a whole process are installed by its entry point,
-with `install_process_adaptations()`: the `ppoflow` commands that run, serve or submit flows (flows/cli.py), the
+with `install_process_adaptations()`: the `ppoflow` commands that run, serve or submit flows (cli/main.py), the
 flows a deployment runs (flows/training.py, runtime/stage_runs.py, flows/rm_training.py: the first thing they do),
 the benchmark drivers that run flows in-process, and tests/conftest.py. The others are called where the
 condition they depend on is known (a world size, a built engine, one save, a model's tied head).
@@ -15,7 +15,7 @@ The adaptations (what upstream does; installed or called by; the test that fails
   with 503 and no Retry-After, and the client waits 2 s; the temporary server Prefect starts for a run outlives
   a SIGKILL of that run (stopped from an atexit hook only). By install_process_adaptations.
   tests/unit/test_adaptations_prefect_server.py.
-- `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (flows/cli.py). Same test.
+- `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (cli/main.py). Same test.
 - `prefect_task_worker.SlotTaskWorker`, Prefect 3.7.7: its task worker stays subscribed while busy (the server hands
   it the next run, which waits for the slot while another worker idles) and ends at a handshake timeout. Used by
   runtime/workers.py (warm stage workers). tests/unit/test_adaptations_prefect_task_worker.py;

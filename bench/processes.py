@@ -78,7 +78,7 @@ def loopback_prefect_server(home: Path) -> Iterator[str]:
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "prefect-server", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "cli", "prefect-server", "--host", "127.0.0.1", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,
@@ -160,9 +160,7 @@ def start_workers(variant: str, workdir: str, env: dict, tag: str) -> dict[str, 
     """The long-lived processes of `variant`: stage workers (warm), process pool workers (pools), none
     (anything else). Each logs to `workdir`/<tag>-<group>.log and leads its own process group."""
     if variant == "warm":
-        cmds = {
-            g: ["-m", "flows.cli", "worker", *[a for s in st for a in ("--stage", s)]] for g, st in WARM_GROUPS.items()
-        }
+        cmds = {g: ["-m", "cli", "worker", *[a for s in st for a in ("--stage", s)]] for g, st in WARM_GROUPS.items()}
     elif variant == "pools":
         cmds = {
             p: ["-m", "prefect", "worker", "start", "--pool", p, "--type", "process", "--limit", "1"]

@@ -136,7 +136,7 @@ def flow_side(config_path: Path, root: Path, run: str, timeout_s: float) -> dict
     """`ppoflow train-rm` against a Prefect home of its own; step time from metrics.jsonl."""
     with tempfile.TemporaryDirectory(prefix="rm_peer_prefect_") as home:
         env = {"PREFECT_HOME": home, "PREFECT_API_URL": ""}
-        result = _run([sys.executable, "-m", "flows.cli", "train-rm", str(config_path)], timeout_s, env)
+        result = _run([sys.executable, "-m", "cli", "train-rm", str(config_path)], timeout_s, env)
     if not result["ok"]:
         return result
     rows = [json.loads(line) for line in (root / run / "metrics.jsonl").read_text().splitlines() if line.strip()]

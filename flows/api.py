@@ -66,7 +66,7 @@ def train(config: ConfigLike, overrides: Iterable[str] = (), *, verbose: bool = 
 
 
 def _prepare_process() -> None:
-    """What `ppoflow`'s main does before a command that runs flows (flows/cli.py): quiet the libraries at their
+    """What `ppoflow`'s main does before a command that runs flows (cli/main.py): quiet the libraries at their
     source, give Prefect's temporary server time to start on a busy machine, install the upstream adaptations."""
     from adaptations import install_process_adaptations
     from flows.logs import prepare_flow_process

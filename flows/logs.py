@@ -187,7 +187,7 @@ def prepare_flow_process() -> None:
     """What an entry point that runs flows does first, before Prefect is imported (its settings are read once, at
     import): quiet the libraries at their source, and give Prefect's temporary server time to start. Without
     PREFECT_API_URL Prefect starts a local server for the run; its 20 s default start-up timeout is too short on a busy
-    2-core machine (the first start runs the database migrations). Used by `ppoflow` (flows/cli.py) and flows.api."""
+    2-core machine (the first start runs the database migrations). Used by `ppoflow` (cli/main.py) and flows.api."""
     quiet_libraries()
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
@@ -202,7 +202,7 @@ def quiet_libraries() -> None:
       telemetry.py, `_fetch_or_set_telemetry_session`). The row is never written, so every start
       repeats it; and the heartbeat it prepares is a POST to a Prefect host that an offline machine cannot
       reach anyway (`ERROR | prefect.server.services.telemetry - Failed to send telemetry`). Off by default
-      for every `ppoflow` command (PREFECT_SERVER_ANALYTICS_ENABLED=false, set by flows/cli.py `main` before
+      for every `ppoflow` command (PREFECT_SERVER_ANALYTICS_ENABLED=false, set by cli/main.py `main` before
       Prefect is imported); a value the user set is kept.
     - Python warnings from libraries still reach the log file (stderr); nothing is filtered.
     """

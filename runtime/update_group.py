@@ -5,7 +5,7 @@ A run that asks for train.num_ranks = N > 1 and sends its update to neither a wa
 nor a pool (pipeline.stage_pools) gets one on this machine, started by its training flow (flows/training.py):
 
     python -m torch.distributed.run --standalone --nproc-per-node=N --max-restarts=R --local-addr=127.0.0.1 \
-        -m flows.cli worker --stage update --stage checkpoint
+        -m cli worker --stage update --stage checkpoint
 
     with owned_update_group(cfg):      started at the flow's start (it boots while rollout and scoring run), and
         ...                            stopped when the flow ends, fails or is interrupted (SIGTERM, Ctrl-C)
@@ -198,7 +198,7 @@ def _start(cfg: PPOFlowConfig) -> OwnedUpdateGroup:
         f"--max-restarts={cfg.pipeline.retries + 1}",
         "--local-addr=127.0.0.1",
         "-m",
-        "flows.cli",
+        "cli",
         *("worker", "--stage", "update", "--stage", "checkpoint"),
     ]
     with open(log_path, "ab") as log:

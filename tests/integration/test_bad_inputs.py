@@ -8,7 +8,7 @@ One run ("kept") is trained for one iteration first; every bad input below is th
 - every file of the existing run is byte-identical (sha256 of the whole folder before and after).
 
 Most cases go through the config loader and flows.preflight.preflight in this process (what ppo_training
-calls first); five go through the real CLI (`python -m flows.cli train CONFIG --set ...`) in a subprocess
+calls first); five go through the real CLI (`python -m cli train CONFIG --set ...`) in a subprocess
 and also assert its exit code, as do a config file with a key given twice and a PREFECT_API_URL that does
 not answer.
 """
@@ -269,7 +269,7 @@ def test_cli_refuses_with_an_exit_code(kept_run, prefect_api, case, overrides, f
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", str(config_path), *args],
+        [sys.executable, "-m", "cli", "train", str(config_path), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -284,7 +284,7 @@ def test_cli_refuses_with_an_exit_code(kept_run, prefect_api, case, overrides, f
 
 def _cli(args: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         env={**os.environ, "PYTHONPATH": os.getcwd(), **env},
         capture_output=True,
         text=True,

@@ -40,7 +40,7 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path, tiny_m
     env.pop("MASTER_PORT", None)
     env.pop("PREFECT_API_URL", None)  # the embedded default: the run starts Prefect's temporary server
     env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "prefect-home"), COLUMNS="120")
-    args = [sys.executable, "-m", "flows.cli", "demo", "--root", str(root), "--iterations", "200"]
+    args = [sys.executable, "-m", "cli", "demo", "--root", str(root), "--iterations", "200"]
     for item in [f"model.policy_path={tiny_model_dir}", f"data.path={digits_dataset_dir}", *SMALL]:
         args += ["--set", item]
     demo = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -43,7 +43,7 @@ def _demo(root: Path, prefect_server: str, *extra: str, model_dir, data_dir) -> 
     }
     env.update(PYTHONPATH=str(REPO), PREFECT_API_URL=prefect_server, COLUMNS="120")
     sets = [f"model.policy_path={model_dir}", f"data.path={data_dir}", *SMALL]
-    args = [sys.executable, "-m", "flows.cli", "demo", "--root", str(root), "--iterations", str(ITERATIONS)]
+    args = [sys.executable, "-m", "cli", "demo", "--root", str(root), "--iterations", str(ITERATIONS)]
     for item in sets:
         args += ["--set", item]
     return subprocess.run(args + list(extra), cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
@@ -101,7 +101,7 @@ def test_tensorboard_events_hold_every_iteration_and_plot_is_a_png(demo_run, tmp
     out = tmp_path / "plot.png"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     plotted = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "runs", "plot", "demo", "--root", str(root), "--out", str(out)],
+        [sys.executable, "-m", "cli", "runs", "plot", "demo", "--root", str(root), "--out", str(out)],
         env=env,
         capture_output=True,
         text=True,

@@ -89,7 +89,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
     killed_at = time.time()
     serve = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve"],
+        [sys.executable, "-m", "cli", "serve"],
         cwd=REPO,
         env=_env(),
         stdout=open(tmp_path / "serve.log", "w"),

@@ -60,7 +60,7 @@ def test_a_fork_started_as_a_run_of_the_fork_deployment(prefect_api, tmp_path, t
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "cli", "serve"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
     )
     try:
         with get_client(sync_client=True) as client:

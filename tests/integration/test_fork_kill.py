@@ -33,7 +33,7 @@ def _fork(root: str, kill: str | None) -> subprocess.CompletedProcess:
         for k, v in os.environ.items()
         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    entry = ["flows.cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
+    entry = ["cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
     args = ["fork", "base", "--at", "2", "--name", "killed", "--root", root, "--replay", "1"]
     return subprocess.run(
         [sys.executable, "-m", *entry, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600

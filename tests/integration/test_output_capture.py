@@ -95,7 +95,7 @@ from rich.console import Console
 from flows.logs import OutputCapture, terminal_width
 from flows.run import progress_bar
 
-width = terminal_width(1)  # as flows/cli.py: taken before the capture; this pty reports 0 columns
+width = terminal_width(1)  # as cli/main.py: taken before the capture; this pty reports 0 columns
 capture = OutputCapture(sys.argv[1]).start()
 console = Console(file=capture.terminal, width=width)
 assert console.is_terminal
@@ -159,16 +159,14 @@ def test_a_retry_executed_by_serve_writes_a_run_log_of_its_own(prefect_api, tmp_
     root = tmp_path / "runs"
     argv = ["train", "/dev/null", "--set", f"run.root={root}", "--set", "run.name=retry-log"]
     argv += ["--set", f"model.policy_path={tiny_model_dir}", "--set", f"data.path={tmp_path / 'missing.jsonl'}"]
-    first = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *argv], env=env, capture_output=True, text=True, timeout=300
-    )
+    first = subprocess.run([sys.executable, "-m", "cli", *argv], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 2 and "missing.jsonl" in first.stdout + first.stderr, first.stdout + first.stderr
     logs = root / "retry-log" / "logs"
     assert [p.name.split("-")[0] for p in logs.iterdir()] == ["train"]
     flow_run_id = re.search(r"/runs/flow-run/([0-9a-f-]{36})", first.stdout + first.stderr).group(1)
 
     serve_out = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve"], cwd=REPO, env=env, stdout=serve_out,
+    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=REPO, env=env, stdout=serve_out,
                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         retried = subprocess.run(

@@ -58,7 +58,7 @@ COMPARED = (
 def _train(config_path: Path, kill: str | None = None) -> subprocess.CompletedProcess:
     """`ppoflow train CONFIG` in a child process, killed by `kill` (a kill_cli spec) when given."""
     child_env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
-    entry = ["flows.cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
+    entry = ["cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
     return subprocess.run(
         [sys.executable, "-m", *entry, "train", str(config_path)],
         cwd=REPO,

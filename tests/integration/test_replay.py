@@ -142,7 +142,7 @@ def test_a_replayed_fork_scores_only_the_changed_source_and_equals_the_sampled_o
 
     # `ppoflow rescore`: the same change as a fork at 2 that scores 3 and stops; the replayed fork's scores of these
     # very rows under this very scorer are in the score cache, so all 16 rows come from it.
-    from flows.cli import main
+    from cli.main import main
 
     assert main(["rescore", "base", "--iteration", "3", "--name", "rescored", "--root", root, "--set", reward]) == 0
     rescored_dir = Path(root) / "rescored"

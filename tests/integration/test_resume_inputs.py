@@ -45,7 +45,7 @@ def test_a_swapped_model_folder_stops_the_resume_until_accepted(
     assert not layout.fs.exists(layout.iteration_dir(2))  # refused before any stage ran
 
     # `ppoflow runs accept-inputs RUN --root ROOT`, the command the refusal names
-    from flows.cli import main
+    from cli.main import main
 
     assert main(["runs", "accept-inputs", "swapped", "--root", str(tmp_path / "runs")]) == 0
     assert "accepted the current contents of model.policy_path" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """`ppoflow train-rm` killed with SIGKILL after its first committed unit, then run again, ends exactly like a run
 that was never killed; its output loads as the score stage's reward model and as a critic.
 
-Both runs start as real processes at the same time (`python -m flows.cli train-rm`, one thread each, the test
+Both runs start as real processes at the same time (`python -m cli train-rm`, one thread each, the test
 session's Prefect server); the test polls the killed run's storage for unit 1's commit marker and kills it
 from outside. The command started again resumes at LATEST + 1 from the committed weights, optimizer,
 scheduler and RNG states and the step cursor.
@@ -58,7 +58,7 @@ def _start(config: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train-rm", str(config)],
+        [sys.executable, "-m", "cli", "train-rm", str(config)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

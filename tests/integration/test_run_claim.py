@@ -33,7 +33,7 @@ AFTER_CLAIM = "flows.training:start_progress@1"  # called in the flow after the 
 
 def _train(config_path: Path, *fixture: str, wait: bool = True):
     """`ppoflow train CONFIG` in a child process, through tests/fixtures/<fixture> when given."""
-    entry = ["flows.cli"] if not fixture else [f"tests.fixtures.{fixture[0]}", *fixture[1:]]
+    entry = ["cli"] if not fixture else [f"tests.fixtures.{fixture[0]}", *fixture[1:]]
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     command = [sys.executable, "-m", *entry, "train", str(config_path)]
     if wait:

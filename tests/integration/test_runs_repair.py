@@ -25,8 +25,8 @@ def _digests(folder: Path) -> dict[str, str]:
 def test_repair_quarantines_a_corrupt_checkpoint_and_the_resume_recomputes_it(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
+    from cli.main import main
     from engines import warm
-    from flows.cli import main
     from flows.records import read_metrics
     from flows.training import ppo_training
     from storage.checkpoints import CheckpointCorruptError, latest_iteration, load_checkpoint

@@ -37,7 +37,7 @@ def _config_file(tmp_path: Path, name: str, model_dir, data_dir, **deadlines) ->
 
 def _train(config_path: Path, *hang: str) -> subprocess.CompletedProcess:
     """`ppoflow train CONFIG` in a child process; with `hang` = (spec, mode), through tests.fixtures.hang_cli."""
-    entry = ["tests.fixtures.hang_cli", *hang] if hang else ["flows.cli"]
+    entry = ["tests.fixtures.hang_cli", *hang] if hang else ["cli"]
     return subprocess.run(
         [sys.executable, "-m", *entry, "train", str(config_path)],
         cwd=REPO,

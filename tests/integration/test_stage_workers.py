@@ -42,7 +42,7 @@ def _env() -> dict:
 
 def _start_worker(tmp_path: Path, name: str, stages: list[str], kill: str | None = None) -> subprocess.Popen:
     """`ppoflow worker --stage ...`; with `kill` (a tests/fixtures/kill_cli spec) it SIGKILLs itself then."""
-    entry = ["flows.cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
+    entry = ["cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
     return subprocess.Popen(
         [sys.executable, "-m", *entry, "worker", *[a for s in stages for a in ("--stage", s)]],
         cwd=REPO,
@@ -140,7 +140,7 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
             assert all(m.uri.startswith(layout.url(layout.run_dir)) for m in _manifests(layout, "rollout", 2))
         # ... and `runs repair` on warm workers: checkpoint 2 corrupt, quarantined, recomputed to the same bytes (the
         # workers' results of iteration 2 are disowned; before, "cannot commit iteration 2: nothing staged")
-        from flows.repair import repair_run
+        from cli.repair import repair_run
 
         second_ckpt = Path(layout.checkpoint_dir(2))
         sound = _digests(second_ckpt)

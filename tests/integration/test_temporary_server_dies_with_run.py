@@ -64,7 +64,7 @@ def test_sigkill_of_ppoflow_train_takes_its_temporary_prefect_server_down(tmp_pa
     log = tmp_path / "train.log"
     with open(log, "w") as out:  # a file, not a pipe: the server inherits it and may outlive the command
         train = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "train", str(config_path)],
+            [sys.executable, "-m", "cli", "train", str(config_path)],
             cwd=REPO,
             env=env,
             stdout=out,

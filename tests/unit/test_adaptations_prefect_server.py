@@ -154,7 +154,7 @@ print(json.dumps({"healthy": healthy, "argv": argv, "niceness": niceness, "own":
 """
 
 
-# As flows/cli.py sets it: a temporary server's first start (database migrations) took over Prefect's default 20 s
+# As cli/main.py sets it: a temporary server's first start (database migrations) took over Prefect's default 20 s
 # on the shared 2-core machine.
 SLOW_START = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
 

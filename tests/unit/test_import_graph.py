@@ -26,7 +26,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FLOORS = ("ppoflow", "adaptations", "storage", "engines", "stages", "tasks", "runtime", "flows")
+FLOORS = ("ppoflow", "adaptations", "storage", "engines", "stages", "tasks", "runtime", "flows", "cli")
 # ppoflow and adaptations are both ground floors: neither imports the other.
 LEVEL = {
     "ppoflow": 0,

@@ -125,7 +125,7 @@ def test_fork_run_writes_references_and_lineage_and_nothing_else(tmp_path):
     again = fork_run(parent.root_url, "base", 2, "child", ["algo.kl_coef=0.5", "train.ppo_epochs=2"])
     assert again == fork  # the same fork again: nothing changes
 
-    from flows.runs_view import lineage_lines
+    from cli.runs_view import lineage_lines
 
     assert lineage_lines(child)[0][0] == "forked from" and "base at iteration 2" in lineage_lines(child)[0][1]
     assert "child at iteration 2" in lineage_lines(parent)[0][1]
@@ -166,8 +166,8 @@ def test_the_plot_and_tensorboard_draw_a_fork_from_its_fork_point_beside_its_par
     step 2 with the parent's value there. Read back from the PNG's drawing calls and tensorboard's reader."""
     from tensorboard.backend.event_processing import event_accumulator
 
+    from cli.plot import lineage_curves, plot_run
     from flows import tracker
-    from flows.plot import lineage_curves, plot_run
     from storage.metrics import read_metrics
 
     cfg, parent = _parent(tmp_path, iterations_committed=2)

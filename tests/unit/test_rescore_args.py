@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.cli import main
+from cli.main import main
 from flows.fork import ForkError
 from flows.rescore import rescore_fork
 

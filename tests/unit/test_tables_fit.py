@@ -24,7 +24,7 @@ def _cli(*args: str, columns: int = 80, returncode: int = 0) -> str:
     """`ppoflow ARGS` with stdout a pipe, as `| cat` sees it; its stdout."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(columns)}
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == returncode, done.stdout + done.stderr
     return done.stdout
