@@ -3,6 +3,7 @@
     tensors_digest(tensors, precision) -> WeightsDigest      of any tensors (a module's parameters, a file's)
     folder_digest(policy_dir, precision) -> WeightsDigest     of a Hugging Face folder's *.safetensors
     module_digest(module, precision) -> WeightsDigest         of an nn.Module's parameters (HF engine, vLLM worker)
+    policy_record(policy_dir, autocast) / state_dict_record(state_dict, autocast) -> dict   what an engine must hold
     vllm_worker_digest(worker, precision) -> dict             run inside vLLM's worker through collective_rpc
 
 Why a digest of the held weights (and not log-probs of a fixed probe): it is exact. A skipped reload after
@@ -220,6 +221,16 @@ def policy_record(policy_dir: str | Path, autocast_dtype: Optional[str] = None) 
     JSON: {"format", "value", "dtypes", "rounded": {dtype: value}}."""
     record = {"format": DIGEST_FORMAT, **folder_digest(policy_dir).to_json()}
     record["rounded"] = {autocast_dtype: folder_digest(policy_dir, autocast_dtype).value} if autocast_dtype else {}
+    return record
+
+
+def state_dict_record(state_dict: dict, autocast_dtype: Optional[str] = None) -> dict:
+    """policy_record's JSON for weights handed over in memory (a state dict, as an HF engine takes it): a tied LM
+    head's duplicate key is read as its own 2-D weight, which reads the embedding's columns once more, exactly as
+    `tied_head` does for a folder or a module, so the value equals theirs for the same weights."""
+    record = {"format": DIGEST_FORMAT, **named_weights_digest(state_dict.items(), False).to_json()}
+    rounded = named_weights_digest(state_dict.items(), False, autocast_dtype).value if autocast_dtype else None
+    record["rounded"] = {autocast_dtype: rounded} if autocast_dtype else {}
     return record
 
 

@@ -16,7 +16,9 @@ the engine holds, read where they live (engines/weights_digest.py), with the one
   record in another format (engines/weights_digest.py, DIGEST_FORMAT): its verified policy/ files are digested
   instead (logged as such), so an upgrade of the algorithm never reads as other weights; when they cannot be read,
   a RuntimeError says "digest format vN, this ppoflow computes vM" and why the files could not stand in;
-- the initial model (version 0): its folder's files, digested once per process.
+- the initial model (version 0): its folder's files, digested once per process;
+- weights this process handed to its engine itself (the in-memory loop, stages/loop.py): the record it took from
+  the trainer's tensors or from the folder it had just saved, before the engine read it (`remember_record`).
 
 A mismatch raises AttestationError naming the stage, the iteration, the expected policy and what the engine
 holds, with the policy version those weights belong to when this process attested them before (a skipped reload
@@ -74,14 +76,22 @@ def _committed_record(cfg, policy: PolicyRef) -> dict | None:
     return json.loads(data).get("policy_digest")
 
 
+def remember_record(policy: PolicyRef, autocast_dtype, record: dict) -> None:
+    """Keep `record` (policy_record's JSON) as what an engine serving `policy` holds: for weights that this process
+    wrote or handed over itself and that no checkpoint records (the in-memory loop), taken as they were written."""
+    with _seen_lock:
+        _records[(policy.weights_id, autocast_dtype)] = record
+
+
 def expected_record(cfg, policy: PolicyRef) -> dict:
-    """What an engine serving `policy` holds: {"value", "dtypes", "rounded": {dtype: value}} (policy_record).
-    Kept per weights_id once read: that id hashes the commit marker's file list, trainer.json's sha256 among them."""
-    if policy.checkpoint_iteration is None:
-        return _initial_record(policy.uri, policy.weights_id, cfg.model.autocast_dtype)
+    """What an engine serving `policy` holds: {"format", "value", "dtypes", "rounded": {dtype: value}}
+    (policy_record). Kept per weights_id once read: that id hashes the commit marker's file list, trainer.json's
+    sha256 among them (or the folder's files, for the initial model)."""
     key = (policy.weights_id, cfg.model.autocast_dtype)
     with _seen_lock:
         record = _records.get(key)
+    if record is None and policy.checkpoint_iteration is None:
+        return _initial_record(policy.uri, policy.weights_id, cfg.model.autocast_dtype)
     if record is None:
         record = _committed_record(cfg, policy)
         if record is None or record_format(record) != DIGEST_FORMAT:

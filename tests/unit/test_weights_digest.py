@@ -63,3 +63,17 @@ def test_the_hf_sampler_under_autocast_holds_the_records_rounded_digest(tiny_mod
     assert found.dtypes == ("bfloat16", "float32")
     assert found == _expected_digest(record, engine.digest_precision)
     assert found.value != record["value"]
+
+
+def test_a_state_dict_handed_over_in_memory_records_what_its_folder_records(tiny_model_dir, tmp_path):
+    """state_dict_record (the in-memory loop's record) equals policy_record of the same weights saved, for an untied
+    head and a tied one (whose state dict names the head's tensor a second time)."""
+    from transformers import LlamaForCausalLM
+
+    from engines.toy.model import ToyShape, build_toy_model
+    from engines.weights_digest import state_dict_record
+
+    tied_dir = build_toy_model(LlamaForCausalLM, tmp_path / "tied", ToyShape(), 0, tie_word_embeddings=True)
+    for folder in (tiny_model_dir, tied_dir):
+        state_dict = load_policy(str(folder), "float32", "sdpa").state_dict()
+        assert state_dict_record(state_dict, "bfloat16") == policy_record(folder, "bfloat16")
