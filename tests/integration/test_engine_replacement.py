@@ -1,7 +1,8 @@
 """Engines that are replaced (stages/engine_replacement.py): vLLM's EngineCore SIGKILLed in a rollout stage on the
 tiny model. Within the stage the engine is built again and the prompts sampled again with their seeds: the stage's
 rows equal an uninterrupted rollout's, the manifest counts the replacement. One death more than
-rollout.engine_replacements allows fails the stage naming the stage, the iteration and the setting."""
+rollout.engine_replacements allows fails the stage naming the stage, the iteration and the setting. The EngineCore is
+killed before a generate, and in the middle of one (after its first tokens reached the client)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from stages.policy import policy_ref  # noqa: E402
 from stages.rollout import run_rollout  # noqa: E402
 from storage.layout import layout_for  # noqa: E402
 from storage.shards import read_shards  # noqa: E402
-from tests.fixtures.faults import kill_engine_core_before_generate  # noqa: E402
+from tests.fixtures.faults import kill_engine_core_before_generate, kill_engine_core_mid_generate  # noqa: E402
 from tests.integration.pipeline_helpers import small_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -57,3 +58,21 @@ def test_a_death_past_the_budget_fails_the_stage_by_name(tmp_path, tiny_model_di
     ):
         run_rollout(cfg, 1, policy_ref(cfg, 1))
     assert len(killed) == 2
+
+
+def test_an_engine_core_killed_in_the_middle_of_a_generate_is_replaced_and_the_rows_are_unchanged(
+    tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
+):
+    # 48 new tokens per sample: the generate is still running when its first step's tokens reach the client
+    rollout = {**VLLM, "max_new_tokens": 48}
+    uninterrupted = small_config(
+        str(tmp_path / "runs"), "whole-long", tiny_model_dir, digits_dataset_dir, rollout=rollout
+    )
+    run_rollout(uninterrupted, 1, policy_ref(uninterrupted, 1))
+    killed = kill_engine_core_mid_generate(monkeypatch, kills=1)
+    cfg = small_config(str(tmp_path / "runs"), "killed-mid", tiny_model_dir, digits_dataset_dir, rollout=rollout)
+    manifest = run_rollout(cfg, 1, policy_ref(cfg, 1))
+    assert len(killed) == 1 and killed[0]["unfinished"] > 0  # killed with requests still being sampled
+    assert manifest.engine_replacements == 1 and manifest.attested.version == 0
+    assert _rows(cfg) == _rows(uninterrupted)
+    assert max(len(r) for r in _rows(cfg)["response_ids"]) > 1  # (the samples are more than their first token)
