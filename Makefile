@@ -41,8 +41,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two test processes, each with its own Prefect server: a kill or retry test spends most of its time waiting on a child
+# process or on the server, which the other process fills. worksteal keeps the long tests from ending on one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 bench-docs: setup
 	$(PY) -m bench.report
