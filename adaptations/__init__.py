@@ -15,7 +15,7 @@ The adaptations (what upstream does; installed or called by; the test that fails
   with 503 and no Retry-After, and the client waits 2 s; the temporary server Prefect starts for a run outlives
   a SIGKILL of that run (stopped from an atexit hook only). By install_process_adaptations.
   tests/unit/test_adaptations_prefect_server.py.
-- `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (cli/main.py). Same test.
+- `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (cli/serve.py). Same test.
 - `prefect_task_worker.SlotTaskWorker`, Prefect 3.7.7: its task worker stays subscribed while busy (the server hands
   it the next run, which waits for the slot while another worker idles) and ends at a handshake timeout. Used by
   runtime/workers.py (warm stage workers). tests/unit/test_adaptations_prefect_task_worker.py;

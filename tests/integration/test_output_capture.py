@@ -95,7 +95,7 @@ from rich.console import Console
 from flows.logs import OutputCapture, terminal_width
 from flows.run import progress_bar
 
-width = terminal_width(1)  # as cli/main.py: taken before the capture; this pty reports 0 columns
+width = terminal_width(1)  # as cli/capture.py: taken before the capture; this pty reports 0 columns
 capture = OutputCapture(sys.argv[1]).start()
 console = Console(file=capture.terminal, width=width)
 assert console.is_terminal
