@@ -41,6 +41,7 @@ def main() -> dict:
     sys.path.insert(0, str(REPO))  # run as a file: the repository's packages (and tests/fixtures) by name
     import pytest
 
+    from engines.reasoning_tasks import materialize
     from engines.rollout.registry import shutdown_all
     from ppoflow.config import load_config
     from stages.engine_replacement import EngineLost
@@ -51,9 +52,9 @@ def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ppoflow-engine-kill-"))
-    configs = {
-        name: load_config(RECIPE, [f"run.root={root}", f"run.name={name}"]) for name in ("whole", "kill", "twice")
-    }
+    names = ("whole", "kill", "twice")
+    # the recipe's reasoning-gym prompts written as files and data.path set to them, as `ppoflow train` does first
+    configs = {name: materialize(load_config(RECIPE, [f"run.root={root}", f"run.name={name}"])) for name in names}
     seen: dict = {}
     try:
         started = time.perf_counter()
