@@ -12,6 +12,7 @@ thread: 7.7-9.0 s for the same update.)
 
     pin_to_one_thread()      this process's stage bodies run on one long-lived thread from now on (warm workers)
     run(fn, *args, **kw)     fn(*args, **kw) there when pinned (the caller waits), else right here
+    runs_here()              whether run would call fn on this thread
 
 Not pinned by default: the in-process pipeline with max_staleness 0 runs its bodies on the flow's thread; with
 k >= 1 its iterations run on the task runner's threads, and pinning them would serialize the rollout and the
@@ -41,8 +42,13 @@ def pin_to_one_thread() -> None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFIX)
 
 
+def runs_here() -> bool:
+    """Whether `run` would call its function on this thread: the process is not pinned, or this is its thread."""
+    return _executor is None or threading.current_thread().name.startswith(_PREFIX)
+
+
 def run(fn: Callable[..., T], *args, **kwargs) -> T:
     """fn(*args, **kwargs) on the compute thread when the process is pinned (here when this is that thread)."""
-    if _executor is None or threading.current_thread().name.startswith(_PREFIX):
+    if runs_here():
         return fn(*args, **kwargs)
     return _executor.submit(contextvars.copy_context().run, fn, *args, **kwargs).result()

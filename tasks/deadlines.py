@@ -10,14 +10,14 @@ The deadline of stage S in an iteration (pipeline.deadlines, all seconds):
 timing/S is the stage's wall time as the flow saw it (flows/iteration.py), so queueing for a busy worker makes
 the deadline longer, never shorter.
 
-What happens at the deadline (`bounded`): the stage's body, running on the thread that called it, is interrupted
-with StageDeadlineExceeded (an exception raised into that thread between two Python operations), which fails the
-task run; Prefect's retries take over as for any stage error. A body blocked in native code (a socket read without a
-timeout, a collective that never returns) cannot be interrupted that way: when it is still running `grace_s` after
-its deadline, its process ends with exit code EXIT_DEADLINE after one message on the user's terminal and in the log
-naming the stage (ppoflow/terminal.py). The run's committed iterations are untouched and it resumes from its last
-checkpoint (`ppoflow train` again). On a warm worker the flow then sees the worker gone (tasks/leases.py) and fails
-the stage by name; Prefect's retry sends it to a live worker.
+What happens at the deadline (`deadline`, `bounded`): the stage's body, running on the thread that called it, is
+interrupted with StageDeadlineExceeded (an exception raised into that thread between two Python operations), which
+fails the task run; Prefect's retries take over as for any stage error. A body blocked in native code (a socket read
+without a timeout, a collective that never returns) cannot be interrupted that way: when it is still running
+`grace_s` after its deadline, its process ends with exit code EXIT_DEADLINE after one message on the user's terminal
+and in the log naming the stage (ppoflow/terminal.py). The run's committed iterations are untouched and it resumes
+from its last checkpoint (`ppoflow train` again). On a warm worker the flow then sees the worker gone
+(tasks/leases.py) and fails the stage by name; Prefect's retry sends it to a live worker.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import os
 import socket
 import statistics
 import threading
-from typing import Callable, Optional, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, TypeVar
 
 from ppoflow.config import PPOFlowConfig
 from ppoflow.terminal import last_words
@@ -89,35 +90,42 @@ def recent_durations(cfg: PPOFlowConfig, stage: str) -> list[float]:
     return [float(row[key]) for row in rows if isinstance(row.get(key), (int, float))]
 
 
-def bounded(cfg: PPOFlowConfig, iteration: int, stage: str, body: Callable[..., T]) -> Callable[..., T]:
-    """`body` with stage `stage`'s deadline: call the result on the thread that is to run the body.
+@contextmanager
+def deadline(cfg: PPOFlowConfig, iteration: int, stage: str) -> Iterator[None]:
+    """Stage `stage`'s deadline over the block, which must run on the thread that is to run the stage's body.
 
-    Raises StageDeadlineExceeded (from the body's own error, when the interruption made it raise another) when
-    the deadline passed; ends the process (EXIT_DEADLINE) when the body is still running grace_s later."""
+    Raises StageDeadlineExceeded (from the body's own error, when the interruption made it raise another) when the
+    deadline passed; ends the process (EXIT_DEADLINE) when the block is still running grace_s later."""
+    with _run_here_lock:
+        first_here = stage not in _run_here
+        _run_here.add(stage)
+    seconds, why = deadline_s(cfg, stage, recent_durations(cfg, stage), first_here)
+    if seconds is None:
+        yield
+        return
+    what = f"stage {stage} of iteration {iteration}"
+    message = (
+        f"{what} ran past its deadline of {seconds:g} s ({why}) on {socket.gethostname()}:{os.getpid()}. "
+        f"If it is only slow (a big model's first iteration, a slower machine), raise it with "
+        f"--set pipeline.deadlines.stages.{_base_stage(stage)}=<seconds> (0 = none) or "
+        f"pipeline.deadlines.first_s; if it hangs, the stage's logs say where"
+    )
+    watch = _Watch(seconds, cfg.pipeline.deadlines.grace_s, message)
+    try:
+        yield
+    except BaseException as error:
+        if watch.finish():
+            raise StageDeadlineExceeded(message) from (None if isinstance(error, _Interrupt) else error)
+        raise
+    watch.finish()  # a body that swallowed the interruption and then returned: its result stands
+
+
+def bounded(cfg: PPOFlowConfig, iteration: int, stage: str, body: Callable[..., T]) -> Callable[..., T]:
+    """`body` within stage `stage`'s `deadline`: call the result on the thread that is to run the body."""
 
     def run(*args, **kwargs) -> T:
-        with _run_here_lock:
-            first_here = stage not in _run_here
-            _run_here.add(stage)
-        seconds, why = deadline_s(cfg, stage, recent_durations(cfg, stage), first_here)
-        if seconds is None:
+        with deadline(cfg, iteration, stage):
             return body(*args, **kwargs)
-        what = f"stage {stage} of iteration {iteration}"
-        message = (
-            f"{what} ran past its deadline of {seconds:g} s ({why}) on {socket.gethostname()}:{os.getpid()}. "
-            f"If it is only slow (a big model's first iteration, a slower machine), raise it with "
-            f"--set pipeline.deadlines.stages.{_base_stage(stage)}=<seconds> (0 = none) or "
-            f"pipeline.deadlines.first_s; if it hangs, the stage's logs say where"
-        )
-        watch = _Watch(seconds, cfg.pipeline.deadlines.grace_s, message)
-        try:
-            result = body(*args, **kwargs)
-        except BaseException as error:
-            if watch.finish():
-                raise StageDeadlineExceeded(message) from (None if isinstance(error, _Interrupt) else error)
-            raise
-        watch.finish()  # a body that swallowed the interruption and then returned: its result stands
-        return result
 
     return run
 

@@ -4,14 +4,14 @@ rollout-part task runs (one per part) and a rollout-merge (stages/rollout_parts.
 
 Each task declares its cache key (tasks/cache_keys.py) and persists its result, a typed manifest, as JSON
 under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
-body validates the config and calls the stage function, looked up on its module at call time, on the process's
-compute thread when it has one (engines/compute_thread.py: warm workers), within the stage's deadline
-(tasks/deadlines.py).
+body is one call of `_in_stage`, which validates the config and calls the stage function, looked up on its module
+at call time, under the stage's lease (tasks/leases.py), within its deadline (tasks/deadlines.py), on the process's
+compute thread when it has one (engines/compute_thread.py: warm workers).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from prefect import task
 
@@ -34,10 +34,11 @@ from stages.manifests import (
 )
 from storage.layout import layout_for
 from tasks.cache_keys import cache_key_fn
-from tasks.deadlines import bounded
+from tasks.deadlines import bounded, deadline
 from tasks.leases import stage_lease
 
 Config = PPOFlowConfig | dict[str, Any]
+T = TypeVar("T")
 
 
 def _stage_task(stage: str, body, run_name: str = ""):
@@ -51,18 +52,25 @@ def _stage_task(stage: str, body, run_name: str = ""):
     )
 
 
-def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManifest:
+def _in_stage(config: Config, iteration: int, stage: str, body: Callable[..., T], *args, lease: str = "") -> T:
+    """What every stage task body does around its stage function: body(cfg, iteration, *args) under the stage's lease
+    (`lease`, else the stage's name: on a warm worker, the flow finds it if the process dies), within its deadline,
+    on the process's compute thread (warm workers; in-process it runs right here, one frame below the task)."""
     cfg = as_config(config)
-    with stage_lease(layout_for(cfg), iteration, "rollout"):  # on a warm worker: found if it dies
-        return compute_thread.run(bounded(cfg, iteration, "rollout", rollout_stage.run_rollout), cfg, iteration, policy)
+    with stage_lease(layout_for(cfg), iteration, lease or stage):
+        if not compute_thread.runs_here():
+            return compute_thread.run(bounded(cfg, iteration, stage, body), cfg, iteration, *args)
+        with deadline(cfg, iteration, stage):
+            return body(cfg, iteration, *args)
+
+
+def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManifest:
+    return _in_stage(config, iteration, "rollout", rollout_stage.run_rollout, policy)
 
 
 def _rollout_part(config: Config, iteration: int, policy: PolicyRef, part: int, parts: int) -> RolloutPartManifest:
-    cfg = as_config(config)
-    with stage_lease(layout_for(cfg), iteration, part_stage_name(part, parts)):  # each part's worker is found
-        return compute_thread.run(
-            bounded(cfg, iteration, "rollout", rollout_parts.run_rollout_part), cfg, iteration, policy, part, parts
-        )
+    lease = part_stage_name(part, parts)  # each part's worker is found
+    return _in_stage(config, iteration, "rollout", rollout_parts.run_rollout_part, policy, part, parts, lease=lease)
 
 
 def _rollout_merge(config: Config, iteration: int, parts: list[RolloutPartManifest]) -> RolloutManifest:
@@ -75,31 +83,19 @@ def part_stage_name(part: int, parts: int) -> str:
 
 
 def _score(config: Config, iteration: int, rollout: RolloutManifest) -> ScoreManifest:
-    cfg = as_config(config)
-    with stage_lease(layout_for(cfg), iteration, "score"):  # on a warm worker: found if it dies
-        return compute_thread.run(bounded(cfg, iteration, "score", score_stage.run_score), cfg, iteration, rollout)
+    return _in_stage(config, iteration, "score", score_stage.run_score, rollout)
 
 
 def _update(config: Config, iteration: int, policy: PolicyRef, scored: ScoreManifest) -> UpdateManifest:
-    cfg = as_config(config)
-    with stage_lease(layout_for(cfg), iteration, "update"):  # on a warm worker: found if it dies
-        return compute_thread.run(
-            bounded(cfg, iteration, "update", update_stage.run_update), cfg, iteration, policy, scored
-        )
+    return _in_stage(config, iteration, "update", update_stage.run_update, policy, scored)
 
 
 def _checkpoint(config: Config, iteration: int, update: UpdateManifest) -> CheckpointManifest:
-    cfg = as_config(config)
-    with stage_lease(layout_for(cfg), iteration, "checkpoint"):  # on a warm worker: found if it dies
-        return compute_thread.run(
-            bounded(cfg, iteration, "checkpoint", checkpoint_stage.run_checkpoint), cfg, iteration, update
-        )
+    return _in_stage(config, iteration, "checkpoint", checkpoint_stage.run_checkpoint, update)
 
 
 def _eval(config: Config, iteration: int, policy: PolicyRef) -> EvalManifest:
-    cfg = as_config(config)
-    with stage_lease(layout_for(cfg), iteration, "eval"):  # on a warm (rollout) worker: found if it dies
-        return compute_thread.run(bounded(cfg, iteration, "eval", eval_stage.run_eval), cfg, iteration, policy)
+    return _in_stage(config, iteration, "eval", eval_stage.run_eval, policy)  # on a warm rollout worker too
 
 
 STAGE_TASKS = {
