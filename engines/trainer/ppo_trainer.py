@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -70,26 +69,10 @@ from engines.trainer.loss_steps import KL_CLAMP, FirstForward, LossSteps, Metric
 from engines.trainer.mismatch import first_step_mismatch, start_mismatch
 from engines.trainer.rank_rows import agree_shape, gather_rows, pad_to, rank_rows
 from engines.trainer.state import seed_rng
+from engines.trainer.update_metrics import UpdateResult, batch_metrics, ragged, sampler_gap_metric
 from ppoflow.algorithms import get_algorithm
 
 __all__ = ["KL_CLAMP", "PPOTrainer", "UpdateResult"]
-
-
-@dataclass
-class UpdateResult:
-    """metrics: namespaced floats. The lists are per sample, each of its response length (no padding)."""
-
-    metrics: dict[str, float]
-    old_logprobs: list[list[float]]
-    values: list[list[float]]
-    advantages: list[list[float]]
-    returns: list[list[float]]
-
-
-def _ragged(tensor: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
-    """(B, R) values of right-padded rows -> each row's first mask.sum() values (one tolist, not one per row)."""
-    lengths = mask.sum(dim=1).long().tolist()
-    return [row[:n] for row, n in zip(tensor.tolist(), lengths)]
 
 
 class PPOTrainer(LossSteps):
@@ -328,7 +311,43 @@ class PPOTrainer(LossSteps):
         self._check_batch(own_rows, shape.rows)
         pad_id = self.tokenizer.pad_token_id or 0  # as stages.tables.experience_batch pads
         local = pad_to(own_rows, shape.prompt_width, shape.response_width, pad_id)  # the widths one rank pads to
+        old_logprobs, values, first_forward, mismatch = self._old_pass(local)
+        raw, old_logprobs, values = gather_rows(local, old_logprobs, values, world)  # the whole batch from here
+        batch, shaping_metrics = self._shaped(raw)
+        mask = batch.trained_mask  # KL, advantages and metrics over the policy's own tokens (all, single-turn)
+        kl = kl_penalty(old_logprobs, batch.ref_logprobs, self.cfg.algo.kl_estimator, KL_CLAMP)
+        adv = self._advantages(batch, old_logprobs, values, kl)
+        sums = self._epochs(batch, old_logprobs, values, adv, first_forward)
+        kl_mean = float(masked_mean(kl, mask))
+        kl_per_sequence = float(masked_sum(kl, mask, dim=-1).mean())
+        metrics = batch_metrics(raw, old_logprobs, values, adv, kl_mean, float(self.kl_controller.value))
+        if not self._old_from_rollout:  # (with the sampler's log-probs as the old ones there is nothing to measure)
+            metrics.update(sampler_gap_metric(raw, old_logprobs))
+        metrics.update(signal_metrics(batch.scores, batch.group_ids.tolist(), adv.advantages, mask))
+        metrics.update(shaping_metrics)
+        metrics["kl/sequence_mean"] = kl_per_sequence
+        metrics.update(sums.means())
+        metrics.update(mismatch if mismatch is not None else first_step_mismatch(self))
+        # Per sequence, not per token: a target of 6 nats means 6 nats per response, as in the paper (a
+        # per-token mean would be ~length times smaller and drive beta down for as long as the run lasts).
+        self.kl_controller.update(kl_per_sequence, len(batch))
+        self.update_count += 1
+        return UpdateResult(
+            metrics,
+            # every response token's, environment tokens' too (their advantages and returns are 0)
+            ragged(old_logprobs, batch.response_mask),
+            ragged(values, batch.response_mask) if values is not None else [[] for _ in range(len(batch))],
+            ragged(adv.advantages, batch.response_mask),
+            ragged(adv.returns, batch.response_mask),
+        )
+
+    def _old_pass(self, local: ExperienceBatch):
+        """Stage 1 on this rank's padded rows, before any weight moves: (old log-probs [b, R], old values [b, R] or
+        None, [the first epoch's own forward] when it stands in for the pass (a FirstForward in a list, which
+        `_epochs` empties: no reference outlives its step) or [], the sampler-vs-trainer mismatch metrics or None:
+        engines/trainer/mismatch.py)."""
         first = self._first_forward(local) if self._old_from_first_forward(local) else None
+        old_logprobs = None
         if first is not None:
             old_logprobs = first.policy.logprobs.detach().float()
             values = first.values.detach().float() if first.values is not None else None
@@ -336,15 +355,16 @@ class PPOTrainer(LossSteps):
             values = self._old_values(local)  # the old log-probs are the sampler's, taken below
         else:
             old_logprobs, values = self._old_logprobs_and_values(local)
-        # sampler vs trainer before any weight moves (engines/trainer/mismatch.py)
-        mismatch = start_mismatch(self, local, None if self._old_from_rollout else old_logprobs, first)
+        mismatch = start_mismatch(self, local, old_logprobs, first)
         if self._old_from_rollout:  # the sampler's log-probs (0 at padding, as the actor's are masked there)
             old_logprobs = local.rollout_logprobs.float()
-        raw, old_logprobs, values = gather_rows(local, old_logprobs, values, world)  # the whole batch from here
-        batch, shaping_metrics = self._shaped(raw)
-        mask = batch.trained_mask  # KL, advantages and metrics over the policy's own tokens (all, single-turn)
-        kl = kl_penalty(old_logprobs, batch.ref_logprobs, self.cfg.algo.kl_estimator, KL_CLAMP)
-        adv = self._advantages(batch, old_logprobs, values, kl)
+        return old_logprobs, values, [first] if first is not None else [], mismatch
+
+    def _epochs(
+        self, batch: ExperienceBatch, old_logprobs, values, adv, first_forward: list[FirstForward]
+    ) -> MetricSums:
+        """Stage 4: algo.ppo_epochs passes of shuffled optimizer steps over the whole batch; their loss sums."""
+        first = first_forward.pop() if first_forward else None
         sums = MetricSums()
         for epoch in range(self.cfg.train.ppo_epochs):
             if first is not None and epoch == 0:
@@ -358,52 +378,8 @@ class PPOTrainer(LossSteps):
             for start in range(0, len(batch), self.train_batch_size):
                 rows = order[start : start + self.train_batch_size].to(self.device)
                 self._optimizer_step(batch, rows, old_logprobs, values, adv, sums)
-        kl_mean = float(masked_mean(kl, mask))
-        kl_per_sequence = float(masked_sum(kl, mask, dim=-1).mean())
-        metrics = self._batch_metrics(raw, old_logprobs, values, adv, kl_mean)
-        metrics.update(signal_metrics(batch.scores, batch.group_ids.tolist(), adv.advantages, mask))
-        metrics.update(shaping_metrics)
-        metrics["kl/sequence_mean"] = kl_per_sequence
-        metrics.update(sums.means())
-        metrics.update(mismatch if mismatch is not None else first_step_mismatch(self))
-        # Per sequence, not per token: a target of 6 nats means 6 nats per response, as in the paper (a
-        # per-token mean would be ~length times smaller and drive beta down for as long as the run lasts).
-        self.kl_controller.update(kl_per_sequence, len(batch))
-        self.update_count += 1
-        return UpdateResult(
-            metrics,
-            # every response token's, environment tokens' too (their advantages and returns are 0)
-            _ragged(old_logprobs, batch.response_mask),
-            _ragged(values, batch.response_mask) if values is not None else [[] for _ in range(len(batch))],
-            _ragged(adv.advantages, batch.response_mask),
-            _ragged(adv.returns, batch.response_mask),
-        )
+        return sums
 
     def _shuffle_generator(self, epoch: int) -> torch.Generator:
         digest = hashlib.sha256(f"{self.cfg.run.seed}:{self.update_count}:{epoch}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-    def _batch_metrics(self, batch, old_logprobs, values, adv, kl_mean: float) -> dict[str, float]:
-        mask = batch.trained_mask
-        metrics = {
-            "reward/mean": float(batch.scores.mean()),
-            "kl/mean": kl_mean,
-            "kl/coef": float(self.kl_controller.value),
-            "response/length_mean": float(batch.response_mask.sum(dim=1).mean()),
-            "advantages/mean": float(masked_mean(adv.advantages, mask)),
-            "returns/mean": float(masked_mean(adv.returns, mask)),
-        }
-        if len(batch) > 1:  # one sample has no spread (std would be NaN; 0 would be made up)
-            metrics["reward/std"] = float(batch.scores.std())
-        if batch.rollout_logprobs is not None and not self._old_from_rollout:  # (the same tensor: no measurement)
-            # How far the sampler's log-probs are from the trainer's for the same weights (should be ~0).
-            metrics["rollout/logprob_abs_diff"] = float(
-                masked_mean((batch.rollout_logprobs - old_logprobs).abs(), mask)
-            )
-        if batch.policy_mask is not None:  # multi-turn: how much of a conversation the policy wrote
-            metrics["response/policy_tokens_mean"] = float(mask.sum(dim=1).mean())
-        if batch.truncated is not None:
-            metrics["response/truncated_fraction"] = float(batch.truncated.float().mean())
-        if values is not None:
-            metrics["values/mean"] = float(masked_mean(values, mask))
-        return metrics
