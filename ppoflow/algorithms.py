@@ -1,6 +1,6 @@
 """The algorithm registry: one entry per `algo.name`, read by the config, the advantages and the trainer.
 
-Torch-free and in the config's package on purpose: ppoflow/config.py validates `algo.name` and `algo.loss_agg`
+Torch-free and in the config's package on purpose: ppoflow/config/ validates `algo.name` and `algo.loss_agg`
 against these tables before any work starts, and the config imports nothing from engines (engines import it).
 
 | name                  | advantage estimator                          | critic | groups | default loss_agg        |

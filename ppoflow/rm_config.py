@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RMTrainConfig(BaseModel):
-    # Unknown keys are errors, as in every other section (ppoflow/config.py's _Section).
+    # Unknown keys are errors, as in every other section (ppoflow/config/base.py's _Section).
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     base_model: Optional[str] = Field(
