@@ -3,7 +3,7 @@
     torchrun --nproc-per-node=2 --no-python ppoflow worker --stage update --stage checkpoint
 
 starts two processes, each given RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and the rendezvous
-store by torchrun. `ppoflow worker` (flows/workers.py) sees that torchrun launched it (`launched()`), joins the
+store by torchrun. `ppoflow worker` (runtime/workers.py) sees that torchrun launched it (`launched()`), joins the
 process group (`join()`), and then:
 - rank 0 (`current()`) registers with Prefect as any `ppoflow worker --stage update` does and takes the update and
   checkpoint task runs; its update stage (stages/update_ranks.py) drives the other ranks with `send`;
@@ -20,7 +20,7 @@ all again (--max-restarts); on several nodes the other nodes' agents restart the
 Rank 0's death drops its stage lease (tasks/leases.py), so the flow fails the stage naming the worker; the retried
 flow run goes to the restarted group, whose trainers are built from the committed checkpoint. A command that fails
 on rank 0 (the followers may be inside a collective, their weights past the checkpoint) breaks the group: the
-stage fails with that error, then rank 0 ends its process (flows/workers.py) and torchrun restarts the group.
+stage fails with that error, then rank 0 ends its process (runtime/workers.py) and torchrun restarts the group.
 
 Why every rank must be restarted together: DeepSpeed's ZeRO-3 numbers the parameters and modules it partitions from
 process-wide counters and checks that every rank traces the same numbers. Every rank of a (re)started group is a new
@@ -29,7 +29,7 @@ outlived ranks started again would not.
 
 Who starts the group: the user (one torchrun per node, or Slurm, a Kubernetes PyTorchJob, a work pool's job), or
 `ppoflow train` itself on its own machine when a run asks for several ranks and sends the update to no worker or pool
-(flows/update_group.py).
+(runtime/update_group.py).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class TorchrunGroup:
 
     def failed(self, exc: BaseException) -> BaseException:
         """After `exc` interrupted the group's commands: mark the group broken (rank 0 ends its process once the
-        stage has failed: flows/workers.py) and return the error to raise (the caller chains `exc`): one naming the
+        stage has failed: runtime/workers.py) and return the error to raise (the caller chains `exc`): one naming the
         followers that reported an error of their own; for a communication error (RuntimeError: a collective or
         the store broke, as when a rank dies), one saying what happens next; else `exc`."""
         self.broken = f"{type(exc).__name__}: {exc}"[:500]
