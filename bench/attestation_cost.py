@@ -13,7 +13,8 @@ iterations'). Per iteration it reads:
 - the metrics row: mismatch/logprob_abs_diff_mean, mismatch/logprob_abs_diff_max, mismatch/kl (the gate's figures:
   stages/mismatch_gate.py, measured by the trainer with the weights the rollout sampled with).
 Ends with one JSON line (bench/common.py emit) appended to bench/results/attestation_cost.jsonl (or --results-dir):
-the per-iteration lists, and median and max of each.
+the per-iteration lists, and median and max of each. A run killed past --timeout-s (a loaded machine) still reports
+the iterations it finished (iterations_measured, run_error).
 """
 
 from __future__ import annotations
@@ -71,19 +72,27 @@ def measure(iterations: int, timeout_s: float) -> dict:
     from bench.real_model import RECIPE, run_train
     from ppoflow.config import load_config
     from storage.layout import RunLayout
+    from storage.metrics import read_metrics
     from storage.stage_records import read_stage_record
 
     root = Path(tempfile.mkdtemp(prefix="ppoflow-bench-attest-"))
     sets = [f"run.root={root}", f"run.iterations={iterations}", "eval.before_training=false"]
     sets += ["data.reasoning_gym.eval_size=0"]
+    failed = None
     try:
-        rows, _started, _peak = run_train(root, sets, dict(os.environ), timeout_s)
+        try:
+            run_train(root, sets, dict(os.environ), timeout_s)
+        except RuntimeError as exc:  # killed past --timeout-s, or failed: the iterations it finished still count
+            failed = str(exc).splitlines()[0]
         layout = RunLayout(str(root), load_config(RECIPE, sets).run.name)
+        rows = read_metrics(layout)
         records = {i: read_stage_record(layout, i, "rollout") for i in range(1, iterations + 1)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     entries = per_iteration(rows, {i: r for i, r in records.items() if r is not None})
-    return {"recipe": RECIPE.name, "iterations": iterations, "per_iteration": entries, **summary(entries)}
+    out = {"recipe": RECIPE.name, "iterations": iterations, "iterations_measured": len(entries)}
+    out.update({"run_error": failed} if failed else {})
+    return {**out, "per_iteration": entries, **summary(entries)}
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
