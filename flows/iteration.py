@@ -19,8 +19,9 @@ from prefect import flow
 from flows.failure import StageError
 from flows.records import read_metrics, record_metrics
 from ppoflow.config import as_config
+from runtime.executors import executors_for, run_stage
 from runtime.in_flight import mark_committed, wait_for_previous
-from runtime.stage_runs import run_stage
+from runtime.replay import replayed_rollout
 from stages.evaluate import eval_due
 from stages.manifests import STAGE_MANIFESTS, PolicyRef, StageManifest
 from stages.policy import behaviour_policy_ref, policy_ref
@@ -131,10 +132,13 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
     }
     if eval_due(cfg, iteration):  # the held-out prompts, after the commit, with its policy
         stage_inputs["eval"] = lambda: {"policy": policy_ref(cfg, iteration + 1)}
+    executors = executors_for(cfg)  # where each stage runs (runtime/executors.py)
     for stage, inputs in stage_inputs.items():
         started = time.perf_counter()
         try:
-            manifests[stage] = run_stage(cfg, stage, iteration, **inputs())
+            # a fork replaying its parent's saved rollout samples nothing: the parent's manifest (runtime/replay.py)
+            replayed = replayed_rollout(cfg, iteration) if stage == "rollout" else None
+            manifests[stage] = replayed if replayed is not None else executors[stage].run(stage, iteration, **inputs())
         except Exception as error:  # the flow's state message names the stage and iteration (flows/failure.py)
             raise StageError(stage, iteration, error) from error
         timings[stage] = time.perf_counter() - started

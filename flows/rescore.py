@@ -1,7 +1,7 @@
 """`ppoflow rescore RUN --iteration K --name NEW --set reward...`: the fork of RUN at K-1 that replays K
 (runtime/replay.py), its score stage only, and a line comparing the two rewards.
 
-Its own module, above runtime/stage_runs.py: the rescore runs a stage, while run_stage (runtime/stage_runs.py) asks
+Its own module, above runtime/stage_runs.py: the rescore runs a stage, while run_stage (runtime/executors.py) asks
 runtime/replay.py whether an iteration is replayed; in one module the two would import each other.
 """
 

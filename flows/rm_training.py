@@ -10,7 +10,7 @@ metrics) and, with rm_train.normalize, reward_normalization.json beside the weig
 A new flow run with the same run.name resumes at LATEST + 1; a Retry of a failed run does too, and the
 finished tasks come back from their cache keys (tasks/cache_keys.py). The stages (stages/reward_model.py) hand each
 other typed manifests (RMPlan, RMCheckpointRef, RMUnitManifest, RMExportManifest) and run through
-flows/stages.run_stage, in this process (flows/stages.placement), each recorded as `iter-<unit>/_stages/<stage>.json`
+runtime/executors.run_stage, in this process (runtime/placement.py), each recorded as `iter-<unit>/_stages/<stage>.json`
 (the prepare's as iter-000000).
 """
 
@@ -29,7 +29,7 @@ from flows.records import read_metrics, record_metrics
 from flows.run_names import named_after_run
 from flows.run_root import absolute_root
 from ppoflow.config import PPOFlowConfig, as_config
-from runtime.stage_runs import run_stage
+from runtime.executors import run_stage
 from stages.manifests import RMExportManifest, RMPlan
 from stages.reward_model import start_ref
 from storage.checkpoints import latest_iteration, read_commit_marker

@@ -2,7 +2,9 @@
 (flows/).
 
     placement.py     where a stage runs (in-process, warm worker, update group, pool, replay, parts): decided once
-    stage_runs.py    run_stage: runs a stage there and returns its manifest
+    executors.py     one Executor per stage, chosen once per run (InProcess, WarmWorkers, UpdateGroup,
+                     PoolDeployments); run_stage for a stage run on its own
+    stage_runs.py    what each executor does: the task here, on a warm worker, on the group, on a pool
     workers.py       `ppoflow worker`: a warm process that serves stage tasks and keeps its engines
     update_group.py  the torchrun group of update ranks a training run starts for itself
     pool_pickup.py   waiting for a stage's flow run on a work pool (no worker: fail, not wait for ever)

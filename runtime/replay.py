@@ -11,8 +11,9 @@ policy, not the fork's: off-policy, so replaying them needs algo.tis_cap (import
 log-probs the rows carry).
 
 How each stage of a replayed iteration runs:
-- rollout: no task, no engine; `replayed_rollout` answers run_stage (runtime/stage_runs.py) with RUN's rollout manifest
-  of that iteration (its content hash, rows, the parent's folder as its uri), recorded as the fork's
+- rollout: no task, no engine; `replayed_rollout` answers ppo_iteration (flows/iteration.py) and run_stage
+  (runtime/executors.py) with RUN's rollout manifest of that iteration (its content hash, rows, the parent's folder
+  as its uri), recorded as the fork's
   `_stages/rollout.json`, with `rollout/replayed: 1` in its metrics. The fork's iteration folder holds no rollout/.
 - score: reads RUN's rollout shards in place (the hand-off it is given names them: stages/handed.py) after
   checking their content hash, and computes only the reward sources the fork changed; the unchanged sources'

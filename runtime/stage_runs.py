@@ -21,8 +21,8 @@ manifest the stage wrote to storage. The stage flow calls the same task, so cach
 the same; only the process (and machine) differs.
 
 `placement` (runtime/placement.py) is the one place that makes this choice (and the replay of a fork's rollout);
-`run_stage` dispatches on it. The reward-model stages (tasks/rm_train.py) run through the same `run_stage`, always
-in-process.
+runtime/executors.py turns it into one Executor per stage, and `run_stage` there dispatches on it. The reward-model
+stages (tasks/rm_train.py) run through the same `run_stage`, always in-process.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from ppoflow.config import PPOFlowConfig
 from runtime.in_flight import earlier_failure
 from runtime.placement import WORKER_STAGE, placement
 from runtime.pool_pickup import PoolUnserved, stage_run_error, wait_for_pool_run
-from runtime.replay import replayed_rollout
 from runtime.update_group import running
 from stages.manifests import (
     STAGE_MANIFESTS,
@@ -242,39 +241,29 @@ def _worker_stage_name(stage: str, name: str) -> str:
     return worker_stage if name == worker_stage else f"{worker_stage} ({name})"
 
 
-def run_rollout_in_parts(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) -> RolloutManifest:
-    """pipeline.rollout_parts = N > 1: N rollout-part task runs, then the rollout-merge task (in this process: no
-    engine) that records the iteration's one RolloutManifest (stages/rollout_parts.py).
-
-    On warm workers every part is submitted before any is awaited, so the workers serving rollout sample the parts
-    side by side (each takes one task run at a time). In-process the parts run one after another: they share this
-    process's one rollout engine, so threads would only queue on its stage lock."""
-    stage, parts = "rollout", cfg.pipeline.rollout_parts  # `stage`: what a failure names (flows/failure.py)
+def _parts(cfg: PPOFlowConfig, policy: PolicyRef) -> tuple[list[str], list[dict]]:
+    """pipeline.rollout_parts = N > 1: each part's name (its stage record and lease) and task inputs."""
+    parts = cfg.pipeline.rollout_parts
     names = [part_stage_name(part, parts) for part in range(parts)]
-    inputs = [{"policy": policy, "part": part, "parts": parts} for part in range(parts)]
-    if placement(cfg, "rollout-part", iteration) == "worker":
-        futures = [submit_to_worker(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
-        manifests = [wait_for_worker(cfg, f, "rollout-part", iteration, n) for f, n in zip(futures, names)]
-    else:
-        manifests = [run_stage_in_process(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
-    return run_stage_in_process(cfg, "rollout-merge", iteration, stage, parts=manifests)
+    return names, [{"policy": policy, "part": part, "parts": parts} for part in range(parts)]
 
 
-def run_stage(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> HandOff:
-    """Run `stage` of `iteration` where `placement` says, with its input hand-offs -> its manifest (recorded as
-    `_stages/<stage>.json`). Raises the stage's error, or StageFailed from a pool or a warm worker."""
-    where = placement(cfg, stage, iteration)
-    if where == "replay":  # a fork replaying its parent's saved rollout: nothing is sampled (runtime/replay.py)
-        return replayed_rollout(cfg, iteration)
-    if where == "pool":
-        return run_stage_on_pool(cfg, stage, cfg.pipeline.stage_pools[stage], iteration, **inputs)
-    if where == "parts":
-        return run_rollout_in_parts(cfg, iteration, **inputs)
-    if where == "worker":
-        return run_stage_on_worker(cfg, stage, iteration, **inputs)
-    if where == "group":
-        return run_stage_on_group(cfg, stage, iteration, **inputs)
-    return run_stage_in_process(cfg, stage, iteration, **inputs)
+def run_parts_in_process(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) -> RolloutManifest:
+    """The rollout as N rollout-part task runs here, one after another (they share this process's one rollout engine,
+    so threads would only queue on its stage lock), then the rollout-merge task (no engine) that records the
+    iteration's one RolloutManifest (stages/rollout_parts.py)."""
+    names, inputs = _parts(cfg, policy)
+    manifests = [run_stage_in_process(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
+    return run_stage_in_process(cfg, "rollout-merge", iteration, "rollout", parts=manifests)
+
+
+def run_parts_on_workers(cfg: PPOFlowConfig, iteration: int, policy: PolicyRef) -> RolloutManifest:
+    """The rollout as N rollout-part task runs on the warm workers serving rollout, every part submitted before any
+    is awaited (each worker takes one task run at a time: they sample side by side), then the merge here."""
+    names, inputs = _parts(cfg, policy)
+    futures = [submit_to_worker(cfg, "rollout-part", iteration, n, **i) for n, i in zip(names, inputs)]
+    manifests = [wait_for_worker(cfg, f, "rollout-part", iteration, n) for f, n in zip(futures, names)]
+    return run_stage_in_process(cfg, "rollout-merge", iteration, "rollout", parts=manifests)
 
 
 def run_stage_on_group(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:

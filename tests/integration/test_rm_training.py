@@ -155,7 +155,7 @@ def test_a_finished_unit_comes_back_from_its_cache(prefect_api, tmp_path, tiny_m
     unit 1 again would not even be possible: its checkpoint is committed and is never overwritten."""
     from engines.toy.preferences import build_preferences
     from ppoflow.config import load_config
-    from runtime.stage_runs import run_stage
+    from runtime.executors import run_stage
     from stages.reward_model import start_ref
     from storage.layout import layout_for
     from storage.stage_records import read_stage_record

@@ -7,7 +7,7 @@ between (the task engine) are counted apart, and the test's wrapper is not count
 
 Hand count of the in-process path, the one a reader follows with a call-graph tool:
     flows/iteration.py        ppo_iteration
-    runtime/stage_runs.py     run_stage
+    runtime/executors.py      InProcess.run       (the stage's executor, chosen once per run)
     runtime/stage_runs.py     run_stage_in_process
     tasks/stage_tasks.py      _<stage>            (the task's body, entered from Prefect's task engine)
     tasks/stage_tasks.py      _in_stage           (lease, deadline, compute thread)
@@ -107,7 +107,7 @@ def test_each_stage_function_is_at_most_six_frames_below_ppo_iteration(
         task_body = "_eval" if stage == "eval" else f"_{stage}"
         assert chain == [
             "flows/iteration.py:ppo_iteration",
-            "runtime/stage_runs.py:run_stage",
+            "runtime/executors.py:run",
             "runtime/stage_runs.py:run_stage_in_process",
             f"tasks/stage_tasks.py:{task_body}",
             "tasks/stage_tasks.py:_in_stage",
