@@ -28,6 +28,7 @@ from engines import warm
 from engines.data import PromptSource
 from engines.rollout.base import RolloutEngine, SamplingSettings, prompt_sampling_seed
 from engines.rollout.registry import get_rollout_engine, serve_in_memory
+from stages.attest import expected_record
 from stages.curriculum_state import iteration_level, tag_level
 from stages.dynamic import sample_dynamic, stage_rewards
 from stages.engine_replacement import with_live_engine
@@ -106,7 +107,11 @@ def build_initial_engine(cfg) -> None:
     the stage bodies later (torch's OpenMP team is per thread: engines/compute_thread.py). A build that fails is
     logged (to the run's log file) and left to the stage, which builds again and fails the run with its error."""
     try:
-        rollout_engine_for(cfg, initial_policy_ref(cfg))  # the stage's own call, for the policy it starts from
+        policy = initial_policy_ref(cfg)
+        rollout_engine_for(cfg, policy)  # the stage's own call, for the policy it starts from
+        # and the initial folder's digest, which the stage's attestation would otherwise compute on its clock (kept
+        # per weights_id: stages/attest.py)
+        expected_record(cfg, policy)
     except Exception as e:  # noqa: BLE001 - the rollout stage builds it again and raises there
         log.warning("the rollout engine built before the flow failed (the rollout stage builds it again): %s", e)
 
