@@ -22,7 +22,10 @@ def test_only_the_rotary_reload_warning_is_dropped():
 
 
 def test_the_logging_config_handed_to_vllm_keeps_its_handlers_and_adds_the_filter(tmp_path, monkeypatch):
-    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    # setenv, not delenv: monkeypatch then restores the variable as it was before the test (unset), not the path
+    # install_vllm_log_filter wrote, which points into this test's tmp_path, gone once it passes (a later vLLM engine
+    # in the same test process would fail to start on it).
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "")
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     install_vllm_log_filter(str(tmp_path))
     import os
