@@ -105,7 +105,13 @@ print("health", httpx.get(SubprocessASGIServer().api_url + "/health").status_cod
 
 def test_the_temporary_server_starts_during_the_block_and_answers_after_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "prefect"))
+    # the start-up allowance every ppoflow entry point gives the temporary server (flows/logs.prepare_flow_process):
+    # Prefect's own 30 s is not enough on a busy 2-core machine
+    env.update(
+        PYTHONPATH=str(REPO),
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+    )
     result = subprocess.run(
         [sys.executable, "-c", SERVER_SCRIPT], env=env, capture_output=True, text=True, timeout=180, cwd=REPO
     )

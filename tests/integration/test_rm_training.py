@@ -56,7 +56,9 @@ def _config(tmp_path: Path, run: str, model_dir: Path, data_path: Path) -> Path:
 
 def _start(config: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # a console wide enough for the model's path on one line: rich folds a long line inside a word (the tmp path is
+    # longer under pytest-xdist: .../popen-gw1/...)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), COLUMNS="400")
     return subprocess.Popen(
         [sys.executable, "-m", "cli", "train-rm", str(config)],
         cwd=REPO,
@@ -113,7 +115,7 @@ def test_a_killed_rm_run_resumes_to_the_uninterrupted_result(prefect_api, tmp_pa
     rows, clean_rows = read_metrics(killed_layout), read_metrics(clean_layout)
     last = clean_rows[-1]  # the terminal's last lines: where the model is and how it did on the eval pairs
     held_out = f"(eval accuracy {last['rm/eval_accuracy']:.3f} on {last['rm/eval_pairs']} pairs"
-    words = " ".join(clean_output.split())  # rich folds long lines at the console width
+    words = " ".join(clean_output.split())
     assert f"reward model: {clean_layout.run_dir}/reward_model {held_out}" in words, clean_output[-2000:]
     assert [r["iteration"] for r in rows] == [1, 2] and [r["rm/step"] for r in rows] == [5, 8]
     # a kill between unit 1's commit and its metrics line is repaired from the commit marker
