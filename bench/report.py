@@ -161,6 +161,13 @@ HEADLINES = [
     ("pools", "warm workers / in-process s per iteration (batch)", "<= 1.15", "ratio", {}),
     ("async", "max_staleness 1 / 0 iterations per second (warm)", ">= 1.5", "warm_k1_speedup", {}),
     (
+        "attestation_cost",
+        "attestation / rollout stage seconds, worst iteration (SmolLM2)",
+        "<= 0.02",
+        "attest_share_max",
+        {},
+    ),
+    (
         "learning",
         "seconds to mean reward 0.9 (toy GRPO)",
         "<= 600",
