@@ -48,7 +48,7 @@ from stages.manifests import (
 )
 from storage.layout import layout_for
 from storage.stage_records import read_stage_record, write_stage_record
-from tasks.leases import clear_lease, lease_holder_dead, read_lease, serving_workers
+from tasks.leases import STALE_S, clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
 from tasks.rm_train import RM_STAGE_TASKS
 from tasks.stage_tasks import STAGE_TASKS, part_stage_name
@@ -177,15 +177,29 @@ class _WorkerWatch:
         self.restart = _restart_advice(cfg, stage, iteration)
         self.task_key = STAGE_TASKS[stage].task_key
         self.unserved_since: Optional[float] = None
+        self.released_since: Optional[float] = None  # since when the run is Running with no lease
 
     def check(self, state: State) -> None:
         lease = read_lease(self.layout, self.iteration, self.name)
         if why := lease_holder_dead(lease):
             self._end(Crashed, f"{self.what} was running on a warm worker that died: {why}. {self.restart}")
         if lease is not None:
-            self.unserved_since = None
+            self.unserved_since, self.released_since = None, None
             return  # its worker lives and runs it
         taken = not (state.is_scheduled() or state.is_pending())
+        if taken:
+            # Running in Prefect's view, and no lease: a worker's body holds one from its first moment to its last
+            # (tasks/leases.py), so past STALE_S the body has ended and its process ended before its final state reached
+            # the server (seen when torchrun stops a rank right after its stage failed). Another worker serving the
+            # stage is no sign of this run's progress.
+            now = time.monotonic()
+            self.released_since = self.released_since or now
+            if now - self.released_since > STALE_S:
+                self._end(
+                    Crashed,
+                    f"{self.what} ran on a warm worker that released it without its final state reaching the Prefect "
+                    f"server within {STALE_S:.0f} s (the worker process ended right after the stage). {self.restart}",
+                )
         if not taken and (why := earlier_failure(self.cfg, self.iteration)):
             self._end(Cancelled, f"{self.what} was not run: {why}")
         unserved_s = self._unserved_for()

@@ -78,11 +78,14 @@ def test_a_rank_killed_on_another_node_restarts_the_group_and_the_retry_resumes_
         assert state.is_failed(), state
         print(f"the killed run ended: {state.message}")
         # Whichever comes first: rank 0's collective breaks (the stage fails with the group's error), or torchrun
-        # stops rank 0 (its lease names the dead worker).
+        # stops rank 0 (its lease names the dead worker), or torchrun stops rank 0 after its body failed and before
+        # its Failed state reached the server (the run stays Running with no lease: runtime/stage_runs._WorkerWatch).
         assert "update stage of iteration 2 failed" in state.message, state.message
         assert (
-            "the torchrun update group of 2 ranks failed" in state.message and "torchrun restarts" in state.message
-        ) or f"worker {leader} is gone" in state.message, state.message
+            ("the torchrun update group of 2 ranks failed" in state.message and "torchrun restarts" in state.message)
+            or f"worker {leader} is gone" in state.message
+            or "without its final state reaching the Prefect server" in state.message
+        ), state.message
         assert [r["iteration"] for r in read_metrics(layout_for(killed))] == [1]
 
         (restarted,) = serving_update(other_than=leader, logs=logs)  # rank 0 of the restarted group
