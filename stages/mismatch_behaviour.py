@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import torch
 
 from engines.ppo.mismatch import MismatchSums, mismatch_metrics, mismatch_sums
-from engines.scoring.reference import ReferenceModel
+from engines.scoring.scorer import build_reference
 from stages.policy import local_policy_dir, policy_ref
 
 log = logging.getLogger("ppoflow.update")
@@ -55,15 +55,7 @@ def _version_sums(cfg, version: int, rows: pa.Table) -> MismatchSums:
             f"mismatch gate: {rows.num_rows} rows were sampled by policy version {version}, whose checkpoint is "
             f"needed to measure them against it: {exc}"
         ) from exc
-    model = ReferenceModel(
-        local_policy_dir(cfg, behaviour),
-        cfg.model.dtype,
-        cfg.rollout.temperature,
-        cfg.train.micro_batch_size,
-        cfg.model.attn_implementation,
-        chunk_size=cfg.train.logprob_chunk,
-        autocast_dtype=cfg.model.autocast_dtype,
-    )
+    model = build_reference(cfg, local_policy_dir(cfg, behaviour))  # the trainer's forward on that checkpoint
     trainer = model.logprobs(rows.column("prompt_ids").to_pylist(), rows.column("response_ids").to_pylist())
     sampler = rows.column("rollout_logprobs").to_pylist()
     owners = rows.column("token_owner").to_pylist() if "token_owner" in rows.column_names else [None] * len(sampler)

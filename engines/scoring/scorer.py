@@ -100,12 +100,13 @@ def build_reward_sources(cfg) -> list[RewardSource]:
     return sources
 
 
-def build_reference(cfg):
-    """The frozen reference (the initial policy, cfg.model.policy_path) at the sampling temperature."""
+def build_reference(cfg, policy_dir: str | None = None):
+    """A frozen policy scored at the sampling temperature, with the trainer's precision and chunking: the reference
+    (the initial policy, cfg.model.policy_path) unless `policy_dir` names another (a behaviour checkpoint)."""
     from engines.scoring.reference import ReferenceModel
 
     return ReferenceModel(
-        cfg.model.policy_path,
+        policy_dir or cfg.model.policy_path,
         cfg.model.dtype,
         cfg.rollout.temperature,
         cfg.train.micro_batch_size,
