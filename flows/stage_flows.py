@@ -1,9 +1,9 @@
 """The stage flows: one Prefect flow per stage, the entrypoints of the per-iteration stage deployments of prefect.yaml
 (`ppo-rollout`, `ppo-eval`, `ppo-score`, `ppo-update`, `ppo-checkpoint`, each on its own work pool).
 
-A training run with `pipeline.stage_pools` starts one of these per stage and iteration (runtime/stage_runs.py
-`run_stage_on_pool`); each runs the stage's task in its own process (`run_stage_in_process`), so caching and retries
-behave as in-process; only the process (and machine) differs.
+A training run with `pipeline.stage_pools` starts one of these per stage and iteration (`PoolDeployments`,
+runtime/pool_deployments.py); each runs the stage's task in its own process (`run_stage_in_process`), so caching and
+retries behave as in-process; only the process (and machine) differs.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
     placement.py     where a stage runs (in-process, warm worker, update group, pool, replay, parts): decided once
     executors.py     one Executor per stage, chosen once per run (InProcess, WarmWorkers, UpdateGroup,
                      PoolDeployments); run_stage for a stage run on its own
-    stage_runs.py    what each executor does: the task here, on a warm worker, on the group, on a pool
+    stage_runs.py    what each executor does: the task here, on a warm worker, on the group
+    pool_deployments.py  PoolDeployments: a stage as a flow run of its deployment on a work pool, and its pickup
     workers.py       `ppoflow worker`: a warm process that serves stage tasks and keeps its engines
     update_group.py  the torchrun group of update ranks a training run starts for itself
-    pool_pickup.py   waiting for a stage's flow run on a work pool (no worker: fail, not wait for ever)
     in_flight.py     the iterations in flight in this process, and how a later one learns an earlier one failed
     replay.py        a fork's replayed rollout, answered from its parent's records
     stale_runs.py    one process trains a run at a time; Prefect learns that a run's process died

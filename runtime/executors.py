@@ -7,7 +7,8 @@
                      that dies, or none that takes it, fails the stage by name (runtime/stage_runs._WorkerWatch)
     UpdateGroup      WarmWorkers on the torchrun group this flow started (train.num_ranks > 1); a failed attempt is
                      resubmitted once the group serves again (runtime/stage_runs.run_stage_on_group)
-    PoolDeployments  a flow run of the stage's deployment on its work pool (pipeline.stage_pools)
+    PoolDeployments  a flow run of the stage's deployment on its work pool (pipeline.stage_pools); in its own file,
+                     runtime/pool_deployments.py
 
 Which one serves a stage is `placement` (runtime/placement.py), read once per run here. A rollout with
 pipeline.rollout_parts > 1 fans its parts out inside its executor: InProcess samples them one after another (they
@@ -23,14 +24,15 @@ from typing import Protocol
 
 from ppoflow.config import PIPELINE_STAGES, PPOFlowConfig
 from runtime.placement import placement
+from runtime.pool_deployments import PoolDeployments
 from runtime.replay import replayed_rollout
 from runtime.stage_runs import (
     run_parts_in_process,
     run_parts_on_workers,
     run_stage_in_process,
     run_stage_on_group,
-    run_stage_on_pool,
-    run_stage_on_worker,
+    submit_to_worker,
+    wait_for_worker,
 )
 from stages.manifests import HandOff, StageManifest
 
@@ -60,7 +62,10 @@ class WarmWorkers:
     def run(self, stage: str, iteration: int, **handoffs: HandOff) -> StageManifest:
         if stage == "rollout" and self.cfg.pipeline.rollout_parts > 1:
             return run_parts_on_workers(self.cfg, iteration, **handoffs)
-        return run_stage_on_worker(self.cfg, stage, iteration, **handoffs)
+        # Submitted here and awaited here: a reader goes from this line to the task's body (tasks/stage_tasks.py),
+        # which a worker process runs; wait_for_worker ends in StageFailed when that worker dies (_WorkerWatch).
+        future = submit_to_worker(self.cfg, stage, iteration, stage, **handoffs)
+        return wait_for_worker(self.cfg, future, stage, iteration, stage)
 
 
 @dataclass(frozen=True)
@@ -69,14 +74,6 @@ class UpdateGroup:
 
     def run(self, stage: str, iteration: int, **handoffs: HandOff) -> StageManifest:
         return run_stage_on_group(self.cfg, stage, iteration, **handoffs)
-
-
-@dataclass(frozen=True)
-class PoolDeployments:
-    cfg: PPOFlowConfig
-
-    def run(self, stage: str, iteration: int, **handoffs: HandOff) -> StageManifest:
-        return run_stage_on_pool(self.cfg, stage, self.cfg.pipeline.stage_pools[stage], iteration, **handoffs)
 
 
 def executor_for(cfg: PPOFlowConfig, stage: str) -> Executor:

@@ -1,5 +1,4 @@
-"""How ppo_iteration runs one stage: as a task in-process, on a warm task worker, or as a flow run of a stage
-deployment on its pool.
+"""How ppo_iteration runs one stage: as a task in-process, on a warm task worker, or on the run's update group.
 
 In-process (the default): the stage task runs inside the iteration's flow run, with retries, the stage
 cache key and results persisted under the run's storage.
@@ -15,10 +14,7 @@ On the run's own update group (`train.num_ranks: N` > 1, update on no worker or 
 torchrun group of N ranks as a warm update worker on this machine (runtime/update_group.py); the update and checkpoint
 tasks go to it as to any warm worker, each retried (pipeline.retries) once the group serves again.
 
-On a pool (`pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}`): `run_deployment` starts the
-stage's flow (flows/stage_flows.py) on that deployment's work pool, waits for it, checks its final state, and reads the
-manifest the stage wrote to storage. The stage flow calls the same task, so caching and retries behave
-the same; only the process (and machine) differs.
+On a pool (`pipeline.stage_pools`): runtime/pool_deployments.py.
 
 `placement` (runtime/placement.py) is the one place that makes this choice (and the replay of a fork's rollout);
 runtime/executors.py turns it into one Executor per stage, and `run_stage` there dispatches on it. The reward-model
@@ -37,17 +33,15 @@ from prefect.states import Cancelled, Crashed
 from ppoflow.config import PPOFlowConfig
 from runtime.in_flight import earlier_failure
 from runtime.placement import WORKER_STAGE, placement
-from runtime.pool_pickup import PoolUnserved, stage_run_error, wait_for_pool_run
 from runtime.update_group import running
 from stages.manifests import (
-    STAGE_MANIFESTS,
     HandOff,
     PolicyRef,
     RolloutManifest,
     StageManifest,
 )
 from storage.layout import layout_for
-from storage.stage_records import read_stage_record, write_stage_record
+from storage.stage_records import write_stage_record
 from tasks.leases import STALE_S, clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
 from tasks.rm_train import RM_STAGE_TASKS
@@ -84,52 +78,13 @@ def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, record:
     return manifest
 
 
-def run_stage_on_pool(
-    cfg: PPOFlowConfig, stage: str, deployment: str, iteration: int, **inputs: HandOff
-) -> StageManifest:
-    from prefect.deployments import run_deployment
-
-    params = {
-        "config": cfg.model_dump(mode="json"),
-        "iteration": iteration,
-        **{name: value.model_dump(mode="json") for name, value in inputs.items()},
-    }
-    child = run_deployment(name=deployment, parameters=params, timeout=0, flow_run_name=f"{stage}-iter-{iteration}")
-    what = f"stage {stage} of iteration {iteration}"
-    try:
-        child = wait_for_pool_run(child, what, deployment, cfg.pipeline.deadlines.pickup_s)
-    except PoolUnserved as unserved:
-        raise StageFailed(str(unserved)) from None
-    if child.state is None or not child.state.is_completed():
-        state = child.state.type.value if child.state else "unknown"
-        own, where = stage_run_error(child.state), f"flow run {child.name} ({child.id}) on deployment {deployment!r}"
-        raise StageFailed(
-            f"stage {stage} of iteration {iteration} ran as {where} and ended {state}" + (f": {own}" if own else ""),
-            stage_error=own,
-            where=where,
-        )
-    record = read_stage_record(layout_for(cfg), iteration, stage)
-    if record is None:
-        raise StageFailed(
-            f"stage {stage} of iteration {iteration} completed on {deployment!r} "
-            f"but wrote no stage record under the run's storage"
-        )
-    return STAGE_MANIFESTS[stage].model_validate(record)
-
-
-def run_stage_on_worker(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs: HandOff) -> StageManifest:
-    """Submit the stage task to the warm workers serving it and wait for its manifest (raises its error).
-
-    The submitting side's serializer only stores the submission (parameters and Prefect's run context, which
-    JSON cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON. A wait ends in
-    StageFailed, instead of lasting for good, when a worker dies under it or no worker will take it (_WorkerWatch)."""
-    return wait_for_worker(cfg, submit_to_worker(cfg, stage, iteration, stage, **inputs), stage, iteration, stage)
-
-
 def submit_to_worker(cfg: PPOFlowConfig, stage: str, iteration: int, name: str, **inputs) -> PrefectFuture:
-    """Submit STAGE_TASKS[stage] to the warm workers serving it, after clearing the lease `name` (the stage, or a
-    rollout part's name) that a previous attempt's worker left; returns its future (see run_stage_on_worker).
-    StageFailed, with nothing submitted, when an earlier in-flight iteration of the run has failed."""
+    """Submit STAGE_TASKS[stage] with `.delay()` to the warm workers serving it, after clearing the lease `name` (the
+    stage, or a rollout part's name) that a previous attempt's worker left; returns its future, for wait_for_worker.
+
+    The submitting side's serializer only stores the submission (parameters and Prefect's run context, which JSON
+    cannot hold) in Prefect's task scheduling storage; the worker persists the result as JSON. StageFailed, with
+    nothing submitted, when an earlier in-flight iteration of the run has failed."""
     if why := earlier_failure(cfg, iteration):
         raise StageFailed(f"stage {_worker_stage_name(stage, name)} of iteration {iteration} was not run: {why}")
     clear_lease(layout_for(cfg), iteration, name)
@@ -298,7 +253,8 @@ def run_stage_on_group(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs:
     while True:
         group.wait_ready()
         try:
-            return run_stage_on_worker(cfg, stage, iteration, **inputs)
+            future = submit_to_worker(cfg, stage, iteration, stage, **inputs)
+            return wait_for_worker(cfg, future, stage, iteration, stage)
         except Exception as exc:  # noqa: BLE001 - any stage failure is retried, as Prefect retries an in-process task
             if attempt == cfg.pipeline.retries:
                 raise

@@ -100,7 +100,8 @@ def test_a_stage_that_fails_on_its_pool_gives_its_own_error_to_the_training_run(
     # Issue 56: the training run's state said only "StageFailed: ... checkpoint-iter-1 ... ended FAILED"; the
     # stage's own error (here the checkpoint stage's CheckpointError: nothing was staged) was one click away.
     from flows.failure import StageError
-    from runtime.stage_runs import StageFailed, run_stage_on_pool
+    from runtime.pool_deployments import PoolDeployments
+    from runtime.stage_runs import StageFailed
     from stages.manifests import UpdateManifest
 
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
@@ -131,7 +132,7 @@ def test_a_stage_that_fails_on_its_pool_gives_its_own_error_to_the_training_run(
     )
     try:
         with pytest.raises(StageFailed) as failed:
-            run_stage_on_pool(cfg, "checkpoint", "ppo-checkpoint/ppo-checkpoint", 1, update=update)
+            PoolDeployments(cfg).run_on("ppo-checkpoint/ppo-checkpoint", "checkpoint", 1, update=update)
     finally:
         stop_workers([worker])
     assert failed.value.stage_error and failed.value.stage_error.startswith("CheckpointError: "), failed.value

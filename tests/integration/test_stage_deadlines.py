@@ -1,4 +1,4 @@
-"""Stage deadlines on the real CLI and a real Prefect server (tasks/deadlines.py, runtime/pool_pickup.py).
+"""Stage deadlines on the real CLI and a real Prefect server (tasks/deadlines.py, runtime/pool_deployments.py).
 
 - A stage stuck in Python (tests/fixtures/hang_cli.py, `python`) is interrupted at its deadline, fails by name,
   and Prefect's retry reruns it: the run completes, its metrics rows equal an uninterrupted run's.

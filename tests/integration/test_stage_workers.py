@@ -6,6 +6,11 @@ What must hold, from the design rather than from the code's output:
   its first iteration of a run (the engines stay warm; the rollout engine and the scorer also across runs);
 - with k = 1 the staleness of iteration i is min(1, i-1) (the fixed schedule);
 - the k = 0 run's rows equal an in-process run's (the computation does not depend on where it runs);
+- a reader follows ppo_iteration into each stage function on a warm worker in 8 of ppoflow's frames (6 in-process,
+  tests/integration/test_stage_frames.py): 3 in the flow's process to the submission (ppo_iteration,
+  WarmWorkers.run, submit_to_worker), 5 in the worker's from the task's body (_<stage>, _in_stage, the hand-off to
+  the worker's one compute thread, the deadline's wrapper on that thread, run_<stage>); recorded by
+  tests/fixtures/stack_cli.py and held here so that it does not grow (issue 51 asks for 6: not met on workers);
 - a run with train.num_ranks=2 sent to the plain update worker fails naming the torchrun command to start instead;
 - killing the update worker with SIGKILL in the middle of iteration 3's update (k = 1) fails the flow run
   with a message naming the dead worker, instead of waiting for it forever; after the worker is started
@@ -33,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKERS = {"rollout": ["rollout"], "score": ["score"], "train": ["update", "checkpoint"]}
 ALL_STAGES = ["rollout", "score", "update", "checkpoint"]
 ITERATIONS = 6
+WORKER_FRAMES = 8  # ppo_iteration to a stage function on a warm worker (the docstring lists them)
 _DISTRIBUTED_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
@@ -40,9 +46,16 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
 
 
-def _start_worker(tmp_path: Path, name: str, stages: list[str], kill: str | None = None) -> subprocess.Popen:
-    """`ppoflow worker --stage ...`; with `kill` (a tests/fixtures/kill_cli spec) it SIGKILLs itself then."""
-    entry = ["cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
+def _start_worker(
+    tmp_path: Path, name: str, stages: list[str], kill: str | None = None, stacks: Path | None = None
+) -> subprocess.Popen:
+    """`ppoflow worker --stage ...`; with `kill` (a tests/fixtures/kill_cli spec) it SIGKILLs itself then; with
+    `stacks`, each stage function call appends its stack there (tests/fixtures/stack_cli.py)."""
+    entry = ["cli"]
+    if kill is not None:
+        entry = ["tests.fixtures.kill_cli", kill]
+    elif stacks is not None:
+        entry = ["tests.fixtures.stack_cli", str(stacks)]
     return subprocess.Popen(
         [sys.executable, "-m", *entry, "worker", *[a for s in stages for a in ("--stage", s)]],
         cwd=REPO,
@@ -77,23 +90,71 @@ def _manifests(layout, stage: str, iterations: int):
     ]
 
 
+def _frames_to_stage_functions(stacks: Path, submitted: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each stage's chain of ppoflow frames: the flow's, to the submission, then the worker's, from the task body."""
+    import json
+    import traceback
+
+    from tests.fixtures.stack_cli import STAGE_FUNCTIONS
+    from tests.integration.test_stage_frames import ppoflow_frames
+
+    chains = {}
+    for line in stacks.read_text().splitlines():
+        entry = json.loads(line)
+        stage, (module, name) = entry["stage"], STAGE_FUNCTIONS[entry["stage"]]
+        stack = [traceback.FrameSummary(file, 0, function) for file, function in entry["stack"]]
+        worker_side = ppoflow_frames(stack, start=f"_{stage}") + [f"{module.replace('.', '/')}.py:{name}"]
+        chains[stage] = submitted[stage] + worker_side
+    return chains
+
+
 def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
-    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
+    prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
 ):
+    import traceback
+
+    import runtime.executors
     from engines import warm
     from flows.records import read_metrics
     from flows.training import ppo_training
     from stages.manifests import EvalManifest
     from storage.layout import layout_for
     from storage.stage_records import read_stage_record
+    from tests.integration.test_stage_frames import ppoflow_frames
 
-    workers = {name: _start_worker(tmp_path, name, stages) for name, stages in WORKERS.items()}
+    stacks = tmp_path / "stacks.jsonl"
+    workers = {name: _start_worker(tmp_path, name, stages, stacks=stacks) for name, stages in WORKERS.items()}
     host = socket.gethostname()
+    submitted: dict[str, list[str]] = {}
+    submit = runtime.executors.submit_to_worker
+
+    def spy(cfg, stage, *args, **kwargs):
+        submitted[stage] = ppoflow_frames(traceback.extract_stack()[:-1]) + ["runtime/stage_runs.py:submit_to_worker"]
+        return submit(cfg, stage, *args, **kwargs)
+
     try:
         configs = {}
         for k in (0, 1):
             cfg = configs[k] = _worker_config(tmp_path, f"warm-k{k}", tiny_model_dir, digits_dataset_dir, k)
-            state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
+            with monkeypatch.context() as patched:  # k = 0: the flow's side of each stage's chain of frames
+                if k == 0:
+                    patched.setattr(runtime.executors, "submit_to_worker", spy)
+                state = ppo_training(config=cfg.model_dump(mode="json"), return_state=True)
+            if k == 0:
+                chains = _frames_to_stage_functions(stacks, submitted)
+                assert sorted(chains) == sorted(ALL_STAGES), chains
+                for stage, chain in chains.items():
+                    assert chain == [
+                        "flows/iteration.py:ppo_iteration",
+                        "runtime/executors.py:run",
+                        "runtime/stage_runs.py:submit_to_worker",
+                        f"tasks/stage_tasks.py:_{stage}",
+                        "tasks/stage_tasks.py:_in_stage",
+                        "engines/compute_thread.py:run",
+                        "tasks/deadlines.py:run",
+                        chain[-1],
+                    ], (stage, chain)
+                    assert len(chain) == WORKER_FRAMES, (stage, chain)
             logs = "\n".join((tmp_path / f"{n}.log").read_text()[-3000:] for n in WORKERS)
             assert state.is_completed(), f"{state}\n{logs}"
             layout = layout_for(cfg)

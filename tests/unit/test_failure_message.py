@@ -63,7 +63,7 @@ def test_a_pool_stage_s_own_error_leads_the_training_run_s_message():
     from prefect.states import Crashed, Failed
 
     from flows.failure import StageError
-    from runtime.pool_pickup import stage_run_error
+    from runtime.pool_deployments import stage_run_error
     from runtime.stage_runs import StageFailed
 
     state = Failed(message="Flow run encountered an exception: RewardError: reward function boom.py:reward raised")

@@ -1,6 +1,18 @@
-"""Waiting for a stage's flow run on a work pool, without waiting for ever when no worker is on the pool.
+"""PoolDeployments: the executor that runs a stage as a flow run of its deployment on a work pool, one per stage per
+iteration (pipeline.stage_pools: {rollout: "ppo-rollout/ppo-rollout", ...}).
 
-Prefect's server keeps a flow run of a deployment Scheduled until a worker of its work pool takes it, however
+    PoolDeployments(cfg).run(stage, iteration, **handoffs) -> the stage's manifest
+
+`run_deployment` starts the stage's flow (flows/stage_flows.py) on that deployment's work pool; this process waits for
+it, checks its final state and reads the manifest the stage wrote to storage (its stage record). The stage flow calls
+the same task in its own process (`run_stage_in_process`), so caching and retries behave as in-process; only the
+process (and machine) differs. A fresh process per stage per iteration: it loads its model every iteration
+(bench.pools: tens of seconds per stage on a process pool), which warm workers (runtime/workers.py, started on a
+pool by the `ppo-worker-*` deployments) do not pay. What per-iteration deployments still serve: a stage whose
+machine is held only while it runs (a GPU node of a shared or scale-to-zero pool, released between iterations),
+docs/deploying.md.
+
+Pickup: Prefect's server keeps a flow run of a deployment Scheduled until a worker of its work pool takes it, however
 long that is: a run whose stage pool has no worker (none started, all stopped, the wrong pool name at
 `prefect worker start`) used to wait without a word. A pool is READY while at least one of its workers sends
 heartbeats (Prefect marks a worker OFFLINE after missing them) and NOT_READY otherwise, so the stage fails once
@@ -8,16 +20,24 @@ its flow run has not been taken and the pool has had no live worker for pipeline
 run is cancelled, so that a worker started later does not run it behind the training run's back.
 
 Once a worker has taken the flow run, the stage's own deadline (tasks/deadlines.py) runs in that process. When the
-flow run ends other than Completed, `stage_run_error` reads the stage's own error from its state's message.
+flow run ends other than Completed, StageFailed carries the stage's own error, read from its state's message
+(`stage_run_error`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from prefect.client.schemas.objects import FlowRun, WorkPoolStatus
 from prefect.states import Cancelled
+
+from ppoflow.config import PPOFlowConfig
+from runtime.stage_runs import StageFailed
+from stages.manifests import STAGE_MANIFESTS, HandOff, StageManifest
+from storage.layout import layout_for
+from storage.stage_records import read_stage_record
 
 POLL_S = 2.0
 
@@ -77,3 +97,38 @@ def _pool_ready(client, pool: Optional[str]) -> bool:
         return client.read_work_pool(pool).status != WorkPoolStatus.NOT_READY
     except Exception:  # noqa: BLE001 - an API hiccup is not "no worker"
         return True
+
+
+@dataclass(frozen=True)
+class PoolDeployments:
+    cfg: PPOFlowConfig
+
+    def run(self, stage: str, iteration: int, **handoffs: HandOff) -> StageManifest:
+        return self.run_on(self.cfg.pipeline.stage_pools[stage], stage, iteration, **handoffs)
+
+    def run_on(self, deployment: str, stage: str, iteration: int, **handoffs: HandOff) -> StageManifest:
+        """`stage` of `iteration` as a flow run of `deployment` -> the manifest its stage record holds; StageFailed
+        naming the flow run and the stage's own error when it ends other than Completed, or is never taken."""
+        from prefect.deployments import run_deployment
+
+        params = {
+            "config": self.cfg.model_dump(mode="json"),
+            "iteration": iteration,
+            **{name: value.model_dump(mode="json") for name, value in handoffs.items()},
+        }
+        name = f"{stage}-iter-{iteration}"
+        child = run_deployment(name=deployment, parameters=params, timeout=0, flow_run_name=name)
+        what = f"stage {stage} of iteration {iteration}"
+        try:
+            child = wait_for_pool_run(child, what, deployment, self.cfg.pipeline.deadlines.pickup_s)
+        except PoolUnserved as unserved:
+            raise StageFailed(str(unserved)) from None
+        if child.state is None or not child.state.is_completed():
+            state = child.state.type.value if child.state else "unknown"
+            own = stage_run_error(child.state)
+            where = f"flow run {child.name} ({child.id}) on deployment {deployment!r}"
+            raise StageFailed(f"{what} ran as {where} and ended {state}" + (f": {own}" if own else ""), own, where)
+        record = read_stage_record(layout_for(self.cfg), iteration, stage)
+        if record is None:
+            raise StageFailed(f"{what} completed on {deployment!r} but wrote no stage record under the run's storage")
+        return STAGE_MANIFESTS[stage].model_validate(record)
