@@ -9,18 +9,25 @@ committed level 1), and then, in the next start, while iteration 3's rollout wri
 Then: every weight and optimizer file of the final checkpoint and its curriculum.json are byte-equal to a run never
 killed; each iteration's rollout shards carry curriculum_level 0, 1, 2 (one level per iteration); the metrics rows
 say curriculum/level 0, 1, 2 and curriculum/next_level 1, 2, 2.
+
+Fork: `ppoflow fork never-killed --at 2` (nothing changed; retention keeps checkpoints 2 and 3) starts at the level
+iteration 2 committed (2), not at start_level (0): its iteration 3 samples at level 2, and its checkpoint 3 (weights,
+optimizer state, curriculum.json) is byte-equal to the parent's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.pipeline_helpers import small_config
-from tests.integration.test_pipeline_crash import _digests, _train
+from tests.integration.test_pipeline_crash import _DISTRIBUTED_VARS, REPO, _digests, _train
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +57,13 @@ def _levels(layout, iteration: int) -> list[int]:
     return sorted(set(table.column("curriculum_level").to_pylist()))
 
 
-def test_a_curriculum_run_killed_across_level_changes_resumes_at_the_same_level(
+def _fork(root: str, run: str, at: int, name: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
+    command = [sys.executable, "-m", "cli", "fork", run, "--at", str(at), "--name", name, "--root", root]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_curriculum_run_killed_across_level_changes_resumes_at_the_same_level_and_forks_at_its_level(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from flows.records import read_metrics
@@ -82,3 +95,12 @@ def test_a_curriculum_run_killed_across_level_changes_resumes_at_the_same_level(
         assert [r["curriculum/level"] for r in rows] == [0, 1, 2]
         assert [r["curriculum/next_level"] for r in rows] == [1, 2, 2]
         assert all(0 <= r["curriculum/reward_at_level"] <= 1 for r in rows)
+
+    forked = _fork(root, "never-killed", 2, "forked")
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    fork = RunLayout(root, "forked")
+    assert _levels(fork, 3) == [2]  # iteration 2 committed level 2: the fork starts there, not at start_level 0
+    assert [r["curriculum/level"] for r in read_metrics(fork)] == [2]
+    fork_last = Path(fork.checkpoint_dir(3))
+    assert _digests(fork_last) == _digests(clean_last)
+    assert (fork_last / "curriculum.json").read_bytes() == (clean_last / "curriculum.json").read_bytes()
