@@ -41,7 +41,8 @@ def _tries(cfg, last: dict[str, Any]) -> list[str]:
         )
     if not cfg.rollout.dynamic_sampling.enabled:
         tries.append("rollout.dynamic_sampling.enabled=true (sample until groups differ)")
-    tries.append(f"more samples per prompt (rollout.n_samples={cfg.rollout.n_samples})")
+    n = cfg.rollout.n_samples  # a value to set: the current one alone read as the advice (seen: "n_samples=4" at 4)
+    tries.append(f"more samples per prompt (rollout.n_samples={2 * n}, now {n})")
     tries.append("an easier task (data.reasoning_gym.config) or a higher rollout.temperature")
     if plan is None:
         tries.append("a curriculum (data.reasoning_gym.curriculum) that starts where the model succeeds sometimes")

@@ -59,7 +59,8 @@ class TestAdvice:
         assert line is not None and "\n" not in line
         assert "iterations 2-4 only 0.12, 0.06, 0.00" in line and "signal.advice_below=0.25" in line
         assert "greedy accuracy 0.035" in line and "sampled_pass@4 0.120" in line
-        for hint in ("rollout.dynamic_sampling.enabled=true", "rollout.n_samples=4", "data.reasoning_gym.curriculum"):
+        hints = ("rollout.dynamic_sampling.enabled=true", "rollout.n_samples=8, now 4", "data.reasoning_gym.curriculum")
+        for hint in hints:
             assert hint in line
 
     def test_not_said_when_one_is_at_the_threshold_or_too_few_rows(self):
