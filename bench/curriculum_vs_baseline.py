@@ -8,6 +8,10 @@ line per evaluated iteration (seconds since the run started, level, eval/accurac
 eval/accuracy against wall time for both runs, the curriculum's level on a second axis. Wall time is the sum of the
 rows' timing/iteration plus the initial eval's timing/eval (the flow's own stage times, orchestration included);
 rebuilt rows (after a crash) have no timings and are left out.
+
+Ends with one JSON line (bench/common.py emit) appended to bench/results/curriculum_vs_baseline.jsonl: per run, the
+target-level accuracy before and after, its gain in points, the run's wall time, its iterations, and (curriculum)
+the iterations where the level moved; baseline: the second run, trained at the target level from the start.
 """
 
 from __future__ import annotations
@@ -28,6 +32,22 @@ def timeline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def run_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's figures from its timeline: accuracy at the target level before and after, the gain in points, wall
+    time and iterations, and the promotions ([iteration, level] where the trained level moved)."""
+    evaluated = [r for r in rows if "eval/accuracy" in r]
+    levels = [(int(r["iteration"]), int(r["curriculum/level"])) for r in rows if "curriculum/level" in r]
+    first, last = evaluated[0]["eval/accuracy"], evaluated[-1]["eval/accuracy"]
+    return {
+        "accuracy_before": first,
+        "accuracy_after": last,
+        "gain_points": round(100 * (last - first), 1),
+        "wall_s": round(rows[-1]["wall_s"], 1),
+        "iterations": int(rows[-1]["iteration"]),
+        "promotions": [[i, level] for (_, before), (i, level) in zip(levels, levels[1:]) if level != before],
+    }
+
+
 def _line(name: str, row: dict[str, Any]) -> str:
     passes = [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in row.items() if k.startswith("eval/sampled_pass@")]
     level = row.get("curriculum/level")
@@ -43,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bench.common import emit
     from flows.records import read_metrics
     from storage.layout import RunLayout
 
@@ -53,8 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     fig, accuracy_ax = plt.subplots(figsize=(8, 4.5))
     level_ax = accuracy_ax.twinx()
-    for name, style in zip(args.runs, ("-", "--")):
+    baseline = f"{args.runs[1]}: the same recipe trained at the target level from the start"
+    figures: dict[str, Any] = {"baseline": baseline}
+    for side, name, style in zip(("curriculum", "no_curriculum"), args.runs, ("-", "--")):
         rows = timeline(read_metrics(RunLayout(args.root, name)))
+        figures[side] = {"run": name, **run_figures(rows)}
         evaluated = [r for r in rows if "eval/accuracy" in r]
         for row in evaluated:
             print(_line(name, row))
@@ -77,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
+    emit("curriculum_vs_baseline", figures)
 
 
 if __name__ == "__main__":
