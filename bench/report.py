@@ -168,6 +168,13 @@ HEADLINES = [
         {},
     ),
     (
+        "curriculum_vs_baseline",
+        "target-level held-out accuracy gain in points, curriculum vs none (SmolLM2, 30 min)",
+        "curriculum >= 15",
+        "curriculum.gain_points|no_curriculum.gain_points",
+        {},
+    ),
+    (
         "learning",
         "seconds to mean reward 0.9 (toy GRPO)",
         "<= 600",
