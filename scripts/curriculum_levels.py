@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from engines.curriculum import level_count
     from engines.rewards.function import load_reward_function
-    from engines.rollout.vllm_engine import whole_prefill_kwargs
+    from engines.rollout.vllm_engine import VLLMSettings, whole_prefill_kwargs
     from ppoflow.config import load_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,15 +59,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.config}: data.reasoning_gym.curriculum is not set")
     score = load_reward_function(cfg.reward.sources[0].target)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.policy_path)
-    llm = LLM(
-        cfg.model.policy_path,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=cfg.rollout.max_model_len,
-        kv_cache_memory_bytes=int((cfg.rollout.kv_cache_space_gib or 1.0) * 2**30),
-        seed=cfg.run.seed,
-        **whole_prefill_kwargs(cfg.rollout.max_model_len or 2048),
-    )
+    # the engine's own settings (float32, eager, the KV cache bound) and whole prefills, as the run's vLLM has them
+    settings = VLLMSettings(max_model_len=cfg.rollout.max_model_len, kv_cache_space_gib=cfg.rollout.kv_cache_space_gib)
+    prefill = whole_prefill_kwargs(cfg.rollout.max_model_len or 2048)
+    llm = LLM(cfg.model.policy_path, seed=cfg.run.seed, **settings.llm_kwargs(), **prefill)
     k = cfg.rollout.n_samples
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.eval.max_new_tokens)
     sampled = SamplingParams(n=k, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_new_tokens, seed=0)

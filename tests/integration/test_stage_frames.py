@@ -23,18 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.stack_cli import STAGE_FUNCTIONS
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 MAX_FRAMES = 6
-EXPECTED = {  # stage -> its stage function (module, name); the hand count above gives the frames between
-    "rollout": ("stages.rollout", "run_rollout"),
-    "score": ("stages.score", "run_score"),
-    "update": ("stages.update", "run_update"),
-    "checkpoint": ("stages.checkpoint", "run_checkpoint"),
-    "eval": ("stages.evaluate", "run_eval"),
-}
+EXPECTED = STAGE_FUNCTIONS  # stage -> its stage function (module, name); the hand count above gives the frames between
 
 
 def ppoflow_frames(stack: list[traceback.FrameSummary], start: str = "ppo_iteration") -> list[str]:
