@@ -6,8 +6,9 @@
 For each level of data.reasoning_gym.curriculum: `--problems` held-out problems of that level (the target level's
 are the run's own held-out set), the policy greedy (eval's sampling) and rollout.n_samples samples at the rollout's
 temperature, scored by the run's first reward source (a function). Prints one line per level: greedy accuracy,
-sampled accuracy, pass@k and the share of prompts whose k samples' rewards differ (GRPO's groups with signal).
-vLLM on the CPU, as the run samples; ~30 s per level for SmolLM2-135M and 100 problems on 2 cores.
+sampled accuracy, the sampled reward mean (what promote_at is compared with), pass@k and the share of prompts whose
+k samples' rewards differ (GRPO's groups with signal). vLLM on the CPU, as the run samples; ~30 s per level for
+SmolLM2-135M and 100 problems on 2 cores.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             "question": json.loads(rows[0]["label"])["question"],
             "greedy": round(sum(x >= 1.0 for x in g) / n, 3),
             "sampled": round(sum(x >= 1.0 for grp in s for x in grp) / (n * k), 3),
+            "sampled_reward": round(sum(x for grp in s for x in grp) / (n * k), 3),  # what promote_at compares
             f"pass@{k}": round(sum(any(x >= 1.0 for x in grp) for grp in s) / n, 3),
             "spread": round(sum(len(set(grp)) > 1 for grp in s) / n, 3),
             "example": best[0].outputs[0].text[:60],

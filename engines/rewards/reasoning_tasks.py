@@ -14,6 +14,15 @@ How the answer is taken from the response (name the function in reward.sources[]
     engines.rewards.reasoning_tasks:score_last_line    the last non-empty line, stripped
     engines.rewards.reasoning_tasks:score_last_number  the last number in the response (lenient: "3 + 5 = 8"
                                                        scores as "8")
+    engines.rewards.reasoning_tasks:score_digits       the last number, with partial credit per digit for an
+                                                       integer answer (below)
+score_digits is for tasks whose answer is an integer (sums, products): a wrong integer earns the share of digit
+places it gets right, counted from the units place, over the longer of the two numbers' digit counts ("10154" for
+10155: 4/5; "155" for 10155: 3/5; "-5" for 5: 0). That is always < 1, so a run's eval/accuracy (rewards equal to
+1.0) still counts exact answers only. Why: on a sum the model gets wrong almost always, a group of samples that
+are all wrong still differ in how many columns they added right, so GRPO has something to learn from (each
+column's digit is the same skill at every length). An answer or label that is not an integer falls back to the
+task's own scorer (score_last_number).
 Errors: a label that is not an entry's JSON raises ValueError naming the task and the label's start.
 """
 
@@ -25,6 +34,7 @@ import re
 from typing import Any, Optional
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_INTEGER = re.compile(r"-?\d+")
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,3 +87,25 @@ def score_last_line(data_source, solution_str, ground_truth, extra_info=None) ->
 
 def score_last_number(data_source, solution_str, ground_truth, extra_info=None) -> float:
     return _score(data_source, last_number(solution_str), ground_truth)
+
+
+def digit_credit(answer: str, truth: str) -> float:
+    """Share of digit places `answer` gets right against `truth`, both integers as text (module docstring):
+    1.0 when equal as integers; 0.0 when the signs differ; else matching places from the units up over the longer
+    digit count (< 1)."""
+    a, t = int(answer), int(truth)
+    if a == t:
+        return 1.0
+    if (a < 0) != (t < 0):
+        return 0.0
+    a_digits, t_digits = str(abs(a))[::-1], str(abs(t))[::-1]
+    same = sum(x == y for x, y in zip(a_digits, t_digits))
+    return same / max(len(a_digits), len(t_digits))
+
+
+def score_digits(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    answer = last_number(solution_str)
+    truth = str(_entry(data_source, ground_truth)["answer"]).strip()
+    if answer is None or not _INTEGER.fullmatch(answer) or not _INTEGER.fullmatch(truth):
+        return _score(data_source, answer, ground_truth)
+    return digit_credit(answer, truth)

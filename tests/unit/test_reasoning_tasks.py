@@ -18,6 +18,7 @@ from engines.reasoning_tasks import generate_rows, materialize  # noqa: E402
 from engines.rewards.function import FunctionRewardSource  # noqa: E402
 from engines.rewards.reasoning_tasks import (  # noqa: E402
     score_answer_tag,
+    score_digits,
     score_last_line,
     score_last_number,
     score_response,
@@ -106,6 +107,28 @@ class TestScores:
         assert score_answer_tag("chain_sum", "so <answer> 8 </answer>", self.LABEL) == 1.0
         assert score_answer_tag("chain_sum", "8", self.LABEL) == 0.0  # no tag, no answer
         assert score_last_line("chain_sum", "3 + 5\n8\n\n", self.LABEL) == 1.0
+
+    def test_digit_credit_counts_places_from_the_units_up(self):
+        label = json.dumps({"question": "Calculate 6983 + 3172.", "answer": "10155", "metadata": {}})
+        assert score_digits("basic_arithmetic", "6983 + 3172 = 10155", label) == 1.0
+        assert score_digits("basic_arithmetic", "10154", label) == pytest.approx(4 / 5)  # units wrong
+        assert score_digits("basic_arithmetic", "155", label) == pytest.approx(3 / 5)  # 1, 5, 5 right of 5 places
+        assert score_digits("basic_arithmetic", "910155", label) == pytest.approx(5 / 6)  # one place too many
+        assert score_digits("basic_arithmetic", "-10155", label) == 0.0  # wrong sign
+        assert score_digits("basic_arithmetic", "01234", label) == 0.0  # 1234 against 10155: no place matches
+        assert score_digits("basic_arithmetic", "no number", label) == 0.0
+
+    def test_digit_credit_is_below_one_for_every_wrong_integer(self):
+        # property: only the right integer scores 1.0, so eval/accuracy (rewards == 1.0) counts exact answers
+        label = json.dumps({"question": "?", "answer": "307", "metadata": {}})
+        scores = {n: score_digits("basic_arithmetic", str(n), label) for n in range(-50, 2000)}
+        assert [n for n, s in scores.items() if s == 1.0] == [307]
+        assert all(0.0 <= s < 1.0 for n, s in scores.items() if n != 307)
+
+    def test_digit_credit_falls_back_to_the_tasks_scorer_off_integers(self):
+        label = json.dumps({"question": "?", "answer": "2.5", "metadata": {}})
+        assert score_digits("basic_arithmetic", "so 2.5", label) == 1.0
+        assert score_digits("basic_arithmetic", "so 2.4", label) == 0.0
 
     def test_a_label_that_is_not_an_entry_names_the_task(self):
         with pytest.raises(ValueError, match="reasoning-gym task 'chain_sum': the label must be the task's entry"):
