@@ -1,7 +1,8 @@
 """A curriculum run beside its no-curriculum baseline: target-level held-out accuracy against wall time.
 
     python -m bench.curriculum_vs_baseline --root ./runs \
-        real-arithmetic-curriculum real-arithmetic-curriculum-baseline --out bench/results/curriculum_vs_baseline.png
+        real-arithmetic-curriculum real-arithmetic-curriculum-baseline --out bench/results/curriculum_vs_baseline.png \
+        [--iterations 30]
 
 Reads each run's metrics.jsonl (both evaluate on the same held-out set: the curriculum's target level), prints one
 line per evaluated iteration (seconds since the run started, level, eval/accuracy, eval/sampled_pass@k) and draws
@@ -20,10 +21,13 @@ import argparse
 from typing import Any
 
 
-def timeline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows in iteration order with `wall_s`: seconds since the run started when the row's iteration ended."""
+def timeline(rows: list[dict[str, Any]], until: int | None = None) -> list[dict[str, Any]]:
+    """The rows in iteration order with `wall_s`: seconds since the run started when the row's iteration ended; with
+    `until`, only iterations <= until (a run that went on past the recipe's run.iterations)."""
     elapsed, out = 0.0, []
     for row in sorted(rows, key=lambda r: int(r["iteration"])):
+        if until is not None and int(row["iteration"]) > until:
+            break
         seconds = row.get("timing/iteration", row.get("timing/eval") if row["iteration"] == 0 else None)
         if seconds is None:
             continue
@@ -71,13 +75,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs=2, help="the curriculum run, then the baseline")
     parser.add_argument("--root", default="./runs")
     parser.add_argument("--out", default="bench/results/curriculum_vs_baseline.png")
+    parser.add_argument("--iterations", type=int, default=None, help="read each run up to this iteration")
     args = parser.parse_args(argv)
     fig, accuracy_ax = plt.subplots(figsize=(8, 4.5))
     level_ax = accuracy_ax.twinx()
     baseline = f"{args.runs[1]}: the same recipe trained at the target level from the start"
     figures: dict[str, Any] = {"baseline": baseline}
     for side, name, style in zip(("curriculum", "no_curriculum"), args.runs, ("-", "--")):
-        rows = timeline(read_metrics(RunLayout(args.root, name)))
+        rows = timeline(read_metrics(RunLayout(args.root, name)), until=args.iterations)
         figures[side] = {"run": name, **run_figures(rows)}
         evaluated = [r for r in rows if "eval/accuracy" in r]
         for row in evaluated:

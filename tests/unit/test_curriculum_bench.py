@@ -28,3 +28,7 @@ def test_run_figures_by_hand():
         "iterations": 3,
         "promotions": [[2, 1]],  # level 0 at iteration 1, 1 from iteration 2
     }
+
+
+def test_the_timeline_stops_at_until():
+    assert [r["iteration"] for r in timeline(ROWS, until=2)] == [0, 1, 2]
