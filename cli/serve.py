@@ -53,14 +53,13 @@ def add_serve_reward(subparsers) -> None:
 def cmd_worker(args) -> int:
     from runtime.workers import serve_stages
 
-    serve_stages(args.stage, retries=args.retries)
+    serve_stages(args.stage)
     return 0
 
 
 def add_worker(subparsers) -> None:
     worker = subparsers.add_parser("worker", help="a warm stage worker: runs the stage tasks of pipeline.stage_workers")
     worker.add_argument("--stage", action="append", required=True, choices=["rollout", "score", "update", "checkpoint"])
-    worker.add_argument("--retries", type=int, default=0, help="retries of each task run on this worker")
     worker.set_defaults(func=cmd_worker)
 
 

@@ -23,12 +23,12 @@ from runtime.workers import STAGES, serve_stages
 
 
 @flow(name="ppo-stage-worker", log_prints=True)
-def stage_worker(stages: list[str], retries: int = 0) -> None:
+def stage_worker(stages: list[str]) -> None:
     """Serve the stage tasks of `stages` (rollout, score, update, checkpoint; rollout brings its parts and eval) until
-    the flow run is stopped. `retries`: each stage task's retries on this worker. Raises ValueError naming an unknown
-    stage before serving anything."""
+    the flow run is stopped; a failed stage is retried here by its run's pipeline.retries (tasks/retries.py).
+    Raises ValueError naming an unknown stage before serving anything."""
     unknown = sorted(set(stages) - set(STAGES))
     if unknown or not stages:
         raise ValueError(f"stage_worker(stages={stages!r}): each must be one of {', '.join(STAGES)}")
     print(f"serving the {', '.join(stages)} stage tasks until this flow run is stopped")
-    serve_stages(stages, retries)
+    serve_stages(stages)

@@ -44,6 +44,7 @@ from storage.layout import layout_for
 from storage.stage_records import write_stage_record
 from tasks.leases import STALE_S, clear_lease, lease_holder_dead, read_lease, serving_workers
 from tasks.results import result_storage_for
+from tasks.retries import retry_delays, retry_options
 from tasks.rm_train import RM_STAGE_TASKS
 from tasks.stage_tasks import STAGE_TASKS, part_stage_name
 
@@ -69,10 +70,7 @@ class StageFailed(RuntimeError):
 
 def run_stage_in_process(cfg: PPOFlowConfig, stage: str, iteration: int, record: str = "", **inputs) -> HandOff:
     """Run the stage task here; its manifest is recorded as `<run>/iter-<iteration>/_stages/<record or stage>.json`."""
-    delays = [cfg.pipeline.retry_delay_s * 2**k for k in range(cfg.pipeline.retries)] or 0
-    configured = _TASKS[stage].with_options(
-        retries=cfg.pipeline.retries, retry_delay_seconds=delays, result_storage=result_storage_for(cfg)
-    )
+    configured = _TASKS[stage].with_options(**retry_options(cfg), result_storage=result_storage_for(cfg))
     manifest = configured(cfg, iteration, **inputs)
     write_stage_record(layout_for(cfg), iteration, record or stage, manifest.model_dump(mode="json"))
     return manifest
@@ -249,6 +247,7 @@ def run_stage_on_group(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs:
             f"stage {stage} of iteration {iteration} goes to the update group the training flow starts "
             f"(train.num_ranks={cfg.train.num_ranks}), and none runs in this process"
         )
+    delays = retry_delays(cfg)  # the one rule's count and waits (tasks/retries.py)
     attempt = 0
     while True:
         group.wait_ready()
@@ -256,9 +255,9 @@ def run_stage_on_group(cfg: PPOFlowConfig, stage: str, iteration: int, **inputs:
             future = submit_to_worker(cfg, stage, iteration, stage, **inputs)
             return wait_for_worker(cfg, future, stage, iteration, stage)
         except Exception as exc:  # noqa: BLE001 - any stage failure is retried, as Prefect retries an in-process task
-            if attempt == cfg.pipeline.retries:
+            if attempt == len(delays):
                 raise
-            delay_s = cfg.pipeline.retry_delay_s * 2**attempt
+            delay_s = delays[attempt]
             attempt += 1
             _logger().warning(
                 "stage %s of iteration %d failed on the update group (%s: %s); retry %d of %d in %.0f s, once the "

@@ -28,7 +28,8 @@ Prefect. After a stage that broke the group rank 0 ends its process, so that tor
 A run with train.num_ranks > 1 and no worker or pool for its update gets such a group from its training flow
 (runtime/update_group.py); a worker that torchrun did not start refuses such a run's update (stages/update_ranks.py).
 
-What the worker decides, not the submitting flow: a task's retries (`--retries`) and where its results
+A stage that fails on a worker is retried there by the submitted run's pipeline.retries and retry_delay_s, as it would
+be in the flow's process (tasks/retries.py: one rule). What the worker decides, not the submitting flow: where results
 persist (Prefect's default result storage; on several machines point PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK
 and PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK at a shared block, e.g. S3).
 """
@@ -49,11 +50,12 @@ from tasks.leases import presence_id, presence_key
 STAGES = ("rollout", "score", "update", "checkpoint")
 
 
-def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> None:
+def serve_stages(stages: Sequence[str], limit: int = 1) -> None:
     """Serve the stage tasks of `stages` in this process until interrupted. limit: task runs at once (1:
     one trainer or sampler must not run two stages at the same time)."""
     from engines import compute_thread
     from tasks.leases import serve_as_worker
+    from tasks.retries import worker_options
     from tasks.stage_tasks import STAGE_TASKS
 
     unknown = sorted(set(stages) - set(STAGES))
@@ -62,7 +64,7 @@ def serve_stages(stages: Sequence[str], retries: int = 0, limit: int = 1) -> Non
     _join_torchrun_group(stages)  # under torchrun: ranks 1..N-1 follow rank 0 there and never return
     # eval and the parts of a split rollout (pipeline.rollout_parts) sample with the rollout engine
     served = list(dict.fromkeys(stages)) + (["rollout-part", "eval"] if "rollout" in stages else [])
-    tasks = [STAGE_TASKS[s].with_options(retries=retries) for s in served]
+    tasks = [STAGE_TASKS[s].with_options(**worker_options()) for s in served]
     serve_as_worker()  # stage bodies hold leases: the submitting flow finds out if this process dies
     compute_thread.pin_to_one_thread()  # the task runs come on several threads; the bodies' torch on one
     # As prefect.task_worker.serve runs its worker: in Prefect's event loop thread (so SIGTERM ends the process as

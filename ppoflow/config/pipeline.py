@@ -8,6 +8,8 @@ from pydantic import Field, field_validator
 
 from ppoflow.config.base import MAX_STALENESS, _require_stage, _Section
 
+MAX_RETRIES = 10  # a stage that fails more often than this has a bug, not bad luck; warm workers serve this many
+
 
 class EvalConfig(_Section):
     data_path: Optional[str] = Field(
@@ -120,7 +122,9 @@ class PipelineConfig(_Section):
         None,
         description="Stage -> deployment as FLOW/DEPLOYMENT, e.g. {rollout: ppo-rollout/ppo-rollout} as prefect.yaml creates them; None = all stages in-process.",
     )
-    retries: int = Field(2, ge=0, description="Task retries for each stage.")
+    retries: int = Field(
+        2, ge=0, le=MAX_RETRIES, description="Task retries for each stage, wherever it runs (tasks/retries.py)."
+    )
     retry_delay_s: float = Field(5.0, ge=0, description="First retry delay; doubles each retry.")
     stage_workers: list[Literal["rollout", "score", "update", "checkpoint"]] = Field(
         default_factory=list,

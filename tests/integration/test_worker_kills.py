@@ -10,7 +10,10 @@ What must hold:
   uninterrupted k = 1 run's, with the same metrics rows;
 - a busy worker still counts as serving its stage (a submission queued behind it is not "no worker");
 - a stage that no worker serves fails by name (and the command that starts one) instead of waiting forever, and a
-  worker started later does not run the submission the flow gave up on.
+  worker started later does not run the submission the flow gave up on;
+- a stage that raises on a worker is retried there by the run's pipeline.retries (tasks/retries.py: the rule an
+  in-process stage follows; the worker has no retry setting of its own): the run completes, equal to the
+  uninterrupted one, and Prefect shows the task run's second attempt.
 
 One set of workers and one uninterrupted run serve every case; each killed worker is replaced by one that SIGKILLs
 itself at its 3rd stage body (tests/fixtures/kill_cli.py). The first test, without a server, is the rule that stops
@@ -132,6 +135,26 @@ def test_an_iteration_that_ended_without_its_commit_stops_the_ones_after_it(tmp_
             register_in_flight(run_dir, iteration, None)
 
 
+def _score_run_counts(run: str) -> dict[int, int]:
+    """iteration -> run_count (attempts) of the completed score task run of each of `run`'s iteration subflows."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
+
+    counts = {}
+    with get_client(sync_client=True) as client:
+        for flow_run in client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{run}/iter-"))
+        ):
+            iteration = int(flow_run.name.rsplit("-", 1)[1])
+            names = TaskRunFilterName(any_=[f"score-iter-{iteration}"])
+            for task_run in client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}), task_run_filter=TaskRunFilter(name=names)
+            ):
+                if task_run.state.is_completed():
+                    counts[iteration] = task_run.run_count
+    return counts
+
+
 def _subflow_message(run: str, iteration: int) -> str:
     """The state message of iteration `iteration`'s subflow run of `run` (the latest of that name)."""
     from prefect.client.orchestration import get_client
@@ -232,5 +255,22 @@ def test_killed_rollout_and_score_workers_fail_the_pipelined_run_by_name_and_a_r
             for row, clean_row in zip(rows, clean_rows, strict=True):
                 for key in (*COMPARED, "async/staleness"):
                     assert row[key] == clean_row[key], (victim, row["iteration"], key)
+
+        # A score stage that raises once (iteration 3's, the worker's 3rd) is retried on its worker by the run's
+        # pipeline.retries = 1, after retry_delay_s: the run completes as if nothing had failed.
+        stop_workers([workers.pop("score")])
+        workers["score"] = _start_worker(tmp_path, "score", WORKERS["score"], kill="raise=" + KILLS["score"])
+        _served(workers["score"], ["score"])
+        retried = _worker_config(tmp_path, "retried-score", tiny_model_dir, digits_dataset_dir, 1, ITERATIONS)
+        retried = retried.model_copy(
+            update={"pipeline": retried.pipeline.model_copy(update={"retries": 1, "retry_delay_s": 0.5})}
+        )
+        state = _train_within(retried, tmp_path)
+        assert state.is_completed(), state
+        assert _score_run_counts("retried-score") == {1: 1, 2: 1, 3: 2, 4: 1}
+        assert _digests(Path(layout_for(retried).checkpoint_dir(ITERATIONS))) == _digests(
+            Path(layout_for(clean).checkpoint_dir(ITERATIONS))
+        )
+        assert "injected fault at raise=stages.score:run_score@3" in (tmp_path / "score.log").read_text()
     finally:
         stop_workers(list(workers.values()))
