@@ -25,7 +25,7 @@ from ppoflow.config import PPOFlowConfig, as_config
 from ppoflow.config.pipeline import MAX_RETRIES
 from storage.layout import layout_for
 from tasks.leases import stage_lease
-from tasks.stage_tasks import part_stage_name
+from tasks.stage_tasks import lease_name
 
 WORKER_RETRY_CAP = MAX_RETRIES  # the most any config asks for; retry_as_submitted stops at the config's own count
 _log = logging.getLogger("ppoflow.retries")
@@ -63,7 +63,6 @@ def retry_as_submitted(task, task_run, state) -> bool:
         return False
     delay = delays[task_run.run_count - 1]
     iteration = parameters["iteration"]
-    lease = part_stage_name(parameters["part"], parameters["parts"]) if "part" in parameters else task.name
     _log.info(
         "%s of iteration %d failed (%s); retry %d of pipeline.retries=%d in %.1f s",
         task.name,
@@ -73,6 +72,6 @@ def retry_as_submitted(task, task_run, state) -> bool:
         len(delays),
         delay,
     )
-    with stage_lease(layout_for(cfg), iteration, lease):
+    with stage_lease(layout_for(cfg), iteration, lease_name(task.name, parameters)):
         time.sleep(delay)
     return True

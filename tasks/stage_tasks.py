@@ -69,12 +69,18 @@ def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManife
 
 
 def _rollout_part(config: Config, iteration: int, policy: PolicyRef, part: int, parts: int) -> RolloutPartManifest:
-    lease = part_stage_name(part, parts)  # each part's worker is found
+    lease = lease_name("rollout-part", {"part": part, "parts": parts})  # each part's worker is found
     return _in_stage(config, iteration, "rollout", rollout_parts.run_rollout_part, policy, part, parts, lease=lease)
 
 
 def _rollout_merge(config: Config, iteration: int, parts: list[RolloutPartManifest]) -> RolloutManifest:
     return rollout_parts.merge_rollout_parts(as_config(config), iteration, parts)
+
+
+def lease_name(task_name: str, parameters: dict[str, Any]) -> str:
+    """The lease (and stage record) name of a stage task run from its task's name and parameters: a rollout part's
+    own name, else the task's."""
+    return part_stage_name(parameters["part"], parameters["parts"]) if task_name == "rollout-part" else task_name
 
 
 def part_stage_name(part: int, parts: int) -> str:
