@@ -49,7 +49,10 @@ def _killed_train(config_path: Path, kill: str) -> subprocess.CompletedProcess:
 
 def _training_runs(client, name: str) -> list:
     """Flow runs of the run's training flow, oldest first."""
-    runs = [fr for fr in client.read_flow_runs(limit=200) if fr.name == f"ppo-training-{name}"]
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    # filtered by the server: a page of all runs can miss some once the shared server holds hundreds
+    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"ppo-training-{name}"])))
     return sorted(runs, key=lambda fr: fr.created)
 
 
@@ -66,6 +69,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     from flows.deployment import HEARTBEAT_S, MISSED_BEATS
     from flows.records import read_metrics
@@ -102,7 +106,9 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
             assert run_1.state.type.value == "CRASHED" and "died" in run_1.state.message, run_1.state
             subflows = [
                 fr
-                for fr in client.read_flow_runs(limit=200)
+                for fr in client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="crashy/iter-"))
+                )
                 if fr.parent_task_run_id is not None
                 and fr.name.startswith("crashy/iter-")
                 and fr.state.type.value == "RUNNING"

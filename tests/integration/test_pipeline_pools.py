@@ -25,6 +25,7 @@ EXPECTED_POOL = {
 
 def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
     from prefect.deployments import run_deployment
 
     from flows.deployment import DEPLOYMENT_NAME
@@ -75,7 +76,8 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
         logs = "\n".join((tmp_path / f"{p}.log").read_text()[-2000:] for p in POOLS)
         assert run.state is not None and run.state.is_completed(), f"{run.state}\n{logs}"
         with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(limit=200)
+            # filtered by the server: a page of all runs can miss some once the shared server holds hundreds
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)))
             flows = {f.id: f.name for f in client.read_flows(limit=200)}
             # `ppoflow train` runs of other tests on this server are runs of its own served deployment (no pool)
             served = {d.id for d in client.read_deployments() if d.name == DEPLOYMENT_NAME}
