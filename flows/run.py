@@ -186,7 +186,7 @@ def train(cfg: PPOFlowConfig, console: Optional[Console] = None) -> dict[str, An
 def _builds_rollout_here(cfg: PPOFlowConfig) -> bool:
     """Whether iteration 1's rollout runs in this process, on this (the flow's) thread, on inputs that pass the
     static checks. The thread: with pipeline.max_staleness >= 1 the stages run on the task runner's threads, and an
-    engine built here would give this thread an OpenMP team of its own besides theirs (engines/compute_thread.py).
+    engine built here would give this thread an OpenMP team of its own besides theirs (slow: runtime/workers.py).
     The checks: a run its preflight refuses should not wait for an engine build to end before it exits."""
     from flows.preflight_static import static_problems
     from runtime.placement import placement

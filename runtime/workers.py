@@ -5,11 +5,11 @@
 
 Mechanism: Prefect's task workers (`prefect.task_worker.serve`). The training flow submits a stage task
 with `.delay(...)` (pipeline.stage_workers names which stages); the server hands each task run to ONE worker
-serving that task, which runs it in its own process, in a thread, with the task's cache key and retries (the stage
-body itself on the process's one compute thread: engines/compute_thread.py says why). So
-the engines registries (engines/warm.py, engines/rollout/registry.py) stay warm across iterations and runs,
-and a worker whose engine holds other weights loads the committed policy named in the stage's input in
-place. Why not a served flow (`flow.serve`) or a process work pool: both start a new process per flow run,
+serving that task, which runs it in its own process, with the task's cache key and retries, one task run at a time
+and every one on the same thread (below). So the engines registries (engines/warm.py,
+engines/rollout/registry.py) stay warm across iterations and runs, and a worker whose engine holds other weights
+loads the committed policy named in the stage's input in place. Why not a served flow (`flow.serve`) or a process
+work pool: both start a new process per flow run,
 which is the cold start this removes. Several workers may serve one stage (the server gives each task run
 to one of them): with `pipeline.rollout_parts: N`, the N parts of an iteration's rollout are N task runs, so N
 rollout workers sample them side by side (data parallelism).
@@ -27,6 +27,15 @@ such processes; rank 0 serves the stages here as one worker, the others follow i
 Prefect. After a stage that broke the group rank 0 ends its process, so that torchrun restarts the whole group.
 A run with train.num_ranks > 1 and no worker or pool for its update gets such a group from its training flow
 (runtime/update_group.py); a worker that torchrun did not start refuses such a run's update (stages/update_ranks.py).
+
+One thread for every stage body: the task worker takes one task run at a time (limit 1: one trainer or sampler must
+not run two stages at once), and Prefect runs each in a thread of a pool as large as that limit, so every task run of
+the process comes on its one thread. It matters for speed: torch's CPU kernels run on OpenMP (libgomp), which keeps
+a team of threads per thread that has run a parallel region; once the process's teams together hold more threads
+than there are cores, libgomp sleeps at its barriers instead of spinning and every small op pays a futex wake-up.
+Measured on the 2-core machine (OMP_NUM_THREADS=2, 300 forward/backward passes of a small MLP): 0.22 s on one thread,
+1.07-1.15 s on a second thread once the first had run any op; bench.overhead's update 4.4-5.4 s on one thread against
+8.9-10.4 s on a new one. tests/integration/test_stage_workers.py checks that each worker ran its bodies on one thread.
 
 A stage that fails on a worker is retried there by the submitted run's pipeline.retries and retry_delay_s, as it would
 be in the flow's process (tasks/retries.py: one rule). What the worker decides, not the submitting flow: where results
@@ -50,10 +59,9 @@ from tasks.leases import presence_id, presence_key
 STAGES = ("rollout", "score", "update", "checkpoint")
 
 
-def serve_stages(stages: Sequence[str], limit: int = 1) -> None:
-    """Serve the stage tasks of `stages` in this process until interrupted. limit: task runs at once (1:
-    one trainer or sampler must not run two stages at the same time)."""
-    from engines import compute_thread
+def serve_stages(stages: Sequence[str]) -> None:
+    """Serve the stage tasks of `stages` in this process, one task run at a time and all on one thread (the module
+    docstring says why), until interrupted."""
     from tasks.leases import serve_as_worker
     from tasks.retries import worker_options
     from tasks.stage_tasks import STAGE_TASKS
@@ -66,20 +74,20 @@ def serve_stages(stages: Sequence[str], limit: int = 1) -> None:
     served = list(dict.fromkeys(stages)) + (["rollout-part", "eval"] if "rollout" in stages else [])
     tasks = [STAGE_TASKS[s].with_options(**worker_options()) for s in served]
     serve_as_worker()  # stage bodies hold leases: the submitting flow finds out if this process dies
-    compute_thread.pin_to_one_thread()  # the task runs come on several threads; the bodies' torch on one
     # As prefect.task_worker.serve runs its worker: in Prefect's event loop thread (so SIGTERM ends the process as
     # it does a `prefect task serve`: TaskWorker installs its own handler only from the main thread).
     try:
-        from_sync.call_soon_in_loop_thread(create_call(_serve, tasks, limit)).result()
+        from_sync.call_soon_in_loop_thread(create_call(_serve, tasks)).result()
     except KeyboardInterrupt:
         pass
 
 
-async def _serve(tasks: list, limit: int) -> None:
-    # made inside the loop: TaskWorker needs a running one
+async def _serve(tasks: list) -> None:
+    # made inside the loop: TaskWorker needs a running one. limit=1: one task run at a time, so Prefect's pool of task
+    # threads has one thread, which every stage body of this process runs on (the module docstring says why)
     worker = SlotTaskWorker(
         *tasks,
-        limit=limit,
+        limit=1,
         presence_keys=lambda keys: [presence_key(key) for key in keys],
         presence_id=presence_id(),
         after_run=_end_if_group_broke,

@@ -104,7 +104,7 @@ def build_initial_engine(cfg) -> None:
 
     It is the engine iteration 1's rollout stage asks the registry for (same folder, version, seed and settings), so
     the stage finds it built. flows/run.py calls it while Prefect's temporary server starts, in the thread that runs
-    the stage bodies later (torch's OpenMP team is per thread: engines/compute_thread.py). A build that fails is
+    the stage bodies later (torch's OpenMP team is per thread: runtime/workers.py). A build that fails is
     logged (to the run's log file) and left to the stage, which builds again and fails the run with its error."""
     try:
         policy = initial_policy_ref(cfg)

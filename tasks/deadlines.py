@@ -10,7 +10,7 @@ The deadline of stage S in an iteration (pipeline.deadlines, all seconds):
 timing/S is the stage's wall time as the flow saw it (flows/iteration.py), so queueing for a busy worker makes
 the deadline longer, never shorter.
 
-What happens at the deadline (`deadline`, `bounded`): the stage's body, running on the thread that called it, is
+What happens at the deadline (`deadline`): the stage's body, running on the thread that called it, is
 interrupted with StageDeadlineExceeded (an exception raised into that thread between two Python operations), which
 fails the task run; Prefect's retries take over as for any stage error. A body blocked in native code (a socket read
 without a timeout, a collective that never returns) cannot be interrupted that way: when it is still running
@@ -28,14 +28,13 @@ import socket
 import statistics
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Iterator, Optional
 
 from ppoflow.config import PPOFlowConfig
 from ppoflow.terminal import last_words
 from storage.layout import layout_for
 from storage.metrics import read_metrics
 
-T = TypeVar("T")
 EXIT_DEADLINE = 124  # the exit code of a process ended by a stage that did not stop at its deadline (as timeout(1))
 
 _run_here: set[str] = set()  # stages this process has run (or started): the first gets the start-up allowance
@@ -49,7 +48,7 @@ class StageDeadlineExceeded(RuntimeError):
 
 class _Interrupt(Exception):
     """Raised into a stage's thread at its deadline (an exception type without arguments, as CPython requires);
-    `bounded` turns it into StageDeadlineExceeded with the full message."""
+    `deadline` turns it into StageDeadlineExceeded with the full message."""
 
 
 def _base_stage(stage: str) -> str:
@@ -118,16 +117,6 @@ def deadline(cfg: PPOFlowConfig, iteration: int, stage: str) -> Iterator[None]:
             raise StageDeadlineExceeded(message) from (None if isinstance(error, _Interrupt) else error)
         raise
     watch.finish()  # a body that swallowed the interruption and then returned: its result stands
-
-
-def bounded(cfg: PPOFlowConfig, iteration: int, stage: str, body: Callable[..., T]) -> Callable[..., T]:
-    """`body` within stage `stage`'s `deadline`: call the result on the thread that is to run the body."""
-
-    def run(*args, **kwargs) -> T:
-        with deadline(cfg, iteration, stage):
-            return body(*args, **kwargs)
-
-    return run
 
 
 class _Watch:

@@ -5,8 +5,8 @@ rollout-part task runs (one per part) and a rollout-merge (stages/rollout_parts.
 Each task declares its cache key (tasks/cache_keys.py) and persists its result, a typed manifest, as JSON
 under the run's storage (tasks/results.py sets where, per run, when the flow configures the task); its
 body is one call of `_in_stage`, which validates the config and calls the stage function, looked up on its module
-at call time, under the stage's lease (tasks/leases.py), within its deadline (tasks/deadlines.py), on the process's
-compute thread when it has one (engines/compute_thread.py: warm workers).
+at call time, under the stage's lease (tasks/leases.py), within its deadline (tasks/deadlines.py), on the task's own
+thread (on a warm worker that is the process's one task thread: runtime/workers.py says why it must be one).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any, Callable, TypeVar
 
 from prefect import task
 
-from engines import compute_thread
 from ppoflow.config import PPOFlowConfig, as_config
 from stages import checkpoint as checkpoint_stage
 from stages import evaluate as eval_stage
@@ -34,7 +33,7 @@ from stages.manifests import (
 )
 from storage.layout import layout_for
 from tasks.cache_keys import cache_key_fn
-from tasks.deadlines import bounded, deadline
+from tasks.deadlines import deadline
 from tasks.leases import stage_lease
 
 Config = PPOFlowConfig | dict[str, Any]
@@ -55,13 +54,10 @@ def _stage_task(stage: str, body, run_name: str = ""):
 def _in_stage(config: Config, iteration: int, stage: str, body: Callable[..., T], *args, lease: str = "") -> T:
     """What every stage task body does around its stage function: body(cfg, iteration, *args) under the stage's lease
     (`lease`, else the stage's name: on a warm worker, the flow finds it if the process dies), within its deadline,
-    on the process's compute thread (warm workers; in-process it runs right here, one frame below the task)."""
+    right here, one frame below the task's body and one above the stage function."""
     cfg = as_config(config)
-    with stage_lease(layout_for(cfg), iteration, lease or stage):
-        if not compute_thread.runs_here():
-            return compute_thread.run(bounded(cfg, iteration, stage, body), cfg, iteration, *args)
-        with deadline(cfg, iteration, stage):
-            return body(cfg, iteration, *args)
+    with stage_lease(layout_for(cfg), iteration, lease or stage), deadline(cfg, iteration, stage):
+        return body(cfg, iteration, *args)
 
 
 def _rollout(config: Config, iteration: int, policy: PolicyRef) -> RolloutManifest:

@@ -7,7 +7,7 @@ import tempfile
 
 # Torch threads per test process: the cores shared among `make test`'s pytest-xdist processes (one each on the 2-core
 # CI machine). More threads than cores in all makes libgomp sleep at its barriers and every small op pays a wake-up
-# (engines/compute_thread.py); the children a test starts (runs, workers, torchrun ranks) inherit it.
+# (runtime/workers.py); the children a test starts (runs, workers, torchrun ranks) inherit it.
 _TEST_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // _TEST_PROCESSES)))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

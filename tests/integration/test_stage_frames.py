@@ -10,7 +10,7 @@ Hand count of the in-process path, the one a reader follows with a call-graph to
     runtime/executors.py      InProcess.run       (the stage's executor, chosen once per run)
     runtime/stage_runs.py     run_stage_in_process
     tasks/stage_tasks.py      _<stage>            (the task's body, entered from Prefect's task engine)
-    tasks/stage_tasks.py      _in_stage           (lease, deadline, compute thread)
+    tasks/stage_tasks.py      _in_stage           (lease, deadline)
     stages/<stage>.py         run_<stage>
 = 6 frames. The count is asserted against that listing, so a frame added anywhere on the path fails here by name.
 """

@@ -6,11 +6,11 @@ What must hold, from the design rather than from the code's output:
   its first iteration of a run (the engines stay warm; the rollout engine and the scorer also across runs);
 - with k = 1 the staleness of iteration i is min(1, i-1) (the fixed schedule);
 - the k = 0 run's rows equal an in-process run's (the computation does not depend on where it runs);
-- a reader follows ppo_iteration into each stage function on a warm worker in 8 of ppoflow's frames (6 in-process,
-  tests/integration/test_stage_frames.py): 3 in the flow's process to the submission (ppo_iteration,
-  WarmWorkers.run, submit_to_worker), 5 in the worker's from the task's body (_<stage>, _in_stage, the hand-off to
-  the worker's one compute thread, the deadline's wrapper on that thread, run_<stage>); recorded by
-  tests/fixtures/stack_cli.py and held here so that it does not grow (issue 51 asks for 6: not met on workers);
+- a reader follows ppo_iteration into each stage function on a warm worker in 6 of ppoflow's frames, as in-process
+  (tests/integration/test_stage_frames.py): 3 in the flow's process to the submission (ppo_iteration,
+  WarmWorkers.run, submit_to_worker), 3 in the worker's from the task's body (_<stage>, _in_stage, run_<stage>);
+  recorded by tests/fixtures/stack_cli.py;
+- each worker process runs every stage body on one thread (torch's OpenMP teams: runtime/workers.py);
 - a run with train.num_ranks=2 sent to the plain update worker fails naming the torchrun command to start instead;
 - killing the update worker with SIGKILL in the middle of iteration 3's update (k = 1) fails the flow run
   with a message naming the dead worker, instead of waiting for it forever; after the worker is started
@@ -20,6 +20,7 @@ What must hold, from the design rather than from the code's output:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKERS = {"rollout": ["rollout"], "score": ["score"], "train": ["update", "checkpoint"]}
 ALL_STAGES = ["rollout", "score", "update", "checkpoint"]
 ITERATIONS = 6
-WORKER_FRAMES = 8  # ppo_iteration to a stage function on a warm worker (the docstring lists them)
+WORKER_FRAMES = 6  # ppo_iteration to a stage function on a warm worker (the docstring lists them)
 _DISTRIBUTED_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
@@ -92,7 +93,6 @@ def _manifests(layout, stage: str, iterations: int):
 
 def _frames_to_stage_functions(stacks: Path, submitted: dict[str, list[str]]) -> dict[str, list[str]]:
     """Each stage's chain of ppoflow frames: the flow's, to the submission, then the worker's, from the task body."""
-    import json
     import traceback
 
     from tests.fixtures.stack_cli import STAGE_FUNCTIONS
@@ -150,8 +150,6 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
                         "runtime/stage_runs.py:submit_to_worker",
                         f"tasks/stage_tasks.py:_{stage}",
                         "tasks/stage_tasks.py:_in_stage",
-                        "engines/compute_thread.py:run",
-                        "tasks/deadlines.py:run",
                         chain[-1],
                     ], (stage, chain)
                     assert len(chain) == WORKER_FRAMES, (stage, chain)
@@ -167,6 +165,12 @@ def test_warm_workers_run_k0_and_k1_and_a_killed_update_worker_resumes_exactly(
                     assert builds == [builds[0]] * ITERATIONS, (k, stage, builds)
             rows = read_metrics(layout)
             assert [r["async/staleness"] for r in rows] == [min(k, i - 1) for i in range(1, ITERATIONS + 1)]
+        # every stage body a worker process ran, in both runs (12 iterations and an eval), on one thread of it
+        threads: dict[int, set[int]] = {}
+        for entry in map(json.loads, stacks.read_text().splitlines()):
+            threads.setdefault(entry["pid"], set()).add(entry["thread"])
+        assert sorted(threads) == sorted(w.pid for w in workers.values()), threads
+        assert all(len(ids) == 1 for ids in threads.values()), threads
         first, second = (layout_for(configs[k]) for k in (0, 1))
         evaluated = EvalManifest.model_validate(read_stage_record(second, ITERATIONS, "eval"))
         assert evaluated.worker == f"{host}:{workers['rollout'].pid}"  # eval goes where rollout goes

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ppoflow.config import ConfigError, PPOFlowConfig, apply_overrides, build_config
-from tasks.deadlines import EXIT_DEADLINE, StageDeadlineExceeded, bounded, deadline_s
+from tasks.deadlines import EXIT_DEADLINE, StageDeadlineExceeded, deadline, deadline_s
 
 
 def _cfg(**deadlines) -> PPOFlowConfig:
@@ -69,7 +69,7 @@ def _fixed(seconds: float, grace_s: float = 30.0, tmp_root: str = "") -> PPOFlow
     )
 
 
-class TestBounded:
+class TestDeadline:
     def test_a_stage_in_python_is_interrupted_at_its_deadline(self, tmp_path):
         def hangs():
             while True:  # a stage stuck in Python (a poll loop): interruptible between two operations
@@ -77,7 +77,8 @@ class TestBounded:
 
         started = time.monotonic()
         with pytest.raises(StageDeadlineExceeded) as caught:
-            bounded(_fixed(0.5, tmp_root=str(tmp_path)), 3, "update", hangs)()
+            with deadline(_fixed(0.5, tmp_root=str(tmp_path)), 3, "update"):
+                hangs()
         elapsed = time.monotonic() - started
         assert 0.5 <= elapsed < 5.0
         text = str(caught.value)
@@ -86,7 +87,9 @@ class TestBounded:
 
     def test_a_body_that_ends_in_time_is_untouched_and_nothing_lands_later(self, tmp_path):
         cfg = _fixed(0.3, tmp_root=str(tmp_path))
-        assert bounded(cfg, 1, "update", lambda x: x + 1)(41) == 42
+        with deadline(cfg, 1, "update"):
+            result = 41 + 1
+        assert result == 42
         time.sleep(0.6)  # past the deadline: the finished watch must not interrupt this thread now
         assert threading.current_thread().is_alive()
 
@@ -99,7 +102,8 @@ class TestBounded:
                 raise ValueError("engine said: interrupted") from error
 
         with pytest.raises(StageDeadlineExceeded) as caught:
-            bounded(_fixed(0.3, tmp_root=str(tmp_path)), 2, "update", converts)()
+            with deadline(_fixed(0.3, tmp_root=str(tmp_path)), 2, "update"):
+                converts()
         assert isinstance(caught.value.__cause__, ValueError)
 
     def test_a_stage_blocked_in_native_code_ends_its_process_with_one_message(self, tmp_path):
@@ -108,11 +112,12 @@ class TestBounded:
             f"""
             import time
             from ppoflow.config import PPOFlowConfig
-            from tasks.deadlines import bounded
+            from tasks.deadlines import deadline
             cfg = PPOFlowConfig.model_validate(
                 {{"run": {{"root": {str(tmp_path)!r}}},
                   "pipeline": {{"deadlines": {{"stages": {{"update": 0.5}}, "grace_s": 1.0}}}}}})
-            bounded(cfg, 4, "update", lambda: time.sleep(600))()
+            with deadline(cfg, 4, "update"):
+                time.sleep(600)
             print("not reached")
             """
         )
