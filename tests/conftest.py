@@ -10,6 +10,13 @@ import tempfile
 # (runtime/workers.py); the children a test starts (runs, workers, torchrun ranks) inherit it.
 _TEST_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // _TEST_PROCESSES)))
+# vLLM's engine cores likewise: each test process's on its own share of the cores (unset, ppoflow binds an engine to
+# every core: engines/rollout/vllm_process.bind_all_cpus; vLLM's own default put both processes' engines on core 0).
+if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and hasattr(os, "sched_getaffinity"):
+    _cpus = sorted(os.sched_getaffinity(0))
+    _share = max(1, len(_cpus) // _TEST_PROCESSES)
+    _index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % max(1, len(_cpus) // _share)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, _cpus[_index * _share : (_index + 1) * _share]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Copies of remote checkpoints go to a folder of this test session's (workers it starts inherit it), not

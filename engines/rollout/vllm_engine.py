@@ -36,7 +36,14 @@ from adaptations.vllm_client_watch import client_named
 from adaptations.vllm_dead_core import core_is_dead, fail_fast_on_dead_core
 from engines.rollout.base import EngineDied, RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
-from engines.rollout.vllm_process import child_processes, install_vllm_log_filter, private_folder, private_ipc_dir, reap
+from engines.rollout.vllm_process import (
+    bind_all_cpus,
+    child_processes,
+    install_vllm_log_filter,
+    private_folder,
+    private_ipc_dir,
+    reap,
+)
 from engines.weights_digest import WeightsDigest, vllm_worker_digest
 
 log = logging.getLogger("ppoflow.rollout")
@@ -154,6 +161,8 @@ class VLLMRolloutEngine:
         self._warned: set[tuple] = set()
         private_ipc_dir()
         install_vllm_log_filter(private_folder())
+        if not on_gpu:
+            bind_all_cpus()
         started = time.perf_counter()
         llm_kwargs = self.settings.llm_kwargs()
         if not on_gpu:
