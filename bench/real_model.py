@@ -282,14 +282,14 @@ def recipe_batch(cfg, response_len: int, seed: int = 0):
     )
 
 
-def matmul_gflops(m: int, k: int, n: int, min_s: float = 0.3) -> float:
-    """Best of 3 windows of >= min_s of torch.mm (m, k) x (k, n) in float32, GFLOP/s."""
+def matmul_gflops(m: int, k: int, n: int, min_s: float = 0.3, windows: int = 3) -> float:
+    """Best of `windows` windows of >= min_s of torch.mm (m, k) x (k, n) in float32, GFLOP/s."""
     import torch
 
     a, b = torch.randn(m, k), torch.randn(k, n)
     torch.mm(a, b)
     best = 0.0
-    for _ in range(3):
+    for _ in range(windows):
         reps, t0 = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - t0) < min_s or reps == 0:
             torch.mm(a, b)

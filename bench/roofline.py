@@ -75,13 +75,15 @@ def stage_flops(cfg, iteration: int) -> tuple[dict[str, int], Dims, int]:
 
 
 def peak_gflops(dims: Dims, micro_batch_tokens: int) -> dict[str, float]:
-    """Best float32 GFLOP/s of torch.mm on the model's shapes, one micro-batch of tokens as the rows."""
+    """Best float32 GFLOP/s of torch.mm on the model's shapes, one micro-batch of tokens as the rows. Best of 10
+    windows: measured right after the pipeline ends, a window can still share the cores with its processes' exit (a
+    run at 6b41767 read 137 GFLOP/s on the MLP shape where the next read 179)."""
     shapes = {
         "mlp": (dims.hidden, dims.intermediate),
         "attn": (dims.hidden, dims.heads * dims.head_dim),
         "head": (dims.hidden, dims.vocab),
     }
-    return {name: round(matmul_gflops(micro_batch_tokens, k, n), 1) for name, (k, n) in shapes.items()}
+    return {name: round(matmul_gflops(micro_batch_tokens, k, n, windows=10), 1) for name, (k, n) in shapes.items()}
 
 
 def iteration_walls(rows: list[dict], started: float) -> tuple[float, float]:
