@@ -41,8 +41,9 @@ The adaptations (what upstream does; installed or called by; the test that fails
 Left where they are, listed so that this is the one list:
 - `guard_os_exit` (engines/rewards/threaded.py): our guard around users' reward code, not an upstream library.
 - Workarounds made with upstream's own settings, next to the code that passes them: vLLM's chunked prefill
-  off on CPU (`whole_prefill_kwargs`, engines/rollout/vllm_engine.py), its IPC sockets in a private folder and
-  a log filter (engines/rollout/vllm_process.py).
+  off on CPU (`whole_prefill_kwargs`, engines/rollout/vllm_engine.py), its IPC sockets in a private folder, its
+  CPU engine core bound to every CPU of the process (`bind_all_cpus`) and a log filter
+  (engines/rollout/vllm_process.py).
 
 Floor: this package imports no other package of ppoflow (tests/unit/test_import_graph.py), so an entry point
 on any floor can install it, and the config package never imports Prefect's internals through it.
