@@ -11,6 +11,9 @@ iteration's own shards, each stage's FLOPs (bench/roofline_flops.py states the m
   update   counted: stages.update.train_on with a trainer built at the iteration's starting checkpoint, over the
            scored shard (the same micro-batches, padding, shared prompts and passes the stage ran);
   checkpoint: no FLOPs (writes and hashes).
+The update stage's seconds are also split (its own timing/update_train and timing/update_save): `train_s` is the PPO
+update, whose ratio to the update's bound (`train_ratio`) is its compute efficiency; `save_s` writes and hashes the
+staged checkpoint (weights and optimizer state); the rest of the stage reads the shards and writes the experience.
 
 Bound: FLOPs / peak, where peak = the best float32 torch.mm GFLOP/s on the model's own shapes (one micro-batch's
 tokens x the MLP, attention-projection and LM-head widths) at this process's thread count, measured in the same run
@@ -108,6 +111,12 @@ def roofline(flops: dict[str, int], seconds: dict[str, float], wall: float, peak
             "measured_s": round(measured, 3) if measured is not None else None,
             "ratio": round(measured / bound, 2) if measured is not None and bound > 0 else None,
         }
+    parts = {part: seconds.get(f"timing/update_{part}") for part in ("train", "save")}  # inside the update stage
+    if parts["train"] is not None:
+        out["update"]["train_s"] = round(parts["train"], 3)
+        out["update"]["train_ratio"] = round(parts["train"] / (flops["update"] / (peak * 1e9)), 2)
+    if parts["save"] is not None:
+        out["update"]["save_s"] = round(parts["save"], 3)
     total = sum(flops.values())
     staged = sum(seconds.get(f"timing/{s}", 0.0) for s in STAGES)
     out["iteration"] = {

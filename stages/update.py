@@ -82,10 +82,13 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
         cfg.storage, scored, "update", iteration, moved_to=layout.url(layout.stage_dir(iteration, "scored"))
     )
     trainer = take_trainer(cfg, policy)
+    training = time.perf_counter()
     result = train_on(trainer, table)
+    trained = time.perf_counter()
     result.metrics = gate_mismatch(cfg, iteration, policy, table, result.metrics)  # before anything is staged
     curriculum, curriculum_metrics = next_state(cfg, policy, table)  # data.reasoning_gym.curriculum: the next level
     exp_manifest = write_stage_table(cfg, layout, iteration, "experience", experience_table(table, result))
+    saving = time.perf_counter()
     with checkpoint_scratch(layout) as tmp:
         hashed = trainer.save(
             tmp,
@@ -96,7 +99,10 @@ def run_update(cfg, iteration: int, policy: PolicyRef, scored: ScoreManifest) ->
             f.write(cfg.to_yaml())
         stage_state(tmp, curriculum)
         staged = save_checkpoint_files(layout, iteration, tmp, move=True, known_sha256=hashed)
+    saved = time.perf_counter()
     weights_id = checkpoint_weights_id(staged["files"])
     warm.put(trainer_key(weights_id), trainer)
     metrics = {**result.metrics, **curriculum_metrics, "async/staleness": staleness(policy, table)}
+    # where the stage's seconds go (bench.roofline): the PPO update itself, and the checkpoint written and hashed
+    metrics["timing/update_train"], metrics["timing/update_save"] = trained - training, saved - saving
     return update_manifest(layout, iteration, weights_id, exp_manifest.content_hash, metrics, started)

@@ -110,3 +110,13 @@ class TestRooflineFigures:
         assert out["checkpoint"]["ratio"] is None  # no FLOPs: no bound to be a multiple of
         # 6 GFLOP against 12.5 s; 12.5 - (4 + 1 + 6 + 0.5) = 1 s outside the stages
         assert out["iteration"] == {"gflop": 6.0, "bound_s": 6.0, "measured_s": 12.5, "ratio": 2.08, "outside_s": 1.0}
+
+    def test_the_update_split_into_its_ppo_update_and_its_checkpoint_save(self):
+        from bench.roofline import roofline
+
+        flops = {"rollout": 0, "score": 0, "update": 3e9, "checkpoint": 0}
+        seconds = {"timing/update": 6.0, "timing/update_train": 4.5, "timing/update_save": 1.2}
+        out = roofline(flops, seconds, wall=6.0, peak=1.0)["update"]
+        # the update's 3 GFLOP are the PPO update's alone: 4.5 s against 3 s is 1.5x; the save has no bound
+        assert (out["ratio"], out["train_s"], out["train_ratio"], out["save_s"]) == (2.0, 4.5, 1.5, 1.2)
+        assert "train_s" not in roofline(flops, {"timing/update": 6.0}, wall=6.0, peak=1.0)["update"]  # older rows
