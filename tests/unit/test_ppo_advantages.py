@@ -1,5 +1,6 @@
 """GAE, discounted returns, whitening, group estimators and the compute_advantages dispatcher."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -80,8 +81,10 @@ class TestMaskedWhiten:
         kept = masked_whiten(x, mask, shift_mean=shift_mean)[mask == 1]
         target_mean = 0.0 if shift_mean else x[mask == 1].mean().item()
         assert kept.mean().item() == pytest.approx(target_mean, abs=1e-9)
-        # population std is 1 up to eps = 1e-8 in the variance: relative error <= 1e-8 / var
-        assert kept.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-6)
+        # population std is 1 up to eps = 1e-8 in the variance: exactly sqrt(var / (var + eps)), var computed here
+        # by numpy (a bound of "1 within 1e-6" fails for close pairs: lengths [2], var 5e-4 gives 0.99999)
+        var = float(np.var(x[mask == 1].numpy()))
+        assert kept.std(unbiased=False).item() == pytest.approx((var / (var + 1e-8)) ** 0.5, rel=1e-9)
 
     def test_empty_mask_raises(self):
         with pytest.raises(ValueError, match="no position"):
