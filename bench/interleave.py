@@ -1,4 +1,4 @@
-"""Two benchmark sides measured iteration by iteration in turn: one runs while the other is stopped.
+"""Benchmark sides measured iteration by iteration in turn: one runs while the others are stopped.
 
 Why: on these machines the speed of the host drifts by 10-30% over minutes (the same pipeline measured 6.5 and
 9.9 s per iteration in two runs ten minutes apart), which drowns a 5% difference between two sides run one after
@@ -12,8 +12,10 @@ iteration, and SIGCONT when its turn comes. A stopped side uses no CPU, so it do
 side's iteration time is the wall time between two of its own iteration ends minus the time it was stopped in
 between; the side reports its ends as unix times, so the controller's polling delay changes nothing.
 
-Order: the first side's start-up and first iteration run alone, then the second's; then the turns, the order
-swapped every round (A B, B A, ...) so that a trend over the run favours neither side.
+Order: the first side's start-up and first iteration run alone, then the second's (and so on); then the turns,
+the order reversed every round (A B C, C B A, ...) so that a trend over the run favours no side. Two sides are the
+usual case (a variant and its baseline); four measure a baseline ratio at two commits in one run (bench.overhead
+--vs), each iteration of each side a few seconds from the others' on the same host.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 POLL_S = 0.01
 
@@ -160,17 +162,17 @@ def _drain(stream, sink: list[str]) -> None:
 
 
 def run_in_turns(
-    start_first: Callable[[], Side], start_second: Callable[[], Side], iterations: int, timeout_s: float = 1800.0
+    starts: Sequence[Callable[[], Side]], iterations: int, timeout_s: float = 1800.0
 ) -> dict[str, list[float]]:
-    """Start the first side and run it to the end of its first iteration (then stopped), the same for the second,
-    then give them iterations 2..`iterations` in turns, the order swapped each round. Returns each side's active
-    seconds per iteration 2..`iterations` ({side name: [...]}). Both processes are gone when this returns."""
+    """Start each side in `starts` order and run it to the end of its first iteration (then stopped), one after the
+    other, then give them iterations 2..`iterations` in turns, the order reversed each round. Returns each side's
+    active seconds per iteration 2..`iterations` ({side name: [...]}). Every process is gone when this returns."""
     from flows.failure import raise_on_sigterm
 
     sides: list[Side] = []
     previous = raise_on_sigterm()  # a `kill` of this controller must not leave a side stopped (state T) for good
     try:
-        for start in (start_first, start_second):
+        for start in starts:
             side = start()
             sides.append(side)
             side.run_until(1, timeout_s)

@@ -1,7 +1,7 @@
 """Pipeline overhead: the same PPO iterations through the full pipeline (Prefect flows and tasks, Arrow
 shards, checkpoints on local storage) and through the engines in a bare loop (no Prefect, no storage).
 
-    python -m bench.overhead [--iterations 6] [--rounds 1] [--workload batch|tiny|both]
+    python -m bench.overhead [--iterations 6] [--rounds 1] [--workload batch|tiny|both] [--vs TREE]
 
 Each variant runs in its own fresh process (engines built from scratch in both). After each side's start-up and
 first iteration (run alone, excluded from the figures), the two take turns one iteration at a time, the other
@@ -23,6 +23,10 @@ Baseline: the bare engine loop. Figures:
 - tiny_ratio: the same on the demo's workload (32 prompts x 4 samples, ~0.5 s of compute per
   iteration), where that fixed cost dominates.
 - overhead_s_per_iter: pipeline minus bare seconds per iteration, per workload.
+- vs (with --vs TREE, a source tree of another commit, e.g. `git worktree add ../old <commit>`): that commit's
+  pipeline and bare sides take their turns in the same runs, four sides in all, so both commits' ratios come from
+  iterations seconds apart on the same host; its figures per workload under "vs", its headline ratios and commit
+  under the line's "vs". The same Python runs both trees (one virtual environment).
 - to_first_iteration_s (per side, median over rounds) and startup_extra_s (pipeline minus bare): what a user
   waits from starting the process to the end of iteration 1 (imports, Prefect's temporary server, the
   engines' builds, the first iteration), each side run alone then (the other stopped or not yet started).
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,7 +126,8 @@ def worker(variant: str, workdir: str, iterations: int, workload: str, run: str)
     print(json.dumps({"variant": variant, "ends": ends, "rewards": rewards}), flush=True)
 
 
-def _start_side(variant: str, workdir: str, iterations: int, workload: str, run: str):
+def _start_side(variant: str, workdir: str, iterations: int, workload: str, run: str, tree: Path = REPO, name=None):
+    """One side: `variant` run by `python -m bench.overhead --worker` in source tree `tree` (this one, or --vs's)."""
     from bench.interleave import MetricsEnds, Side
 
     env = {
@@ -139,36 +145,31 @@ def _start_side(variant: str, workdir: str, iterations: int, workload: str, run:
         ends = MetricsEnds(os.path.join(workdir, "runs", run, "metrics.jsonl"))
     else:
         ends = lambda: [line["end"] for line in side.printed("end")]  # noqa: E731
-    side = Side(variant, argv, ends, cwd=REPO, env=env)
+    side = Side(name or variant, argv, ends, cwd=tree, env=env)
     return side
 
 
-def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
-    """Per-iteration seconds of both variants, measured in turns (bench/interleave.py) over `rounds` runs (the
-    side that starts first alternates by run); medians over all iterations 2..`iterations` of all runs."""
-    from bench.interleave import run_in_turns
+def source_tree(path: str) -> dict:
+    """--vs's source tree: its absolute path and commit. `python -m` there must import that tree's modules, not this
+    one's (an editable install of ppoflow resolves after the working folder): checked, ValueError naming the path."""
+    tree = Path(path).resolve()
+    probe = subprocess.run(
+        [sys.executable, "-c", "import flows, stages; print(flows.__file__); print(stages.__file__)"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = probe.stdout.split()
+    if probe.returncode != 0 or not found or any(not Path(f).resolve().is_relative_to(tree) for f in found):
+        raise ValueError(f"--vs {path}: python there imports {found or probe.stderr[-500:]}, not that tree's modules")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    return {"tree": str(tree), "commit": commit.stdout.strip() or "unknown"}
 
-    times: dict[str, list[float]] = {"pipeline": [], "bare": []}
-    first: dict[str, list[float]] = {"pipeline": [], "bare": []}  # process start -> end of iteration 1, alone
-    rewards: dict[str, list] = {}
-    for r in range(rounds):
-        order = ("pipeline", "bare") if r % 2 == 0 else ("bare", "pipeline")
-        started = {}
 
-        def starter(variant: str):
-            def start():
-                # a run per workload, side and round: `--workload both` runs both workloads in one folder
-                run = f"overhead-{workload}-{variant}-{r}"
-                started[variant] = _start_side(variant, workdir, iterations, workload, run)
-                return started[variant]
-
-            return start
-
-        seconds = run_in_turns(starter(order[0]), starter(order[1]), iterations)
-        for variant in order:
-            times[variant] += seconds[variant]
-            rewards[variant] = started[variant].result("variant")["rewards"]
-            first[variant].append(started[variant].ends()[0] - started[variant].started_at)
+def side_figures(times: dict, first: dict, rewards: dict) -> dict:
+    """One tree's figures from its sides' per-iteration seconds {pipeline, bare: [...]}, their start-up seconds to the
+    end of iteration 1 ({variant: [per round]}) and rewards."""
     pipeline, bare = statistics.median(times["pipeline"]), statistics.median(times["bare"])
     # pairs: iteration k of both sides (the same samples, so the same work), measured seconds apart
     pairs = [p / b for p, b in zip(times["pipeline"], times["bare"])]
@@ -189,6 +190,43 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str) -> dict:
     }
 
 
+def measure(workload: str, iterations: int, rounds: int, workdir: str, vs: Path | None = None) -> dict:
+    """Per-iteration seconds of both variants, measured in turns (bench/interleave.py) over `rounds` runs (the
+    order of the sides reverses by run); medians over all iterations 2..`iterations` of all runs. With `vs` (another
+    commit's source tree), its pipeline and bare sides take their turns in the same runs: its figures under "vs"."""
+    from bench.interleave import run_in_turns
+
+    trees = {"": REPO, **({"@vs": vs} if vs is not None else {})}
+    names = [v + tag for tag in trees for v in ("pipeline", "bare")]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    first: dict[str, list[float]] = {n: [] for n in names}  # process start -> end of iteration 1, alone
+    rewards: dict[str, list] = {}
+    for r in range(rounds):
+        started = {}
+
+        def starter(name: str):
+            variant, tag = name.split("@")[0], name[len(name.split("@")[0]) :]
+
+            def start():
+                # a run per workload, side and round: `--workload both` runs both workloads in one folder
+                run = f"overhead-{workload}-{variant}-{r}" + tag.replace("@", "-")
+                started[name] = _start_side(variant, workdir, iterations, workload, run, trees[tag], name)
+                return started[name]
+
+            return start
+
+        seconds = run_in_turns([starter(n) for n in (names if r % 2 == 0 else names[::-1])], iterations)
+        for name in names:
+            times[name] += seconds[name]
+            rewards[name] = started[name].result("variant")["rewards"]
+            first[name].append(started[name].ends()[0] - started[name].started_at)
+
+    def tree_figures(tag: str) -> dict:
+        return side_figures(*({v: d[v + tag] for v in ("pipeline", "bare")} for d in (times, first, rewards)))
+
+    return {**tree_figures(""), **({"vs": tree_figures("@vs")} if vs is not None else {})}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=6)
@@ -197,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", choices=["pipeline", "bare"])
     p.add_argument("--workdir")
     p.add_argument("--run")
+    p.add_argument("--vs", help="another commit's source tree (a git worktree) measured in the same turns")
     a = p.parse_args(argv)
     if a.worker:
         worker(a.worker, a.workdir, a.iterations, a.workload, a.run)
@@ -204,8 +243,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.iterations < 2:
         raise SystemExit("--iterations must be >= 2 (the first iteration is excluded)")
     workloads = ["batch", "tiny"] if a.workload == "both" else [a.workload]
+    vs = source_tree(a.vs) if a.vs else None
     with tempfile.TemporaryDirectory(prefix="ppoflow-overhead-") as workdir:
-        results = {w: measure(w, a.iterations, a.rounds, workdir) for w in workloads}
+        tree = Path(vs["tree"]) if vs else None
+        results = {w: measure(w, a.iterations, a.rounds, workdir, tree) for w in workloads}
     figures = {
         "baseline": "bare engine loop (no Prefect, no storage)",
         "iterations": a.iterations,
@@ -214,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
         "goal": "<= 1.05",
         **workload_figures(results),
     }
+    if vs:  # the other commit's headline ratios, measured in the same turns
+        headline = {"batch": "ratio", "tiny": "tiny_ratio"}
+        figures["vs"] = {**vs, **{headline[w]: r["vs"]["ratio"] for w, r in results.items()}}
     emit("overhead", figures)
 
 

@@ -132,7 +132,7 @@ def run_in_turns_pair(first: str, second: str, workdir: str, api_url: str, a, wo
         return start
 
     try:
-        seconds = run_in_turns(starter(first), starter(second), a.iterations)
+        seconds = run_in_turns([starter(first), starter(second)], a.iterations)
     finally:
         for one in started.values():
             stop_workers(list(one.workers.values()))

@@ -43,7 +43,7 @@ def _side(name, sides=None, spin_s: float = SPIN_S):
 def test_sides_take_turns_and_stopped_time_is_left_out():
     started = time.time()
     sides = {}
-    seconds = run_in_turns(_side("a", sides), _side("b", sides, OTHER_SPIN_S), ITERATIONS, timeout_s=120)
+    seconds = run_in_turns([_side("a", sides), _side("b", sides, OTHER_SPIN_S)], ITERATIONS, timeout_s=120)
     wall = time.time() - started
     for name, side in sides.items():
         # start-up + first iteration, run alone: the interpreter's start, then its CPU seconds (never less in wall)
@@ -66,7 +66,7 @@ def test_a_side_that_dies_fails_the_measurement_with_its_stderr():
         return Side("broken", [sys.executable, "-c", "import sys; sys.exit('no engine here')"], lambda: [])
 
     try:
-        run_in_turns(start, _side("b"), ITERATIONS, timeout_s=60)
+        run_in_turns([start, _side("b")], ITERATIONS, timeout_s=60)
     except RuntimeError as e:
         assert "broken exited (rc 1)" in str(e) and "no engine here" in str(e)
     else:
@@ -91,7 +91,7 @@ def start(name):
         return side
     return run
 
-run_in_turns(start("a"), start("b"), 1000, timeout_s=600)
+run_in_turns([start("a"), start("b")], 1000, timeout_s=600)
 """
 
 
@@ -124,3 +124,26 @@ def test_a_controller_stopped_with_sigterm_takes_its_sides_with_it():
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"sides {left} outlived their controller (one would stay stopped for good)"
+
+
+def test_three_sides_take_turns_in_an_order_reversed_each_round():
+    sides = {}
+    started = time.time()
+    seconds = run_in_turns([_side(name, sides) for name in "abc"], ITERATIONS, timeout_s=120)
+    wall = time.time() - started
+    assert set(seconds) == {"a", "b", "c"}
+    # each side's iterations hold its own CPU seconds only, not the two others' turns (>= 2 * SPIN_S more)
+    assert all(SPIN_S * 0.95 <= s < 2 * SPIN_S for per in seconds.values() for s in per), seconds
+    assert wall >= 3 * ITERATIONS * SPIN_S * 0.95  # one at a time
+    # the order of the ends of iteration 2 is a b c, of iteration 3 c b a (iteration 1: each alone, in start order)
+    assert sorted("abc", key=lambda n: sides[n].ends()[1]) == ["a", "b", "c"]
+    assert sorted("abc", key=lambda n: sides[n].ends()[2]) == ["c", "b", "a"]
+
+
+def test_overhead_vs_refuses_a_tree_whose_modules_python_does_not_import(tmp_path):
+    import pytest
+
+    from bench.overhead import source_tree
+
+    with pytest.raises(ValueError, match=f"--vs {tmp_path}: python there imports .*not that tree's modules"):
+        source_tree(str(tmp_path))  # an empty folder: `import flows` finds this checkout's (editable install)
