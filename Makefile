@@ -44,8 +44,10 @@ lint: setup
 # Two test processes, each with its own Prefect server: a kill or retry test spends most of its time waiting on a child
 # process or on the server, which the other process fills. worksteal keeps the long tests from ending on one process.
 TEST_WORKERS ?= 2
+# PYTHONDONTWRITEBYTECODE cleared: the hundreds of Python processes the suite starts (runs, workers, ranks, engine
+# cores) read the project's compiled modules instead of compiling them again each (__pycache__ is git-ignored).
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 bench-docs: setup
 	$(PY) -m bench.report

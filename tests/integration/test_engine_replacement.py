@@ -25,8 +25,11 @@ VLLM = {"engine": "vllm", "kv_cache_space_gib": 0.25, "max_model_len": 256}
 ROWS = ("prompt_ids", "response_ids", "rollout_logprobs", "sample_index")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _engines_shut_down():
+    # Once per module: every test here asks for the same engine (model and settings), so a test after another starts
+    # from the engine that test left alive (the replacement it built) instead of building one more. In file order,
+    # the death past the budget comes last: it leaves no live engine.
     yield
     shutdown_all()
 
@@ -49,17 +52,6 @@ def test_a_killed_engine_core_is_replaced_and_the_rows_are_unchanged(
     assert _rows(cfg) == _rows(uninterrupted)
 
 
-def test_a_death_past_the_budget_fails_the_stage_by_name(tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch):
-    killed = kill_engine_core_before_generate(monkeypatch, kills=2)
-    cfg = small_config(str(tmp_path / "runs"), "twice", tiny_model_dir, digits_dataset_dir, rollout=VLLM)
-    with pytest.raises(
-        EngineLost,
-        match=r"rollout stage of iteration 1: the vllm engine died .* rollout.engine_replacements=1 allows no more",
-    ):
-        run_rollout(cfg, 1, policy_ref(cfg, 1))
-    assert len(killed) == 2
-
-
 def test_an_engine_core_killed_in_the_middle_of_a_generate_is_replaced_and_the_rows_are_unchanged(
     tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch
 ):
@@ -76,3 +68,14 @@ def test_an_engine_core_killed_in_the_middle_of_a_generate_is_replaced_and_the_r
     assert manifest.engine_replacements == 1 and manifest.attested.version == 0
     assert _rows(cfg) == _rows(uninterrupted)
     assert max(len(r) for r in _rows(cfg)["response_ids"]) > 1  # (the samples are more than their first token)
+
+
+def test_a_death_past_the_budget_fails_the_stage_by_name(tmp_path, tiny_model_dir, digits_dataset_dir, monkeypatch):
+    killed = kill_engine_core_before_generate(monkeypatch, kills=2)
+    cfg = small_config(str(tmp_path / "runs"), "twice", tiny_model_dir, digits_dataset_dir, rollout=VLLM)
+    with pytest.raises(
+        EngineLost,
+        match=r"rollout stage of iteration 1: the vllm engine died .* rollout.engine_replacements=1 allows no more",
+    ):
+        run_rollout(cfg, 1, policy_ref(cfg, 1))
+    assert len(killed) == 2
