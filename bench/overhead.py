@@ -205,12 +205,12 @@ def measure(workload: str, iterations: int, rounds: int, workdir: str, vs: Path 
         started = {}
 
         def starter(name: str):
-            variant, tag = name.split("@")[0], name[len(name.split("@")[0]) :]
+            variant, at, vs_tag = name.partition("@")  # "pipeline" or "pipeline@vs"
 
             def start():
                 # a run per workload, side and round: `--workload both` runs both workloads in one folder
-                run = f"overhead-{workload}-{variant}-{r}" + tag.replace("@", "-")
-                started[name] = _start_side(variant, workdir, iterations, workload, run, trees[tag], name)
+                run = f"overhead-{workload}-{variant}-{r}" + (f"-{vs_tag}" if at else "")
+                started[name] = _start_side(variant, workdir, iterations, workload, run, trees[at + vs_tag], name)
                 return started[name]
 
             return start
