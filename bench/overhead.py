@@ -240,8 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.worker:
         worker(a.worker, a.workdir, a.iterations, a.workload, a.run)
         return
-    if a.iterations < 2:
-        raise SystemExit("--iterations must be >= 2 (the first iteration is excluded)")
+    if (a.iterations - 1) * a.rounds < 2:  # quartiles of the pairs need two of them
+        raise SystemExit(
+            f"--iterations {a.iterations} --rounds {a.rounds} measures {(a.iterations - 1) * a.rounds} iteration(s) "
+            "per side; at least 2 are needed (the first iteration of each round is excluded)"
+        )
     workloads = ["batch", "tiny"] if a.workload == "both" else [a.workload]
     vs = source_tree(a.vs) if a.vs else None
     with tempfile.TemporaryDirectory(prefix="ppoflow-overhead-") as workdir:

@@ -147,3 +147,14 @@ def test_overhead_vs_refuses_a_tree_whose_modules_python_does_not_import(tmp_pat
 
     with pytest.raises(ValueError, match=f"--vs {tmp_path}: python there imports .*not that tree's modules"):
         source_tree(str(tmp_path))  # an empty folder: `import flows` finds this checkout's (editable install)
+
+
+def test_overhead_refuses_a_run_too_short_for_its_quartiles_before_starting_anything():
+    import pytest
+
+    from bench.overhead import main
+
+    # 2 iterations x 1 round: iteration 1 is excluded, one pair is left and quartiles need two (it used to fail at
+    # the end, after every side had run)
+    with pytest.raises(SystemExit, match=r"--iterations 2 --rounds 1 measures 1 iteration\(s\) per side"):
+        main(["--iterations", "2", "--rounds", "1"])
