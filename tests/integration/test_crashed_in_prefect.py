@@ -1,15 +1,18 @@
 """A `ppoflow train` killed with SIGKILL becomes Crashed in Prefect, and the UI's Retry and `prefect flow-run retry`
 resume it (with `ppoflow serve` running, as the README says).
 
-Sequence (one run, 2 iterations):
-1. start 1 is killed in iteration 1's update: its flow run stays Running (nobody told Prefect);
+Sequence (run "crashy", 2 iterations, and run "abandoned"):
+0. run "abandoned" is killed before iteration 1, and nothing starts it again: Prefect's own zombie detection (the
+   automation `ppoflow train` creates, fed by the flow run's heartbeats) sets it Crashed within MISSED_BEATS
+   heartbeats (checked at step 3: its heartbeat window runs out while steps 1, 2 and 4 go on);
+1. start 1 of crashy is killed in iteration 1's update: its flow run stays Running (nobody told Prefect);
 2. start 2 (the same command) marks start 1 Crashed (runtime/stale_runs.py) and is killed before iteration 1;
-3. nothing starts the run again: Prefect's own zombie detection (the automation `ppoflow train` creates, fed by
-   the flow run's heartbeats) sets start 2 Crashed within MISSED_BEATS heartbeats;
+3. (checked last) "abandoned" is Crashed, by the heartbeat automation;
 4. with `ppoflow serve` running, the exact call the UI's Retry button makes (POST set_state AwaitingRetry,
-   force false) on start 1: served, it trains both iterations and ends Completed;
+   force false) on start 1: served, it takes over start 2's claim (start 2 marked Crashed), trains both
+   iterations and ends Completed;
 5. `prefect flow-run retry` (Prefect's CLI, no --entrypoint) on start 2: served, Completed, nothing trained again.
-Both runs have a deployment (the UI shows Retry only for those).
+The runs have a deployment (the UI shows Retry only for those).
 """
 
 from __future__ import annotations
@@ -81,6 +84,13 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
     config_path = tmp_path / "crashy.yaml"
     config_path.write_text(cfg.to_yaml())
     layout = layout_for(cfg)
+    abandoned_cfg = small_config(str(tmp_path / "runs"), "abandoned", tiny_model_dir, digits_dataset_dir, iterations=1)
+    abandoned_path = tmp_path / "abandoned.yaml"
+    abandoned_path.write_text(abandoned_cfg.to_yaml())
+
+    abandoned = _killed_train(abandoned_path, "flows.iteration:ppo_iteration@1")
+    assert abandoned.returncode == -signal.SIGKILL, abandoned.stderr[-3000:]
+    abandoned_at = time.time()
 
     first = _killed_train(config_path, "stages.update:train_on@1")
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
@@ -91,7 +101,6 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
 
     second = _killed_train(config_path, "flows.iteration:ppo_iteration@1")
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
-    killed_at = time.time()
     serve = subprocess.Popen(
         [sys.executable, "-m", "cli", "serve"],
         cwd=REPO,
@@ -115,11 +124,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
             ]
             assert subflows == [], [(fr.name, fr.state) for fr in subflows]  # start 1's iteration subflow too
 
-            # Step 3: the heartbeat automation. Start 2 beat last at most HEARTBEAT_S before it died; its window
-            # is MISSED_BEATS beats; the server evaluates proactive triggers every 5 s: 60 s of slack on a busy CI.
-            run_2 = _wait_for_state(client, run_2.id, "CRASHED", HEARTBEAT_S * MISSED_BEATS + 60)
-            assert run_2.state.type.value == "CRASHED", (run_2.state, time.time() - killed_at)
-            assert "no heartbeat" in run_2.state.message, run_2.state
+            assert run_2.state.type.value == "RUNNING"  # until a start takes its claim over (step 4)
 
             # Step 4: the UI's Retry (prefect-ui-library FlowRunsApi.retryFlowRun), verbatim.
             answer = httpx.post(
@@ -147,6 +152,8 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
                     assert stage_runs == sorted(f"{stage}-iter-{i}" for stage in STAGES), (sub.name, stage_runs)
             others = sorted((sub.name, sub.state.type.value) for sub, _ in runs if not sub.state.is_completed())
             assert others == [("crashy/iter-0001", "CRASHED")], others
+            run_2 = client.read_flow_run(run_2.id)  # the retry took start 2's claim over
+            assert run_2.state.type.value == "CRASHED" and "died" in run_2.state.message, run_2.state
 
         # Step 5: Prefect's CLI retry of a deployment run: no --entrypoint.
         retry = prefect_cli("flow-run", "retry", str(run_2.id), env=_env(), timeout_s=120)
@@ -155,6 +162,15 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
             run_2 = _wait_for_state(client, run_2.id, "COMPLETED", 600)
             assert run_2.state.type.value == "COMPLETED", (run_2.state, (tmp_path / "serve.log").read_text()[-3000:])
         assert [row["iteration"] for row in read_metrics(layout)] == [1, 2]  # nothing trained twice
+
+        # Step 3, last: the heartbeat window of "abandoned" ran out while steps 1, 2, 4 and 5 went on.
+        with get_client(sync_client=True) as client:
+            (lost,) = _training_runs(client, "abandoned")
+            # It beat last at most HEARTBEAT_S before it died; its window is MISSED_BEATS beats; the server evaluates
+            # proactive triggers every 5 s: 60 s of slack on a busy CI.
+            lost = _wait_for_state(client, lost.id, "CRASHED", HEARTBEAT_S * MISSED_BEATS + 60)
+            assert lost.state.type.value == "CRASHED", (lost.state, time.time() - abandoned_at)
+            assert "no heartbeat" in lost.state.message, lost.state
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         serve.wait(timeout=60)
