@@ -39,6 +39,14 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
 
 
+def _config_file(tmp_path: Path, name: str, model_dir, data_dir, iterations: int):
+    """Run `name`'s small config under tmp_path/runs and the YAML file `ppoflow train` is given: (config, path)."""
+    cfg = small_config(str(tmp_path / "runs"), name, model_dir, data_dir, iterations=iterations)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return cfg, path
+
+
 def _killed_train(config_path: Path, kill: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tests.fixtures.kill_cli", kill, "train", str(config_path)],
@@ -80,13 +88,9 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
     from storage.layout import layout_for
     from tests.integration.test_retry_history import STAGES, _iteration_runs
 
-    cfg = small_config(str(tmp_path / "runs"), "crashy", tiny_model_dir, digits_dataset_dir, iterations=2)
-    config_path = tmp_path / "crashy.yaml"
-    config_path.write_text(cfg.to_yaml())
+    cfg, config_path = _config_file(tmp_path, "crashy", tiny_model_dir, digits_dataset_dir, iterations=2)
     layout = layout_for(cfg)
-    abandoned_cfg = small_config(str(tmp_path / "runs"), "abandoned", tiny_model_dir, digits_dataset_dir, iterations=1)
-    abandoned_path = tmp_path / "abandoned.yaml"
-    abandoned_path.write_text(abandoned_cfg.to_yaml())
+    _, abandoned_path = _config_file(tmp_path, "abandoned", tiny_model_dir, digits_dataset_dir, iterations=1)
 
     abandoned = _killed_train(abandoned_path, "flows.iteration:ppo_iteration@1")
     assert abandoned.returncode == -signal.SIGKILL, abandoned.stderr[-3000:]

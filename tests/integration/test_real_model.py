@@ -50,7 +50,6 @@ def _config(root: Path, model_dir: Path):
             "rollout.prompts_per_iteration=4",
             "rollout.n_samples=2",
             "rollout.max_new_tokens=8",
-            "rollout.kv_cache_space_gib=0.5",
             "train.train_batch_size=8",
             "train.micro_batch_size=8",
             "train.actor_lr=1e-4",  # a visible step in 2 iterations (the recipe's 1e-5 moves log-probs < 1e-3)

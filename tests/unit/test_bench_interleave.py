@@ -9,6 +9,8 @@ side does. A wall-clock sleep would not do: it goes on while the process is stop
 import sys
 import time
 
+import pytest
+
 from bench.interleave import Side, run_in_turns
 
 SPIN_S = 0.25  # side a's CPU seconds per iteration
@@ -141,8 +143,6 @@ def test_three_sides_take_turns_in_an_order_reversed_each_round():
 
 
 def test_overhead_vs_refuses_a_tree_whose_modules_python_does_not_import(tmp_path):
-    import pytest
-
     from bench.overhead import source_tree
 
     with pytest.raises(ValueError, match=f"--vs {tmp_path}: python there imports .*not that tree's modules"):
@@ -150,8 +150,6 @@ def test_overhead_vs_refuses_a_tree_whose_modules_python_does_not_import(tmp_pat
 
 
 def test_overhead_refuses_a_run_too_short_for_its_quartiles_before_starting_anything():
-    import pytest
-
     from bench.overhead import main
 
     # 2 iterations x 1 round: iteration 1 is excluded, one pair is left and quartiles need two (it used to fail at
