@@ -24,6 +24,7 @@ enable_sleep_mode raises ValueError (vLLM's sleep mode needs CUDA's memory pool)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from typing import Optional, Sequence
 from adaptations.vllm import allow_function_rpc, retie_lm_head
 from adaptations.vllm_client_watch import client_named
 from adaptations.vllm_dead_core import core_is_dead, fail_fast_on_dead_core
+from adaptations.vllm_worker_in_core import worker_in_engine_core
 from engines.rollout.base import EngineDied, RolloutSample, SamplingSettings
 from engines.rollout.vllm_logprobs import LOGPROBS_MODES, LogprobsMode, logprobs_are_exact, sampled_logprobs
 from engines.rollout.vllm_process import (
@@ -169,7 +171,9 @@ class VLLMRolloutEngine:
             context = self.settings.max_model_len or int(model_config.get("max_position_embeddings") or 0)
             llm_kwargs.update(whole_prefill_kwargs(context))
         allow_function_rpc()  # retie_lm_head (a tied model) and vllm_worker_digest are functions sent to the worker
-        with client_named():  # its engine core dies with this process, even SIGKILLed (adaptations/vllm_client_watch)
+        # its engine core dies with this process, even SIGKILLed (adaptations/vllm_client_watch); on CPU it runs the
+        # model itself instead of starting a worker process for it (adaptations/vllm_worker_in_core)
+        with client_named(), contextlib.nullcontext() if on_gpu else worker_in_engine_core():
             self._llm = LLM(model=str(path), seed=seed, **llm_kwargs)
         if not fail_fast_on_dead_core(self._llm):  # a dead engine core raises instead of blocking generate for good
             log.warning("this vLLM's client is not the one adaptations/vllm_dead_core.py knows: a dead core may hang")

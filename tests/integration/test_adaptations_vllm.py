@@ -8,6 +8,7 @@ process (VLLMRolloutEngine.shutdown reaps every child process).
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -50,3 +51,32 @@ def test_vllm_still_keeps_a_tied_heads_old_kernel_after_a_reload_until_retie_lm_
     # upstream still: the embedding moved, the head samples with neither folder's weights
     assert _worst_logprob_gap(stale, moved) > 1e-2 and _worst_logprob_gap(stale, tied) > 1e-2
     assert _worst_logprob_gap(fixed, moved) < 2e-5  # re-tied: the new folder's forward
+
+
+_OMP_KEYS = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def test_vllm_still_runs_a_one_rank_cpu_model_in_a_process_of_its_own_until_worker_in_engine_core(
+    tiny_model_dir, monkeypatch
+):
+    """adaptations/vllm_worker_in_core.py. vLLM decides the executor while it builds its config, before it spawns
+    anything: the config (what `LLM(...)` builds first) shows the decision without starting an engine."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from adaptations.vllm_worker_in_core import worker_in_engine_core
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # the engine's one CPU, as the engine sets it
+
+    def executor() -> str:
+        args = EngineArgs(model=str(tiny_model_dir), enforce_eager=True, kv_cache_memory_bytes=2**28, max_model_len=256)
+        return args.create_engine_config().parallel_config.distributed_executor_backend
+
+    for key in _OMP_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    assert executor() == "mp"  # upstream still: one rank on CPU gets a worker process
+    with worker_in_engine_core() as installed:
+        inside, environment = executor(), {key: os.environ.get(key) for key in _OMP_KEYS}
+    assert installed and inside == "uni"  # the engine core runs the model itself
+    assert environment["OMP_NUM_THREADS"] == "1"  # for the core to inherit: one thread per bound CPU
+    after = {key: os.environ.get(key) for key in _OMP_KEYS}
+    assert after == dict.fromkeys(_OMP_KEYS) and executor() == "mp"  # restored; outside the context, upstream's

@@ -257,7 +257,10 @@ def test_registry_reuses_engine_then_shuts_down_cleanly(engine, tiny_model_dir, 
     same = get_rollout_engine(rollout_cfg, model_cfg, str(tiny_model_dir), version=4, seed=0)
     assert same is engine and engine.policy_version == 4  # version changed -> load_weights, not a rebuild
     assert get_rollout_engine(rollout_cfg, model_cfg, str(tiny_model_dir), version=4, seed=0) is engine
-    assert any(p.name().startswith("VLLM") for p in psutil.Process().children(recursive=True))
+    # one process: the engine core runs the model itself, no worker beside it (adaptations/vllm_worker_in_core)
+    assert [p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")] == [
+        "VLLM::EngineCore"
+    ]
     shutdown_all()
 
     # Only vLLM's processes count: the engine core and its workers (named VLLM::..., or spawned by
