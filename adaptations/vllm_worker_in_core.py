@@ -18,8 +18,9 @@ then runs the model itself, on the same CPUs with the same threads.
 Measured on the tiny test model (2 cores): an engine starts in 14.8 s instead of 20.9 s, the engine's processes
 peak at 1.47 GiB instead of 1.98 GiB, and the seeded samples and their log-probs are the same. Anything that is
 not a one-rank CPU engine built inside the context (a GPU, tensor parallelism, another caller of vLLM) is left
-to upstream. tests/integration/test_adaptations_vllm.py builds an engine without it and fails once vLLM keeps its
-one-rank CPU worker in the engine core by itself.
+to upstream. tests/integration/test_adaptations_vllm.py builds vLLM's config (where the executor is decided) with
+and without it, and fails once vLLM keeps its one-rank CPU worker in the engine core by itself;
+tests/integration/test_vllm_rollout.py asserts that an engine is the one process VLLM::EngineCore.
 """
 
 from __future__ import annotations
