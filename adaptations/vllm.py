@@ -14,9 +14,9 @@ The fix (`retie_lm_head`, run in vLLM's worker process after each reload of a ti
 embedding's weight again and rebuild its kernel (`quant_method.process_weights_after_loading`). It is sent as a
 function through `collective_rpc`, which vLLM pickles only with VLLM_ALLOW_INSECURE_SERIALIZATION=1: the engine
 sets it for its own engine-core process, whose sockets live in a private folder of this process
-(engines/rollout/vllm_process.py). tests/integration/test_vllm_tied_head.py checks the reloaded tied model's
-log-probs against a transformers forward of the new folder (fails without this);
-tests/integration/test_adaptations_vllm.py reloads without it and fails once vLLM re-ties the head itself.
+(engines/rollout/vllm_process.py). tests/integration/test_adaptations_vllm.py, on one engine: vLLM's own reload
+without it samples neither folder's forward (fails once vLLM re-ties the head itself), and the engine's
+load_weights, which calls it, samples a transformers forward of the new folder (fails without this).
 """
 
 from __future__ import annotations
