@@ -16,6 +16,11 @@ The adaptations (what upstream does; installed or called by; the test that fails
   a SIGKILL of that run (stopped from an atexit hook only). By install_process_adaptations.
   tests/unit/test_adaptations_prefect_server.py.
 - `prefect_server.ReplayOnConflict`: the same replay for `ppoflow prefect-server` (cli/serve.py). Same test.
+- `prefect_sigterm.remember_sigterm` (with `noting_sigterm`, `redeliver_lost_sigterm`), Prefect 3.7.7: the
+  TerminationSignal its SIGTERM handler raises is dropped when the handler runs inside a weakref callback or a
+  finalizer ("Exception ignored"), and the run trains on. By install_process_adaptations; flows/failure.py wraps
+  ppoflow's own handler; flows/iteration.py and flows/pipeline.py deliver a dropped signal again.
+  tests/unit/test_adaptations_prefect_sigterm.py.
 - `prefect_task_worker.SlotTaskWorker`, Prefect 3.7.7: its task worker stays subscribed while busy (the server hands
   it the next run, which waits for the slot while another worker idles) and ends at a handshake timeout. Used by
   runtime/workers.py (warm stage workers). tests/unit/test_adaptations_prefect_task_worker.py;
@@ -63,15 +68,18 @@ from __future__ import annotations
 
 
 def install_process_adaptations() -> dict[str, bool]:
-    """Install the process-wide adaptations (Prefect's client TLS context, Prefect's temporary server). Idempotent.
+    """Install the process-wide adaptations (Prefect's client TLS context, Prefect's temporary server, Prefect's
+    SIGTERM handler). Idempotent.
 
     Returns {name: installed}: False where upstream no longer looks as the adaptation expects (it then changes
     nothing) or, for the temporary server, where this process has a PREFECT_API_URL (no temporary server).
     """
     from adaptations.prefect_client import share_tls_context
     from adaptations.prefect_server import replay_on_temporary_server
+    from adaptations.prefect_sigterm import remember_sigterm
 
     return {
         "prefect_client.share_tls_context": share_tls_context(),
         "prefect_server.replay_on_temporary_server": replay_on_temporary_server(),
+        "prefect_sigterm.remember_sigterm": remember_sigterm(),
     }

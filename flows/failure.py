@@ -68,13 +68,16 @@ def raise_on_sigterm():
     import signal
     import threading
 
+    from adaptations.prefect_sigterm import noting_sigterm
+
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def terminated(signum, frame):
         raise Terminated("stopped by SIGTERM")
 
-    return signal.signal(signal.SIGTERM, terminated)
+    # noted: raised inside a weakref callback it would be dropped; the next stage delivers it again
+    return signal.signal(signal.SIGTERM, noting_sigterm(terminated))
 
 
 def failed_stage(tb: Optional[TracebackType]) -> tuple[Optional[str], Optional[int]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import flow
 
+from adaptations.prefect_sigterm import redeliver_lost_sigterm
 from flows.failure import StageError
 from flows.records import read_metrics, record_metrics
 from ppoflow.config import as_config
@@ -134,6 +135,7 @@ def ppo_iteration(config: dict[str, Any], iteration: int) -> dict[str, Any]:
         stage_inputs["eval"] = lambda: {"policy": policy_ref(cfg, iteration + 1)}
     executors = executors_for(cfg)  # where each stage runs (runtime/executors.py)
     for stage, inputs in stage_inputs.items():
+        redeliver_lost_sigterm()  # a SIGTERM Python dropped stops the run here, not after 200 more iterations
         started = time.perf_counter()
         try:
             # a fork replaying its parent's saved rollout samples nothing: the parent's manifest (runtime/replay.py)

@@ -34,6 +34,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import SettingsContext, get_settings_context
 from prefect.futures import PrefectFuture
 
+from adaptations.prefect_sigterm import redeliver_lost_sigterm
 from flows.iteration import ppo_iteration
 from runtime.in_flight import register_in_flight
 from storage.layout import layout_for
@@ -75,6 +76,7 @@ def run_pipelined(cfg, start: int, on_row: Callable[[dict[str, Any]], None]) -> 
     upcoming = start
     try:
         while upcoming <= cfg.run.iterations or in_flight:
+            redeliver_lost_sigterm()  # the iterations run in threads: the main thread checks for a dropped SIGTERM
             while upcoming <= cfg.run.iterations and len(in_flight) <= k:
                 future = iteration_slot.submit(config, upcoming)
                 register_in_flight(run_dir, upcoming, future)
