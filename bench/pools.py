@@ -56,6 +56,7 @@ from bench.processes import (
     WARM_GROUPS,
     add_driver_arguments,
     child_env,
+    create_process_pools,
     prefect_cli,
     run_driver,
     start_workers,
@@ -187,12 +188,8 @@ def worker_checks(variant: str, data: dict) -> dict:
 
 def deploy_pools(api_url: str, workdir: str) -> None:
     """Create the process work pools and deploy prefect.yaml (as tests/integration/test_pipeline_pools.py does)."""
-    env = child_env(workdir, api_url)
-    for pool in POOLS:
-        out = prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
-        if out.returncode != 0 and "already exists" not in out.stdout + out.stderr:
-            raise RuntimeError(f"work-pool create {pool}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
-    out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
+    create_process_pools(POOLS, api_url)
+    out = prefect_cli("--no-prompt", "deploy", "--all", env=child_env(workdir, api_url))
     if out.returncode != 0:
         raise RuntimeError(f"prefect deploy --all: {out.stdout[-3000:]}{out.stderr[-3000:]}")
 

@@ -135,6 +135,25 @@ def prefect_cli(*args: str, env: dict, timeout_s: float = 300) -> subprocess.Com
     )
 
 
+def create_process_pools(names: Sequence[str], api_url: str) -> None:
+    """Process work pools `names` at the server at `api_url`, with the base job template of Prefect's process worker:
+    what `prefect work-pool create NAME --type process` makes, without a process per pool. A pool that exists is
+    left as it is (the CLI refuses it the same way, unless --overwrite)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+            except ObjectAlreadyExists:
+                pass
+
+
 def child_env(workdir: str, api_url: str) -> dict:
     """Environment of every process of a variant: one server, one result store, no inherited rendezvous
     (MASTER_PORT may still be bound by a trainer of the parent process)."""

@@ -36,12 +36,19 @@ def _env(api_url: str) -> dict:
     return env
 
 
+_deployed: set[str] = set()  # the API URLs this process deployed to (one session server per test process)
+
+
 def _deploy_training(env: dict) -> None:
-    """prefect.yaml's training deployment on its process pool, as the README's commands create it."""
+    """prefect.yaml's training deployment on its process pool, as the README's commands create it; once per server
+    (the second test's deploy would make the same deployment again)."""
+    if env["PREFECT_API_URL"] in _deployed:
+        return
     out = prefect_cli("work-pool", "create", POOL, "--type", "process", env=env)
     assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
     out = prefect_cli("--no-prompt", "deploy", "--name", "ppo-training", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _deployed.add(env["PREFECT_API_URL"])
 
 
 def _runs_of_deployment(client) -> list:

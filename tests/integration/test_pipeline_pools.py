@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from bench.processes import POOLS, REPO, STAGE_POOLS, prefect_cli, stop_workers
+from bench.processes import POOLS, REPO, STAGE_POOLS, create_process_pools, prefect_cli, stop_workers
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -41,9 +41,7 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
     # The server is shared: other tests leave deployment runs of these flows on it (test_deploy_run's failing one,
     # say); only the runs created from here on are this test's.
     since = datetime.now(timezone.utc)
-    for pool in POOLS:
-        out = prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
-        assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
+    create_process_pools(POOLS, prefect_api)  # `prefect work-pool create P --type process`, without 5 processes
     out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -108,8 +106,7 @@ def test_a_stage_that_fails_on_its_pool_gives_its_own_error_to_the_training_run(
 
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["PREFECT_API_URL"] = prefect_api
-    out = prefect_cli("work-pool", "create", "train-pool", "--type", "process", env=env)
-    assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
+    create_process_pools(["train-pool"], prefect_api)
     out = prefect_cli("--no-prompt", "deploy", "--name", "ppo-checkpoint", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     worker = subprocess.Popen(

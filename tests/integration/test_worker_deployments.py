@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from bench.processes import REPO, prefect_cli, stop_workers
+from bench.processes import REPO, create_process_pools, prefect_cli, stop_workers
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,9 @@ def test_a_work_pool_starts_warm_workers_that_train_and_crash_visibly(
     from storage.stage_records import read_stage_record
 
     env = _env()
-    out = prefect_cli("work-pool", "create", POOL, "--type", "process", env=env)
-    assert out.returncode == 0 or "already exists" in out.stdout + out.stderr, out.stdout + out.stderr
+    create_process_pools(
+        [POOL], prefect_api
+    )  # `prefect work-pool create POOL --type process` (test_deploy_run runs it)
     names = [a for name in WORKERS.values() for a in ("--name", name)]
     out = prefect_cli("--no-prompt", "deploy", *names, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
