@@ -45,9 +45,11 @@ def remember_sigterm() -> bool:
     such handler (then nothing is changed).
 
     Works around: Prefect 3.7.7's TerminationSignal is dropped when its handler runs inside a weakref callback or
-    finalizer (module docstring). Installed by adaptations.install_process_adaptations, before any flow runs (a
-    flow that is running already keeps the handler it installed); still needed while
-    tests/unit/test_adaptations_prefect_sigterm.py finds upstream's signal dropped."""
+    finalizer (module docstring). Installed by adaptations.install_process_adaptations; still needed while
+    tests/unit/test_adaptations_prefect_sigterm.py finds upstream's signal dropped. Installed inside a flow run
+    (a deployment's run enters ppo_training and installs the adaptations there), it also replaces the handler
+    Prefect put in place for that run, so that Prefect's identity checks (a nested flow's bridge, a cancellation's
+    acknowledgement) keep finding its bridge."""
     try:
         from prefect.utilities import engine
     except ImportError:
@@ -55,8 +57,16 @@ def remember_sigterm() -> bool:
     handler = getattr(engine, "_prefect_sigterm_handler", None)
     if not callable(handler):
         return False
-    if not getattr(handler, _MARK, False):
-        engine._prefect_sigterm_handler = noting_sigterm(handler)
+    if getattr(handler, _MARK, False):
+        return True
+    noted = noting_sigterm(handler)
+    with getattr(engine, "_prefect_sigterm_bridge_lock", threading.RLock()):
+        engine._prefect_sigterm_handler = noted
+        # Installed from inside a flow run (a deployment's run calls install_process_adaptations in its flow): the
+        # handler in place is the one Prefect installed, which it now compares with `noted` (a nested flow's
+        # bridge, a cancellation's acknowledgement): put `noted` in its place.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, noted)
     return True
 
 

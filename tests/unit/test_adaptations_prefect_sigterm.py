@@ -167,3 +167,33 @@ sys.exit(cli.capture.run_with_capture(cfg, "train", Args(), body))
     assert done.returncode == 143, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert "ppoflow: error: Terminated: stopped by SIGTERM" in done.stdout, done.stdout[-2000:]
     assert took_s < 60, took_s  # not the hour the thread sleeps; the imports take most of it on a busy machine
+
+
+def test_installed_inside_a_flow_run_prefects_bridge_is_still_found_and_notes():
+    """A deployment's run installs the adaptations inside its flow (ppo_training's first line), after Prefect put
+    its handler in place: Prefect must still find its bridge there (what a nested flow reuses and a cancellation's
+    acknowledgement checks), and a signal dropped from then on is delivered again."""
+    done = _run(
+        """
+        from prefect.utilities import engine
+        from prefect.utilities.engine import capture_sigterm, is_prefect_sigterm_handler_installed
+        from adaptations.prefect_sigterm import redeliver_lost_sigterm, remember_sigterm
+        try:
+            with capture_sigterm():  # the deployment's flow run
+                remember_sigterm()
+                print("bridge found:", is_prefect_sigterm_handler_installed())
+                with capture_sigterm():  # an iteration's subflow
+                    print("subflow reuses it:", engine._prefect_sigterm_handler_depth == 2)
+                    del box
+                    redeliver_lost_sigterm()
+                    print("the next stage ran")
+        except BaseException as e:
+            print("stopped by", type(e).__name__)
+        """
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[:2] == ["bridge found: True", "subflow reuses it: True"], (lines, done.stderr)
+    # Prefect's own outcome of a SIGTERM in a flow run of a process with the default handler: TerminationSignal
+    # out of the flow, then the default action (the process ends by SIGTERM) once the outer bridge hands it on.
+    assert done.returncode == -15 or lines[2:] == ["stopped by TerminationSignal"], (done.returncode, lines)
+    assert "the next stage ran" not in lines, lines
