@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.processes import create_process_pools
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import _DISTRIBUTED_VARS, COMPARED, REPO
 
@@ -102,18 +103,14 @@ def test_a_stage_on_a_pool_without_workers_fails_naming_the_pool(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     from flows.stage_flows import rollout_stage
     from flows.training import ppo_training
 
     pool = "nobody-home"
+    create_process_pools([pool], prefect_api)  # a rerun on a kept server: it exists already
     with get_client(sync_client=True) as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-        except Exception as error:  # noqa: BLE001 - a rerun on a kept server: it exists
-            assert "already exists" in str(error) or "409" in str(error), error
         flow_id = client.create_flow_from_name(rollout_stage.name)
         client.create_deployment(
             flow_id=flow_id, name="unserved", work_pool_name=pool, entrypoint="flows/stage_flows.py:rollout_stage"
