@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 
 setup: $(VENV)/.ready
-$(VENV)/.ready: pyproject.toml scripts/setup.sh
+$(VENV)/.ready: pyproject.toml requirements-cpu.txt scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
