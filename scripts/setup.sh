@@ -28,7 +28,8 @@ python -m pip install -q --upgrade pip setuptools wheel
 # --no-compile: pip would compile every module of every package (33k files, ~50 s of a 2-minute set-up on 2 cores);
 # Python compiles the few thousand a process imports on first use instead, and caches them (__pycache__).
 python -m pip install -q --no-compile "torch==2.13.0" ${PPOFLOW_TORCH_INDEX:+--index-url "$PPOFLOW_TORCH_INDEX"}
-if [ -z "${PPOFLOW_SETUP_RESOLVE:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+gpu=$(command -v nvidia-smi >/dev/null 2>&1 && echo yes || true)
+if [ -z "${PPOFLOW_SETUP_RESOLVE:-}" ] && [ -z "$gpu" ]; then
   # A CPU machine gets the exact releases of requirements-cpu.txt (scripts/lock.sh writes it from pyproject.toml):
   # pip resolves nothing (~30 s on 2 cores) and never unpacks the GPU-only wheels the resolution pulls in.
   python -m pip install -q --no-compile --no-deps -r requirements-cpu.txt
@@ -36,6 +37,7 @@ if [ -z "${PPOFLOW_SETUP_RESOLVE:-}" ] && ! command -v nvidia-smi >/dev/null 2>&
 else
   python -m pip install -q --no-compile -e ".[cpu,dev]"
   python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  [ -n "$gpu" ] || python -m pip uninstall -y -q triton 2>/dev/null || true
 fi
 # prefect-kubernetes renders deploy/kubernetes/*.json for tests/unit/test_kubernetes_templates.py, in a folder of its
 # own that only that test's subprocess puts on its path: installed in the environment, Prefect's server loads it as a
@@ -43,9 +45,6 @@ fi
 # accepts prefect 3.7.7; --no-deps with the packages it adds to this environment, pinned.
 python -m pip install -q --no-deps --upgrade --target "$VENV/k8s-site" prefect-kubernetes==0.7.11 \
   kubernetes-asyncio==36.1.0 kopf==1.45.2 iso8601==2.1.0 tenacity==9.2.1 pyOpenSSL==26.4.0
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  python -m pip uninstall -y -q triton 2>/dev/null || true
-fi
 # The check imports what every ppoflow process imports, with bytecode caching on: those modules are compiled once,
 # here, instead of by the first processes of a run or of the test suite (each its own compile when they start at once).
 PYTHONDONTWRITEBYTECODE= python - <<'PY'

@@ -45,13 +45,16 @@ def _project() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
+_ENVIRONMENT = default_environment()  # this interpreter and platform, as markers see them
+
+
 def _applies(requirement: Requirement, extra: str = "") -> bool:
-    return requirement.marker is None or requirement.marker.evaluate({**default_environment(), "extra": extra})
+    return requirement.marker is None or requirement.marker.evaluate({**_ENVIRONMENT, "extra": extra})
 
 
 def _installed_torch() -> str:
     """The torch scripts/setup.sh installed first (a local build, e.g. 2.13.0+cpu), checked against pyproject's pin."""
-    (torch,) = [Requirement(r) for r in _project()["dependencies"] if Requirement(r).name == "torch"]
+    (torch,) = [r for r in map(Requirement, _project()["dependencies"]) if r.name == "torch"]
     version = importlib.metadata.version("torch")
     assert torch.specifier.contains(version, prereleases=True), f"torch {version} is installed, pyproject asks {torch}"
     return version
