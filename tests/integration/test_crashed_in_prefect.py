@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from bench.processes import prefect_cli
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -48,7 +49,7 @@ def _config_file(tmp_path: Path, name: str, model_dir, data_dir, iterations: int
 
 
 def _killed_train(config_path: Path, kill: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return warm_python.run(
         [sys.executable, "-m", "tests.fixtures.kill_cli", kill, "train", str(config_path)],
         cwd=REPO,
         env=_env(),

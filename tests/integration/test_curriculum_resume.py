@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import _DISTRIBUTED_VARS, REPO, _digests, _train
 
@@ -60,7 +61,7 @@ def _levels(layout, iteration: int) -> list[int]:
 def _fork(root: str, run: str, at: int, name: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     command = [sys.executable, "-m", "cli", "fork", run, "--at", str(at), "--name", name, "--root", root]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return warm_python.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_a_curriculum_run_killed_across_level_changes_resumes_at_the_same_level_and_forks_at_its_level(
@@ -83,7 +84,7 @@ def test_a_curriculum_run_killed_across_level_changes_resumes_at_the_same_level_
     assert final.returncode == 0, final.stderr[-3000:]
 
     clean_path = _config_file(tmp_path, root, "never-killed", tiny_model_dir, digits_dataset_dir)
-    assert _train(clean_path).returncode == 0
+    assert _train(clean_path, fresh=True).returncode == 0
     clean = RunLayout(root, "never-killed")
     last, clean_last = Path(layout.checkpoint_dir(3)), Path(clean.checkpoint_dir(3))
     assert _digests(last) == _digests(clean_last)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_fork import _digests
 
@@ -35,7 +36,7 @@ def _fork(root: str, kill: str | None) -> subprocess.CompletedProcess:
     }
     entry = ["cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
     args = ["fork", "base", "--at", "2", "--name", "killed", "--root", root, "--replay", "1"]
-    return subprocess.run(
+    return warm_python.run(
         [sys.executable, "-m", *entry, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
 

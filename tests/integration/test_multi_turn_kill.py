@@ -54,7 +54,7 @@ def test_a_multi_turn_run_killed_mid_conversation_ends_as_if_never_killed(
     assert final.returncode == 0, final.stderr[-3000:]
 
     clean_path = _config_file(tmp_path, root, "mt-never-killed", tiny_model_dir, digits_dataset_dir)
-    assert _train(clean_path).returncode == 0
+    assert _train(clean_path, fresh=True).returncode == 0
     clean = RunLayout(root, "mt-never-killed")
     want = _digests(Path(clean.checkpoints_dir) / "iter-000002")
     assert "policy/model.safetensors" in want

@@ -61,7 +61,7 @@ def test_a_run_killed_between_optimizer_states_resumes_exactly(
         assert latest_iteration(killed) == newest, (kill, result.stderr[-3000:])
 
     clean_path = _config_file(tmp_path, root, "never-killed", tiny_model_dir, digits_dataset_dir)
-    assert _train(clean_path).returncode == 0
+    assert _train(clean_path, fresh=True).returncode == 0
     clean = RunLayout(root, "never-killed")
     for iteration in range(1, 5):
         want = _digests(Path(clean.checkpoint_dir(iteration)))

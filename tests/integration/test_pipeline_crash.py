@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -55,11 +56,13 @@ COMPARED = (
 )  # not cache hits: the runs share the score cache
 
 
-def _train(config_path: Path, kill: str | None = None) -> subprocess.CompletedProcess:
-    """`ppoflow train CONFIG` in a child process, killed by `kill` (a kill_cli spec) when given."""
+def _train(config_path: Path, kill: str | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`ppoflow train CONFIG` in a child process, killed by `kill` (a kill_cli spec) when given. Forked from the test
+    zygote (tests/fixtures/warm_python.py), or with `fresh` a new interpreter: the never-killed reference runs, so a
+    result that depends on Python's string hash order differs from the killed run's."""
     child_env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     entry = ["cli"] if kill is None else ["tests.fixtures.kill_cli", kill]
-    return subprocess.run(
+    return (subprocess.run if fresh else warm_python.run)(
         [sys.executable, "-m", *entry, "train", str(config_path)],
         cwd=REPO,
         env=child_env,
@@ -124,7 +127,7 @@ def test_a_run_killed_at_eight_moments_ends_as_if_never_killed(
     assert not any(p.name.startswith(".ppoflow-ckpt.") for p in checkpoints.iterdir())  # ... and removed
 
     clean_path = _config_file(tmp_path, root, "never-killed", tiny_model_dir, digits_dataset_dir)
-    assert _train(clean_path).returncode == 0
+    assert _train(clean_path, fresh=True).returncode == 0
     clean = RunLayout(root, "never-killed")
     # Same seeds, data and ops on one CPU rank, each start in a fresh process: every byte equal.
     want = _digests(Path(clean.checkpoints_dir) / "iter-000003")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,7 @@ def _train(args: list[str], ends: str = "") -> subprocess.CompletedProcess:
     # Not the rendezvous variables the fixture's in-process update set: its port is still held by this process.
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=os.getcwd(), PPOFLOW_TEST_REWARD_ENDS=ends)
-    return subprocess.run([sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    return warm_python.run([sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("ends, call", [("sys.exit", "sys.exit(3)"), ("os._exit", "os._exit(7)")])

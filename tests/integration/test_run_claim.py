@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def _train(config_path: Path, *fixture: str, wait: bool = True):
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     command = [sys.executable, "-m", *entry, "train", str(config_path)]
     if wait:
-        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        return warm_python.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

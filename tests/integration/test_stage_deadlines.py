@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.processes import create_process_pools
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import _DISTRIBUTED_VARS, COMPARED, REPO
 
@@ -36,10 +37,11 @@ def _config_file(tmp_path: Path, name: str, model_dir, data_dir, **deadlines) ->
     return path
 
 
-def _train(config_path: Path, *hang: str) -> subprocess.CompletedProcess:
-    """`ppoflow train CONFIG` in a child process; with `hang` = (spec, mode), through tests.fixtures.hang_cli."""
+def _train(config_path: Path, *hang: str, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`ppoflow train CONFIG` in a child process; with `hang` = (spec, mode), through tests.fixtures.hang_cli. Forked
+    from the test zygote (tests/fixtures/warm_python.py) but for the `fresh` reference run."""
     entry = ["tests.fixtures.hang_cli", *hang] if hang else ["cli"]
-    return subprocess.run(
+    return (subprocess.run if fresh else warm_python.run)(
         [sys.executable, "-m", *entry, "train", str(config_path)],
         cwd=REPO,
         env={k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS},
@@ -59,7 +61,7 @@ def _rows(tmp_path: Path, name: str) -> list[dict]:
 def test_a_stage_stuck_in_python_is_failed_at_its_deadline_and_retried(
     prefect_api, tmp_path, tiny_model_dir, digits_dataset_dir
 ):
-    clean = _train(_config_file(tmp_path, "clean", tiny_model_dir, digits_dataset_dir))
+    clean = _train(_config_file(tmp_path, "clean", tiny_model_dir, digits_dataset_dir), fresh=True)
     assert clean.returncode == 0, (clean.stdout + clean.stderr)[-3000:]
 
     started = time.monotonic()

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from bench.processes import prefect_cli, stop_workers
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import COMPARED, _digests
 
@@ -57,7 +58,7 @@ def _start_worker(
         entry = ["tests.fixtures.kill_cli", kill]
     elif stacks is not None:
         entry = ["tests.fixtures.stack_cli", str(stacks)]
-    return subprocess.Popen(
+    return warm_python.Popen(
         [sys.executable, "-m", *entry, "worker", *[a for s in stages for a in ("--stage", s)]],
         cwd=REPO,
         env=_env(),

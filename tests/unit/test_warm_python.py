@@ -1,0 +1,90 @@
+"""The test zygote (tests/fixtures/warm_python.py, zygote.py): a child it forks is a process of its own that runs the
+module it was asked for, as `python -m` would, with torch already imported; a child whose environment differs
+in what the imports read starts as a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.fixtures import warm_python
+
+PROBE = """
+import json, os, sys, time
+print(json.dumps({
+    "pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv[1:], "orig_argv": sys.orig_argv[1:],
+    "probe": os.environ.get("PPOFLOW_PROBE"), "torch_before_main": "torch" in sys.modules, "path0": sys.path[0],
+}), flush=True)
+print("to-stderr", file=sys.stderr)
+if sys.argv[1] == "wait":
+    time.sleep(120)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), 9)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _probe(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    return {**os.environ, "PPOFLOW_PROBE": "set here"}
+
+
+def test_a_child_runs_the_module_in_a_process_of_its_own_with_its_arguments_environment_and_exit_code(tmp_path):
+    env = _probe(tmp_path)
+    done = warm_python.run(
+        [sys.executable, "-m", "probe", "3", "x y"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 3, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["pid"] not in (os.getpid(), warm_python._zygote["proc"].pid)
+    assert seen["torch_before_main"]  # forked with the imports done, not a fresh interpreter
+    assert seen["argv"] == ["3", "x y"] and seen["orig_argv"] == ["-m", "probe", "3", "x y"]
+    assert seen["cwd"] == str(tmp_path) == seen["path0"]
+    assert seen["probe"] == "set here"
+    assert done.stderr == "to-stderr\n"
+
+    killed = warm_python.run([sys.executable, "-m", "probe", "kill"], cwd=tmp_path, env=env, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL
+
+
+def test_a_started_child_can_be_signalled_and_waited_for_in_its_own_session(tmp_path):
+    env = _probe(tmp_path)
+    log = tmp_path / "child.log"
+    with open(log, "w") as out:
+        child = warm_python.Popen(
+            [sys.executable, "-u", "-m", "probe", "wait"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 120
+    while "to-stderr" not in log.read_text():
+        assert time.monotonic() < deadline and child.poll() is None, log.read_text()
+        time.sleep(0.05)
+    seen = json.loads(log.read_text().splitlines()[0])
+    assert seen["pid"] == child.pid == seen["sid"]  # its own session, as start_new_session gives
+    assert child.poll() is None
+    child.terminate()
+    assert child.wait(timeout=60) == -signal.SIGTERM
+    assert child.poll() == -signal.SIGTERM
+
+
+def test_a_child_whose_import_time_environment_differs_starts_fresh(tmp_path):
+    env = {**_probe(tmp_path), "OMP_NUM_THREADS": "7"}  # read by torch's OpenMP when it loads
+    warm_python._socket_path()
+    before = len(warm_python.FALLBACKS)
+    done = warm_python.run([sys.executable, "-m", "probe", "0"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not json.loads(done.stdout)["torch_before_main"]
+    assert "OMP_NUM_THREADS" in warm_python.FALLBACKS[before]
+    # a variable read at run time only (PREFECT_, PPOFLOW_, PYTHONPATH) does not
+    env = {**_probe(tmp_path), "PPOFLOW_ANYTHING": "1", "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    done = warm_python.run([sys.executable, "-m", "probe", "0"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert json.loads(done.stdout)["torch_before_main"]
+    assert len(warm_python.FALLBACKS) == before + 1
