@@ -18,6 +18,7 @@ import json, os, sys, time
 print(json.dumps({
     "pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv[1:], "orig_argv": sys.orig_argv[1:],
     "probe": os.environ.get("PPOFLOW_PROBE"), "torch_before_main": "torch" in sys.modules, "path0": sys.path[0],
+    "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
 }), flush=True)
 print("to-stderr", file=sys.stderr)
 if sys.argv[1] == "wait":
@@ -40,7 +41,8 @@ def test_a_child_runs_the_module_in_a_process_of_its_own_with_its_arguments_envi
     )
     assert done.returncode == 3, done.stderr
     seen = json.loads(done.stdout)
-    assert seen["pid"] not in (os.getpid(), warm_python._zygote["proc"].pid)
+    zygotes = [z["proc"].pid for z in warm_python._zygotes.values()]
+    assert seen["pid"] != os.getpid() and seen["pid"] not in zygotes and zygotes
     assert seen["torch_before_main"]  # forked with the imports done, not a fresh interpreter
     assert seen["argv"] == ["3", "x y"] and seen["orig_argv"] == ["-m", "probe", "3", "x y"]
     assert seen["cwd"] == str(tmp_path) == seen["path0"]
@@ -75,16 +77,19 @@ def test_a_started_child_can_be_signalled_and_waited_for_in_its_own_session(tmp_
     assert child.poll() == -signal.SIGTERM
 
 
-def test_a_child_whose_import_time_environment_differs_starts_fresh(tmp_path):
-    env = {**_probe(tmp_path), "OMP_NUM_THREADS": "7"}  # read by torch's OpenMP when it loads
-    warm_python._socket_path()
+def test_a_child_whose_import_time_environment_differs_gets_a_zygote_that_imported_under_it(tmp_path):
+    threads = 2 if os.environ.get("OMP_NUM_THREADS") == "1" else 1  # not this process's: another zygote
+    env = {**_probe(tmp_path), "OMP_NUM_THREADS": str(threads)}  # read by torch's OpenMP runtime when it loads
+    first = warm_python.run([sys.executable, "-m", "probe", "0"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    seen = json.loads(first.stdout)
+    assert seen["torch_before_main"] and seen["threads"] == min(threads, os.cpu_count())  # imported under it
+    # a variable read at run time only (PREFECT_, PPOFLOW_, VLLM_, PYTHONPATH) is served by the same zygote
+    zygotes = len(warm_python._zygotes)
+    env = {**env, "PPOFLOW_ANYTHING": "1", "PREFECT_API_URL": "http://127.0.0.1:9/api", "VLLM_RPC_BASE_PATH": "/x"}
+    again = warm_python.run([sys.executable, "-m", "probe", "0"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert json.loads(again.stdout)["threads"] == seen["threads"] and len(warm_python._zygotes) == zygotes
+    # a command that is not `python -m` runs as a plain subprocess
     before = len(warm_python.FALLBACKS)
-    done = warm_python.run([sys.executable, "-m", "probe", "0"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert not json.loads(done.stdout)["torch_before_main"]
-    assert "OMP_NUM_THREADS" in warm_python.FALLBACKS[before]
-    # a variable read at run time only (PREFECT_, PPOFLOW_, PYTHONPATH) does not
-    env = {**_probe(tmp_path), "PPOFLOW_ANYTHING": "1", "PREFECT_API_URL": "http://127.0.0.1:9/api"}
-    done = warm_python.run([sys.executable, "-m", "probe", "0"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert json.loads(done.stdout)["torch_before_main"]
-    assert len(warm_python.FALLBACKS) == before + 1
+    plain = warm_python.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True)
+    assert plain.stdout.strip() == b"False" and len(warm_python.FALLBACKS) == before + 1
