@@ -93,3 +93,41 @@ def test_a_child_whose_import_time_environment_differs_gets_a_zygote_that_import
     before = len(warm_python.FALLBACKS)
     plain = warm_python.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True)
     assert plain.stdout.strip() == b"False" and len(warm_python.FALLBACKS) == before + 1
+
+
+PREFECT_PROBE = """
+import json, logging, sys
+preloaded = "prefect" in sys.modules
+from prefect import flow  # what ppoflow's modules import: Prefect's whole import, its logging set-up included
+from prefect.settings import get_current_settings
+settings = get_current_settings()
+def shape(logger):
+    return [logger.level, sorted((type(h).__name__, h.level) for h in logger.handlers)]
+print(json.dumps({
+    "preloaded": preloaded, "api": settings.api.url, "home": str(settings.home),
+    "results": str(settings.results.local_storage_path), "level": settings.logging.level,
+    "loggers": {name: shape(logging.getLogger(name)) for name in ("", "prefect", "prefect.flow_runs")},
+}))
+"""
+
+
+def test_a_child_reads_prefects_settings_from_its_own_environment_and_folder_as_a_fresh_interpreter_does(tmp_path):
+    (tmp_path / "prefect_probe.py").write_text(PREFECT_PROBE)
+    seen = {}
+    for i, (url, level) in enumerate((("http://127.0.0.1:9/api", "DEBUG"), ("http://127.0.0.1:10/api", "ERROR"))):
+        env = {
+            **os.environ,
+            "PREFECT_API_URL": url,
+            "PREFECT_HOME": str(tmp_path / f"home-{i}"),
+            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp_path / f"results-{i}"),
+        }
+        (tmp_path / "prefect.toml").write_text(f'[logging]\nlevel = "{level}"\n')  # read from the working folder
+        argv = [sys.executable, "-m", "prefect_probe"]
+        forked = warm_python.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        fresh = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert forked.returncode == 0 == fresh.returncode, forked.stderr[-2000:] + fresh.stderr[-2000:]
+        seen[i] = json.loads(forked.stdout)
+        assert seen[i]["preloaded"] and not json.loads(fresh.stdout)["preloaded"]
+        assert {**seen[i], "preloaded": None} == {**json.loads(fresh.stdout), "preloaded": None}
+        assert (seen[i]["api"], seen[i]["home"], seen[i]["level"]) == (url, env["PREFECT_HOME"], level)
+    assert seen[0]["loggers"] != seen[1]["loggers"]  # the logging set-up too was redone, not inherited
