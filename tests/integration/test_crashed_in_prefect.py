@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.processes import prefect_cli
 from tests.fixtures import warm_python
+from tests.fixtures.warm_python import prefect_cli
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -106,7 +106,7 @@ def test_a_killed_run_turns_crashed_and_the_ui_retry_and_cli_retry_resume_it(
 
     second = _killed_train(config_path, "flows.iteration:ppo_iteration@1")
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
-    serve = subprocess.Popen(
+    serve = warm_python.Popen(
         [sys.executable, "-m", "cli", "serve"],
         cwd=REPO,
         env=_env(),

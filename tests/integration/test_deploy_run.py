@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.processes import REPO, prefect_cli
+from bench.processes import REPO
+from tests.fixtures import warm_python
+from tests.fixtures.warm_python import prefect_cli
 
 pytestmark = pytest.mark.slow
 DEPLOYMENT = "ppo-training/ppo-training"
@@ -63,7 +65,7 @@ def test_a_deployment_run_without_run_name_fails_naming_the_bad_field(prefect_ap
 
     env = _env(prefect_api)
     _deploy_training(env)
-    worker = subprocess.Popen(
+    worker = warm_python.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process", "--limit", "1"],
         cwd=REPO,
         env=env,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import warm_python
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,7 @@ def test_a_fork_started_as_a_run_of_the_fork_deployment(prefect_api, tmp_path, t
 
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     log = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen(
+    serve = warm_python.Popen(
         [sys.executable, "-m", "cli", "serve"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
     )
     try:

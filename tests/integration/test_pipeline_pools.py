@@ -10,7 +10,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from bench.processes import POOLS, REPO, STAGE_POOLS, create_process_pools, prefect_cli, stop_workers
+from bench.processes import POOLS, REPO, STAGE_POOLS, create_process_pools, stop_workers
+from tests.fixtures import warm_python
+from tests.fixtures.warm_python import prefect_cli
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -46,7 +48,7 @@ def test_stages_run_on_their_own_pools(prefect_api, tmp_path, tiny_model_dir, di
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     workers = [
-        subprocess.Popen(
+        warm_python.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"],
             cwd=REPO,
             env=env,
@@ -109,7 +111,7 @@ def test_a_stage_that_fails_on_its_pool_gives_its_own_error_to_the_training_run(
     create_process_pools(["train-pool"], prefect_api)
     out = prefect_cli("--no-prompt", "deploy", "--name", "ppo-checkpoint", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    worker = subprocess.Popen(
+    worker = warm_python.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "train-pool", "--type", "process"],
         cwd=REPO,
         env=env,

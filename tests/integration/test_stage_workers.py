@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.processes import prefect_cli, stop_workers
+from bench.processes import stop_workers
 from tests.fixtures import warm_python
+from tests.fixtures.warm_python import prefect_cli
 from tests.integration.pipeline_helpers import small_config
 from tests.integration.test_pipeline_crash import COMPARED, _digests
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.processes import prefect_cli, stop_workers
+from bench.processes import stop_workers
+from tests.fixtures.warm_python import prefect_cli
 from tests.integration.test_pipeline_crash import _digests
 from tests.integration.test_torchrun_worker import (
     ITERATIONS,
@@ -37,6 +39,26 @@ from tests.integration.test_torchrun_worker import (
 from tests.integration.test_worker_kills import _train_within
 
 pytestmark = pytest.mark.slow
+
+
+def _listed_rank_0(agents, logs, other_than: str | None = None, timeout_s: float = 240):
+    """(`host:pid` of the group's rank 0, {RANK: pid} of both agents' ranks, each agent's {RANK: pid}) once both ranks
+    run and the server lists that rank 0, and only it, as serving the update (not `other_than`). An update worker of
+    an earlier test on this session's server can stay listed for a moment after its process ended
+    (test_torchrun_worker.serving_as_rank_0 waits the same way for one agent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        placed = [ranks_of(agent.pid) for agent in agents]
+        ranks = {rank: pid for each in placed for rank, pid in each.items()}
+        leader = f"{socket.gethostname()}:{ranks[0]}" if 0 in ranks else None
+        listed = serving_update(timeout_s=timeout_s, other_than=other_than, logs=logs)
+        if sorted(ranks) == [0, 1] and leader != other_than and listed == [leader]:
+            return leader, ranks, placed
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank 0 of {ranks} is not the one update worker listed: {listed}")
+        time.sleep(0.5)
+
+
 # Rank 1's 4th update reads its rows: the clean run's iterations 1-2, the killed run's 1, then its 2. Rank 0 reads
 # every row with read_shards and never calls it; a restarted rank 1 counts from 0 again.
 KILL = "stages.update_ranks:read_rank_rows@4"
@@ -55,7 +77,6 @@ def test_a_rank_killed_on_another_node_restarts_the_group_and_the_retry_resumes_
     from flows.training import ppo_training
     from storage.layout import layout_for
 
-    host = socket.gethostname()
     rendezvous = [
         "--nnodes=2",
         "--nproc-per-node=1",
@@ -66,10 +87,7 @@ def test_a_rank_killed_on_another_node_restarts_the_group_and_the_retry_resumes_
     logs = (tmp_path / "node-a.log", tmp_path / "node-b.log")
     agents = [start_torchrun(log, launcher, ["-m", "tests.fixtures.kill_cli", KILL]) for log in logs]
     try:
-        (leader,) = serving_update(logs=logs)
-        placed = [ranks_of(agent.pid) for agent in agents]  # each agent's {rank: pid}
-        first = {rank: pid for ranks in placed for rank, pid in ranks.items()}
-        assert sorted(first) == [0, 1] and leader == f"{host}:{first[0]}", (leader, first)
+        leader, first, placed = _listed_rank_0(agents, logs)
         clean = ranks_config(tmp_path, "clean", tiny_model_dir, digits_dataset_dir, on_workers=True, zero_stage=3)
         assert ppo_training(config=clean.model_dump(mode="json"), return_state=True).is_completed()
 
@@ -88,9 +106,7 @@ def test_a_rank_killed_on_another_node_restarts_the_group_and_the_retry_resumes_
         ), state.message
         assert [r["iteration"] for r in read_metrics(layout_for(killed))] == [1]
 
-        (restarted,) = serving_update(other_than=leader, logs=logs)  # rank 0 of the restarted group
-        again = {rank: pid for agent in agents for rank, pid in ranks_of(agent.pid).items()}
-        assert sorted(again) == [0, 1] and restarted == f"{host}:{again[0]}", (restarted, again)
+        restarted, again, _ = _listed_rank_0(agents, logs, other_than=leader)  # rank 0 of the restarted group
         assert not set(again.values()) & set(first.values()), (first, again)  # every rank is a new process
         follower_log = next(log for log, ranks in zip(logs, placed) if 1 in ranks)  # rank 1's agent saw it die
         assert f"exitcode: -{int(signal.SIGKILL)}" in follower_log.read_text(), follower_log.read_text()[-3000:]

@@ -21,7 +21,9 @@ import time
 
 import pytest
 
-from bench.processes import REPO, create_process_pools, prefect_cli, stop_workers
+from bench.processes import REPO, create_process_pools, stop_workers
+from tests.fixtures import warm_python
+from tests.fixtures.warm_python import prefect_cli
 from tests.integration.pipeline_helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -63,7 +65,7 @@ def test_a_work_pool_starts_warm_workers_that_train_and_crash_visibly(
     names = [a for name in WORKERS.values() for a in ("--name", name)]
     out = prefect_cli("--no-prompt", "deploy", *names, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    pool_worker = subprocess.Popen(
+    pool_worker = warm_python.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process", "--limit", "4"],
         cwd=REPO,
         env=env,

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.processes import prefect_cli, stop_workers
+from bench.processes import stop_workers
+from tests.fixtures.warm_python import prefect_cli
 from tests.integration.test_pipeline_crash import COMPARED, _digests
 from tests.integration.test_stage_workers import WORKERS, _env, _start_worker, _worker_config
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.fixtures import warm_python
 
 PROBE = """
@@ -72,6 +74,8 @@ def test_a_started_child_can_be_signalled_and_waited_for_in_its_own_session(tmp_
     seen = json.loads(log.read_text().splitlines()[0])
     assert seen["pid"] == child.pid == seen["sid"]  # its own session, as start_new_session gives
     assert child.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0)  # as subprocess: stop_workers waits with what is left of its deadline, 0 once it ran out
     child.terminate()
     assert child.wait(timeout=60) == -signal.SIGTERM
     assert child.poll() == -signal.SIGTERM
