@@ -128,9 +128,10 @@ def add_driver_arguments(parser: argparse.ArgumentParser, variants: Sequence[str
     parser.add_argument("--run", help=argparse.SUPPRESS)
 
 
-def prefect_cli(*args: str, env: dict, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """`prefect ARGS...` run from the repository (where prefect.yaml is), output captured; timeout_s at most."""
-    return subprocess.run(
+def prefect_cli(*args: str, env: dict, timeout_s: float = 300, run=subprocess.run) -> subprocess.CompletedProcess:
+    """`prefect ARGS...` run from the repository (where prefect.yaml is), output captured; timeout_s at most. `run`
+    starts it (the tests pass tests/fixtures/warm_python.run)."""
+    return run(
         [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
     )
 
