@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from engines.curriculum import level_count
     from engines.rewards.function import load_reward_function
-    from engines.rollout.vllm_engine import VLLMSettings, whole_prefill_kwargs
+    from engines.rollout.vllm_engine import VLLMSettings, shared_prefill_kwargs, whole_prefill_kwargs
     from ppoflow.config import load_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.config}: data.reasoning_gym.curriculum is not set")
     score = load_reward_function(cfg.reward.sources[0].target)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.policy_path)
-    # the engine's own settings (float32, eager, the KV cache bound) and whole prefills, as the run's vLLM has them
+    # the engine's own settings (float32, eager, the KV cache bound), whole and shared prefills, as the run's vLLM has them
     settings = VLLMSettings(max_model_len=cfg.rollout.max_model_len, kv_cache_space_gib=cfg.rollout.kv_cache_space_gib)
-    prefill = whole_prefill_kwargs(cfg.rollout.max_model_len or 2048)
+    prefill = {**whole_prefill_kwargs(cfg.rollout.max_model_len or 2048), **shared_prefill_kwargs()}
     llm = LLM(cfg.model.policy_path, seed=cfg.run.seed, **settings.llm_kwargs(), **prefill)
     k = cfg.rollout.n_samples
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.eval.max_new_tokens)

