@@ -77,11 +77,21 @@ class LossSteps:
     first_step_sums: tuple[MismatchSums, ...] | list[MismatchSums] = ()
 
     def _optimizer_step(
-        self, batch, rows, old_logprobs, values, adv, sums: MetricSums, first: Optional[FirstForward] = None
+        self,
+        batch,
+        rows,
+        old_logprobs,
+        values,
+        adv,
+        sums: MetricSums,
+        first: Optional[FirstForward] = None,
+        fill_old: bool = False,
     ) -> None:
         """One optimizer step over `rows` (S,), indices into the whole update batch `batch` (B, ...) and its
         (B, R) old_logprobs, values and advantages; this rank trains on its share (`step_share`). `first` (only
-        with rows = arange(B), one micro-batch per rank) is this rank's forward over its share, taken already."""
+        with rows = arange(B), one micro-batch per rank) is this rank's forward over its share, taken already.
+        fill_old (the update's first step, no weight moved yet: first_step_old.py): each micro-batch writes its
+        forward's detached log-probs into old_logprobs[rows] (in place) before its loss reads them."""
         micro = self.actor.train_micro_batch_size_per_gpu()
         mask_truncated = self.cfg.train.mask_truncated
         norm = step_norm(batch.select(rows).loss_mask(mask_truncated), self.cfg.loss_agg_norm)  # the whole step's
@@ -95,14 +105,12 @@ class LossSteps:
             r = rows[start : start + micro]
             mb = batch.select(r)
             loss_mask = mb.loss_mask(mask_truncated)
+            out = first.policy if first is not None else None
+            if fill_old:
+                out = self._policy_forward(mb, with_entropy=True)
+                old_logprobs[r] = out.logprobs.detach().float()
             step_losses["loss/policy"] += self._actor_micro_step(
-                mb,
-                loss_mask,
-                old_logprobs[r],
-                adv.advantages[r],
-                norm,
-                sums,
-                first.policy if first is not None else None,
+                mb, loss_mask, old_logprobs[r], adv.advantages[r], norm, sums, out
             )
             if self.critic is not None:
                 step_losses["loss/value"] += self._critic_micro_step(

@@ -1,12 +1,11 @@
 """PPOTrainer: one PPO update of the actor (and the critic for algo "ppo") with DeepSpeed.
 
 An update reads as its stages in order:
-  1. old log-probs (actor) and old values (critic), no grad, in micro-batches, over this rank's rows -- or,
-     when the whole batch is one optimizer step of one micro-batch per rank (the common single-minibatch
-     recipe), taken from the first epoch's own forward pass, which runs before any weight moves (see
-     `_first_forward`); with algo.old_logprobs = rollout the old log-probs are the sampler's (the rows'
-     rollout_logprobs) and only the critic runs here; with several ranks, every rank's rows and outputs are
-     then gathered (rank_rows.py);
+  1. old log-probs (actor) and old values (critic), no grad, in micro-batches, over this rank's rows; taken from
+     the first epoch's own forward when the batch is one step of one micro-batch per rank (`_first_forward`),
+     and for the first step's rows from that step's forwards when nothing needs them earlier (first_step_old.py);
+     with algo.old_logprobs = rollout the old log-probs are the sampler's and only the critic runs here; with
+     several ranks, every rank's rows and outputs are then gathered (rank_rows.py);
   2. the scalar reward shaped (engines.ppo.reward_shaping: reward.normalize, then reward.overlong);
      per-token KL to the reference (algo.kl_estimator); token rewards (KL folded in when algo.kl_in_reward);
   3. advantages and returns (engines.ppo.compute_advantages, the estimator of algo.name's registry entry);
@@ -40,7 +39,6 @@ Checkpoints: see engines/trainer/checkpoint.py.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Optional
 
 import torch
@@ -63,7 +61,9 @@ from engines.trainer.deepspeed_setup import (
     setup_distributed,
     world_size,
 )
+from engines.trainer.epoch_order import epoch_order
 from engines.trainer.experience import ExperienceBatch
+from engines.trainer.first_step_old import defers_old, first_step_rows, old_except
 from engines.trainer.forward import PolicyOutput, critic_forward, policy_forward
 from engines.trainer.loss_steps import KL_CLAMP, FirstForward, LossSteps, MetricSums
 from engines.trainer.mismatch import first_step_mismatch, start_mismatch
@@ -311,13 +311,17 @@ class PPOTrainer(LossSteps):
         self._check_batch(own_rows, shape.rows)
         pad_id = self.tokenizer.pad_token_id or 0  # as stages.tables.experience_batch pads
         local = pad_to(own_rows, shape.prompt_width, shape.response_width, pad_id)  # the widths one rank pads to
-        old_logprobs, values, first_forward, mismatch = self._old_pass(local)
+        old_logprobs, values, first_forward, mismatch, deferred = self._old_pass(local)
         raw, old_logprobs, values = gather_rows(local, old_logprobs, values, world)  # the whole batch from here
         batch, shaping_metrics = self._shaped(raw)
         mask = batch.trained_mask  # KL, advantages and metrics over the policy's own tokens (all, single-turn)
-        kl = kl_penalty(old_logprobs, batch.ref_logprobs, self.cfg.algo.kl_estimator, KL_CLAMP)
+        # deferred (first_step_old.py): the first step's rows get their old log-probs in that step; the token
+        # rewards hold no KL then (algo.kl_in_reward false), so the advantages take none
+        kl = torch.zeros_like(old_logprobs) if deferred else self._kl(batch, old_logprobs)
         adv = self._advantages(batch, old_logprobs, values, kl)
-        sums = self._epochs(batch, old_logprobs, values, adv, first_forward)
+        sums = self._epochs(batch, old_logprobs, values, adv, first_forward, deferred)
+        if deferred:  # old_logprobs is whole now
+            kl, mismatch = self._kl(batch, old_logprobs), start_mismatch(self, local, old_logprobs, None)
         kl_mean = float(masked_mean(kl, mask))
         kl_per_sequence = float(masked_sum(kl, mask, dim=-1).mean())
         metrics = batch_metrics(raw, old_logprobs, values, adv, kl_mean, float(self.kl_controller.value))
@@ -341,11 +345,18 @@ class PPOTrainer(LossSteps):
             ragged(adv.returns, batch.response_mask),
         )
 
+    def _kl(self, batch: ExperienceBatch, old_logprobs: torch.Tensor) -> torch.Tensor:
+        """(B, R) per-token KL of the old log-probs to the reference's (algo.kl_estimator)."""
+        return kl_penalty(old_logprobs, batch.ref_logprobs, self.cfg.algo.kl_estimator, KL_CLAMP)
+
     def _old_pass(self, local: ExperienceBatch):
         """Stage 1 on this rank's padded rows, before any weight moves: (old log-probs [b, R], old values [b, R] or
         None, [the first epoch's own forward] when it stands in for the pass (a FirstForward in a list, which
         `_epochs` empties: no reference outlives its step) or [], the sampler-vs-trainer mismatch metrics or None:
-        engines/trainer/mismatch.py)."""
+        engines/trainer/mismatch.py, deferred: True when the first step fills its rows (first_step_old.py))."""
+        if defers_old(self, local):
+            self.first_step_mismatch = None  # measured after the steps, from the whole old log-probs
+            return old_except(self, local, first_step_rows(self, local.group_ids)), None, [], None, True
         first = self._first_forward(local) if self._old_from_first_forward(local) else None
         old_logprobs = None
         if first is not None:
@@ -358,12 +369,13 @@ class PPOTrainer(LossSteps):
         mismatch = start_mismatch(self, local, old_logprobs, first)
         if self._old_from_rollout:  # the sampler's log-probs (0 at padding, as the actor's are masked there)
             old_logprobs = local.rollout_logprobs.float()
-        return old_logprobs, values, [first] if first is not None else [], mismatch
+        return old_logprobs, values, [first] if first is not None else [], mismatch, False
 
     def _epochs(
-        self, batch: ExperienceBatch, old_logprobs, values, adv, first_forward: list[FirstForward]
+        self, batch: ExperienceBatch, old_logprobs, values, adv, first_forward: list[FirstForward], deferred=False
     ) -> MetricSums:
-        """Stage 4: algo.ppo_epochs passes of shuffled optimizer steps over the whole batch; their loss sums."""
+        """Stage 4: algo.ppo_epochs passes of shuffled optimizer steps over the whole batch; their loss sums.
+        deferred: epoch 0's first step fills its rows of old_logprobs from its own forwards (first_step_old.py)."""
         first = first_forward.pop() if first_forward else None
         sums = MetricSums()
         for epoch in range(self.cfg.train.ppo_epochs):
@@ -374,12 +386,13 @@ class PPOTrainer(LossSteps):
                 self._optimizer_step(batch, rows, old_logprobs, values, adv, sums, first)
                 first = None  # frees both graphs' references before the next epoch
                 continue
-            order = torch.randperm(len(batch), generator=self._shuffle_generator(epoch))
+            order = self._epoch_order(epoch, batch.group_ids)
             for start in range(0, len(batch), self.train_batch_size):
                 rows = order[start : start + self.train_batch_size].to(self.device)
-                self._optimizer_step(batch, rows, old_logprobs, values, adv, sums)
+                fill_old = deferred and epoch == 0 and start == 0
+                self._optimizer_step(batch, rows, old_logprobs, values, adv, sums, fill_old=fill_old)
         return sums
 
-    def _shuffle_generator(self, epoch: int) -> torch.Generator:
-        digest = hashlib.sha256(f"{self.cfg.run.seed}:{self.update_count}:{epoch}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    def _epoch_order(self, epoch: int, group_ids: torch.Tensor) -> torch.Tensor:
+        """(B,) the order in which epoch `epoch` of this update visits the rows (epoch_order.py)."""
+        return epoch_order(self.cfg.run.seed, self.update_count, epoch, group_ids, self.cfg.train.shuffle)

@@ -27,6 +27,16 @@ class TrainConfig(_Section):
         None, ge=1, description="Samples per optimizer step over all ranks; None = the whole rollout batch."
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    shuffle: Literal["groups", "rows"] = Field(
+        "groups",
+        description=(
+            "What each epoch shuffles before cutting it into optimizer steps: 'groups' keeps the samples of a prompt "
+            "together (a seeded order of the groups, as verl's mini-batches of whole prompts), so a micro-batch "
+            "runs each of its prompts' shared tokens once (engines/trainer/shared_prompt.py) and each step holds "
+            "whole groups; 'rows' shuffles samples one by one (OpenRLHF's and TRL's), so a step's micro-batches "
+            "hold samples of ~2x as many prompts in the README recipe. The same with rollout.n_samples 1."
+        ),
+    )
     actor_lr: float = Field(1e-5, gt=0, description="Actor learning rate.")
     critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

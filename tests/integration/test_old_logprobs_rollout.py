@@ -40,8 +40,8 @@ def batch(tiny_model_dir):
     return dataclasses.replace(b, rollout_logprobs=b.ref_logprobs.clone())
 
 
-def _trainer(model_dir, mode: str) -> PPOTrainer:
-    return PPOTrainer(_cfg(model_dir, **_SETTINGS, **{"algo.old_logprobs": mode}), str(model_dir))
+def _trainer(model_dir, mode: str, **settings) -> PPOTrainer:
+    return PPOTrainer(_cfg(model_dir, **{**_SETTINGS, **settings, "algo.old_logprobs": mode}), str(model_dir))
 
 
 def _count_no_grad_forwards(trainer: PPOTrainer) -> list[int]:
@@ -58,11 +58,18 @@ def _count_no_grad_forwards(trainer: PPOTrainer) -> list[int]:
 
 
 def test_the_sampler_logprobs_of_the_same_weights_train_like_recompute(tiny_model_dir, batch):
-    recompute, rollout = _trainer(tiny_model_dir, "recompute"), _trainer(tiny_model_dir, "rollout")
+    """Two optimizer steps of 4 rows (one micro-batch each): `recompute` runs the no-grad pass over the second
+    step's 4 rows only (the first step's old log-probs come from its own forward: first_step_old.py), `rollout`
+    runs none; both train alike, and every row's old log-probs handed back are the starting weights' own."""
+    two_steps = {"train.train_batch_size": 4}
+    recompute, rollout = (
+        _trainer(tiny_model_dir, "recompute", **two_steps),
+        _trainer(tiny_model_dir, "rollout", **two_steps),
+    )
     no_grad = {"recompute": _count_no_grad_forwards(recompute), "rollout": _count_no_grad_forwards(rollout)}
     before = _params(rollout.actor)
     result_recompute, result_rollout = recompute.update(batch), rollout.update(batch)
-    assert no_grad == {"recompute": [2], "rollout": [0]}  # two micro-batches of old log-probs, then none
+    assert no_grad == {"recompute": [1], "rollout": [0]}  # one micro-batch of old log-probs (step 2's), then none
     after_recompute, after_rollout = _params(recompute.actor), _params(rollout.actor)
     moved = max(float((after_rollout[k] - before[k]).abs().max()) for k in before)
     assert moved > 1e-4  # the step did move the weights, so agreeing below is not agreeing on nothing
@@ -70,6 +77,8 @@ def test_the_sampler_logprobs_of_the_same_weights_train_like_recompute(tiny_mode
         torch.testing.assert_close(after_rollout[name], after_recompute[name], atol=2e-5, rtol=0)
     for row, expected in zip(result_rollout.old_logprobs, batch.rollout_logprobs):  # the old ones handed back
         torch.testing.assert_close(torch.tensor(row), expected[: len(row)], atol=0, rtol=0)
+    for row, expected in zip(result_recompute.old_logprobs, batch.ref_logprobs):  # the start weights', every row
+        torch.testing.assert_close(torch.tensor(row), expected[: len(row)], atol=1e-5, rtol=0)
     assert "rollout/logprob_abs_diff" in result_recompute.metrics
     assert "rollout/logprob_abs_diff" not in result_rollout.metrics  # old IS rollout there: nothing measured
 
