@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.config}: data.reasoning_gym.curriculum is not set")
     score = load_reward_function(cfg.reward.sources[0].target)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.policy_path)
-    # the engine's own settings (float32, eager, the KV cache bound), whole and shared prefills, as the run's vLLM has
+    # the engine's settings (float32, eager, the KV cache bound) and its whole, shared prefills, as in a run
     settings = VLLMSettings(max_model_len=cfg.rollout.max_model_len, kv_cache_space_gib=cfg.rollout.kv_cache_space_gib)
     prefill = {**whole_prefill_kwargs(cfg.rollout.max_model_len or 2048), **shared_prefill_kwargs()}
     llm = LLM(cfg.model.policy_path, seed=cfg.run.seed, **settings.llm_kwargs(), **prefill)
