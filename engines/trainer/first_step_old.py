@@ -10,8 +10,9 @@ fill_old=True).
 
 Nothing before the first step needs them when: the old log-probs are the trainer's (algo.old_logprobs =
 recompute), no critic (algo "ppo" needs old values for its advantages), the KL is not folded into the reward
-(algo.kl_in_reward false: the token rewards would hold it), one rank (the rows of a step are split over ranks
-after the gather), and the first epoch is not already the single-forward case (ppo_trainer._old_from_first_forward).
+(algo.kl_in_reward false: the token rewards would hold it), and one rank (the rows of a step are split over ranks
+after the gather). PPOTrainer._old_pass asks only when the first epoch is not already the single-forward case
+(ppo_trainer._old_from_first_forward), which needs no pass at all.
 
 What changes: the first step's old log-probs are its forward's, so its ratio pi/pi_old is exactly 1, where the
 separate pass made it 1 up to float summation order (the pass ran the rows in other micro-batches). On the README
@@ -19,7 +20,7 @@ recipe's third iteration the two are equal to the bit (64 rows: max |difference|
 gate's figures and the per-token old log-probs of the result are computed after the steps from the same (B, R)
 tensor, whole by then.
 
-    defers_old(trainer, local) -> bool
+    defers_old(trainer) -> bool
     first_step_rows(trainer, group_ids) -> (S,) sorted indices of epoch 0's first step
     old_except(trainer, local, pending) -> (B, R) old log-probs, NaN on the `pending` rows until their step fills them
 """
@@ -31,15 +32,14 @@ import torch
 from engines.trainer.experience import ExperienceBatch
 
 
-def defers_old(trainer, local: ExperienceBatch) -> bool:
-    """Whether this update takes its first step's old log-probs from that step's forwards (module docstring)."""
+def defers_old(trainer) -> bool:
+    """Whether this trainer's updates take their first step's old log-probs from that step's forwards (module
+    docstring)."""
     return (
         not trainer._old_from_rollout
         and trainer.critic is None
         and not trainer.cfg.algo.kl_in_reward
         and trainer.actor.world_size == 1
-        and trainer.cfg.train.ppo_epochs >= 1
-        and not trainer._old_from_first_forward(local)
     )
 
 

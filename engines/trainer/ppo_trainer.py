@@ -354,10 +354,11 @@ class PPOTrainer(LossSteps):
         None, [the first epoch's own forward] when it stands in for the pass (a FirstForward in a list, which
         `_epochs` empties: no reference outlives its step) or [], the sampler-vs-trainer mismatch metrics or None:
         engines/trainer/mismatch.py, deferred: True when the first step fills its rows (first_step_old.py))."""
-        if defers_old(self, local):
+        single = self._old_from_first_forward(local)
+        if not single and defers_old(self):
             self.first_step_mismatch = None  # measured after the steps, from the whole old log-probs
             return old_except(self, local, first_step_rows(self, local.group_ids)), None, [], None, True
-        first = self._first_forward(local) if self._old_from_first_forward(local) else None
+        first = self._first_forward(local) if single else None
         old_logprobs = None
         if first is not None:
             old_logprobs = first.policy.logprobs.detach().float()

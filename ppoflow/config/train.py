@@ -34,7 +34,7 @@ class TrainConfig(_Section):
             "together (a seeded order of the groups, as verl's mini-batches of whole prompts), so a micro-batch "
             "runs each of its prompts' shared tokens once (engines/trainer/shared_prompt.py) and each step holds "
             "whole groups; 'rows' shuffles samples one by one (OpenRLHF's and TRL's), so a step's micro-batches "
-            "hold samples of ~2x as many prompts in the README recipe. The same with rollout.n_samples 1."
+            "hold samples of more prompts. The same with rollout.n_samples 1."
         ),
     )
     actor_lr: float = Field(1e-5, gt=0, description="Actor learning rate.")
