@@ -46,6 +46,7 @@ from adaptations.deepspeed import (
     skip_shm_comm_build,
     skip_single_rank_allreduce,
 )
+from engines.trainer.heap import retain_freed_memory
 from ppoflow.config import default_zero_stage
 
 
@@ -261,6 +262,7 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], lr_factor: Calla
     import deepspeed
 
     setup_distributed()
+    retain_freed_memory()  # a training process keeps what an update frees for the next one (heap.py)
     skip_muon_import()  # an AdamW engine: DeepSpeed's Muon module is a 1 s import to answer "not Muon"
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
