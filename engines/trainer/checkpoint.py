@@ -43,7 +43,7 @@ from engines.hf_save import save_pretrained_hashed
 from engines.trainer import reshard
 from engines.trainer.lora import save_lora_policy
 from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
-from engines.weights_digest import policy_record
+from engines.weights_digest import policy_record, state_dict_record
 
 _TRAINER_FILE = "trainer.json"
 
@@ -215,7 +215,7 @@ def save_trainer(
         "optimizer_state": optimizer_state,
         # what a rollout engine must hold to serve this policy (stages/attest.py); here, beside policy/, so a
         # policy folder swapped after the commit cannot bring its own record
-        "policy_digest": policy_record(out / "policy", trainer.cfg.model.autocast_dtype),
+        "policy_digest": _saved_policy_record(trainer, out / "policy"),
     }
     if trainer.reward_normalizer is not None:  # reward.normalize=running: the running moments (three floats)
         meta["reward_normalizer"] = trainer.reward_normalizer.state_dict()
@@ -223,6 +223,20 @@ def save_trainer(
     (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
     hashed.update(_under("trainer", hashes))
     return hashed
+
+
+def _saved_policy_record(trainer, policy_dir: Path) -> dict:
+    """The record of the policy folder just written (engines/weights_digest.py), taken from the actor's weights in
+    memory, which are the tensors that folder's files were written from: the same value as reading the folder back
+    (tests/unit/test_weights_digest.py), without reading 0.5 GB of SmolLM2 back from the disk (written past the page
+    cache) through a memory map whose pages count in the process's resident set, at its peak, while it is read.
+    The folder's own record where the written tensors are not the live ones: LoRA's merged weights, ZeRO-3's
+    gathered copy (actor_weights is None there)."""
+    autocast = trainer.cfg.model.autocast_dtype
+    weights = None if trainer.cfg.model.lora is not None else trainer.actor_weights()
+    if weights is None:
+        return policy_record(policy_dir, autocast)
+    return state_dict_record(weights, autocast)
 
 
 def _load_role_optimizer(engine, folder: Path, stem: str, saved_world: int, mode: Optional[str]) -> None:

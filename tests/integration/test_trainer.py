@@ -97,6 +97,17 @@ def test_save_returns_the_hashes_of_the_state_files_it_wrote(trained):
         assert digest == file_sha256(str(trained["out"] / rel)), rel
 
 
+def test_the_recorded_policy_digest_is_the_saved_folders(trained, tiny_model_dir):
+    """trainer.json's policy_digest, taken from the actor's weights in memory, equals the record read back from the
+    policy folder the save wrote (safetensors' own reader), and differs from the initial model's (one update ran)."""
+    from engines.weights_digest import policy_record
+
+    meta = json.loads((trained["out"] / "trainer" / "trainer.json").read_text())
+    from_folder = policy_record(trained["out"] / "policy", None)
+    assert meta["policy_digest"] == from_folder
+    assert from_folder["value"] != policy_record(tiny_model_dir, None)["value"]
+
+
 def test_update_trains_and_reports_metrics(trained, batches):
     first = trained["first"]
     for key in (
@@ -270,7 +281,7 @@ def test_old_values_from_the_first_forward_equal_a_separate_pass(tiny_model_dir,
             assert float((delta > 1e-5).float().mean()) < 1e-2, k
 
 
-def test_bf16_autocast_keeps_float32_state_and_close_logprobs(tiny_model_dir, batches):
+def test_bf16_autocast_keeps_float32_state_and_close_logprobs(tiny_model_dir, batches, tmp_path):
     """model.autocast_dtype=bfloat16 on ZeRO stage 0: weights and Adam state stay float32, and the trainer's
     log-probs are the float32 reference's up to bfloat16 rounding (8 mantissa bits: ~1e-2 on log-probs of
     a 64-token vocabulary), not equal to them (so bfloat16 kernels really ran)."""
@@ -288,6 +299,12 @@ def test_bf16_autocast_keeps_float32_state_and_close_logprobs(tiny_model_dir, ba
     assert any(not torch.equal(before[k], after[k]) for k in before)
     state = trainer.actor.optimizer.state_dict()["state"]
     assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())
+    trainer.save(str(tmp_path))  # the checkpoint's record holds the digest rounded to bfloat16 too, as the folder's
+    meta = json.loads((tmp_path / "trainer" / "trainer.json").read_text())
+    from engines.weights_digest import policy_record
+
+    assert meta["policy_digest"] == policy_record(tmp_path / "policy", "bfloat16")
+    assert set(meta["policy_digest"]["rounded"]) == {"bfloat16"}
     bf16_ref = ReferenceModel(str(tiny_model_dir), micro_batch_size=8, autocast_dtype="bfloat16")
     assert bf16_ref.fingerprint != ReferenceModel(str(tiny_model_dir), micro_batch_size=8).fingerprint
 
