@@ -288,3 +288,27 @@ def test_staging_buffers_are_mapped_once_and_reused_by_later_writers(tmp_path, m
     for k, data in enumerate(contents):
         assert (tmp_path / f"f{k}.bin").read_bytes() == data, k
     assert len(direct_io._pool) == RING
+
+
+def _cached_bytes(path: Path) -> int:
+    """The kernel's count of `path`'s bytes in the page cache (util-linux fincore), independent of direct_io."""
+    import subprocess
+
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True)
+    return int(out.stdout.split()[0])
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not Path("/usr/bin/fincore").exists(), reason="Linux fincore")
+def test_read_into_page_cache_leaves_a_direct_written_file_cached(tmp_path):
+    if not probe_direct(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    path = tmp_path / "weights.bin"
+    size = 6 * BUFFER_BYTES + 12345
+    with SequentialWriter(path, direct=True) as f:
+        f.write(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # nothing of it cached, whatever the writer did
+    os.close(fd)
+    assert _cached_bytes(path) < size // 4
+    direct_io.read_into_page_cache(path)
+    assert _cached_bytes(path) >= size - ALIGN  # every page (fincore counts whole pages)
