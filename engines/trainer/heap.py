@@ -3,8 +3,8 @@
 Why: an update allocates and frees gigabytes of activations and gradients' temporaries. With glibc's defaults the
 freed top of the heap, and the heaps of the threads' arenas, are handed back to the kernel, and the next update takes
 them again page by page, each 4 KiB page a minor fault that the kernel zeroes. On the README recipe (SmolLM2-135M,
-2 cores) a steady update of `ppoflow train` took 0.5-0.8 M minor faults and 2.6-3.7 s of system time; with these
-settings, 0.1-0.2 M and 0.7-0.9 s (CHANGELOG). The stages in between (rollout, score) allocate less than an update
+2 cores) a steady update of `ppoflow train` took 0.35-0.82 M minor faults and 2.1-3.9 s of system time; with these
+settings, 0.11-0.16 M and 0.7-0.9 s (CHANGELOG). The stages in between (rollout, score) allocate less than an update
 and reuse the kept memory instead of faulting in their own, so the process's peak is still the update's.
 
     retain_freed_memory()   M_TRIM_THRESHOLD 2 GiB (the largest mallopt takes), M_TOP_PAD 64 MiB (an arena heap's
