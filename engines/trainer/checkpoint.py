@@ -43,7 +43,14 @@ from engines.hf_save import save_pretrained_hashed
 from engines.trainer import reshard
 from engines.trainer.direct_io import read_into_page_cache
 from engines.trainer.lora import save_lora_policy
-from engines.trainer.state import is_open_format, load_nested, rng_state, save_nested, set_rng_state
+from engines.trainer.state import (
+    DIRECT_MIN_BYTES,
+    is_open_format,
+    load_nested,
+    rng_state,
+    save_nested,
+    set_rng_state,
+)
 from engines.weights_digest import policy_record, state_dict_record
 
 _TRAINER_FILE = "trainer.json"
@@ -162,9 +169,11 @@ def save_policy(trainer, policy_dir: str | Path) -> dict[str, str]:
     else:
         digests = save_pretrained_hashed(trainer.actor.module, policy_dir, state_dict=state)
     trainer.tokenizer.save_pretrained(Path(policy_dir))
-    # written past the page cache (direct_io.py), and a rollout engine loads them next: from the cache, not the disk
+    # files this large went past the page cache (state.write_safetensors), and a rollout engine loads them next:
+    # from the cache, not the disk; smaller ones were written through it
     for weights in Path(policy_dir).glob("*.safetensors"):
-        read_into_page_cache(weights)
+        if weights.stat().st_size >= DIRECT_MIN_BYTES:
+            read_into_page_cache(weights)
     return digests
 
 

@@ -11,6 +11,7 @@ from engines.scoring.reference import ReferenceModel
 from engines.trainer.experience import ExperienceBatch
 from engines.trainer.ppo_trainer import PPOTrainer
 from engines.trainer.state import load_nested
+from engines.weights_digest import policy_record
 from ppoflow.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -100,8 +101,6 @@ def test_save_returns_the_hashes_of_the_state_files_it_wrote(trained):
 def test_the_recorded_policy_digest_is_the_saved_folders(trained, tiny_model_dir):
     """trainer.json's policy_digest, taken from the actor's weights in memory, equals the record read back from the
     policy folder the save wrote (safetensors' own reader), and differs from the initial model's (one update ran)."""
-    from engines.weights_digest import policy_record
-
     meta = json.loads((trained["out"] / "trainer" / "trainer.json").read_text())
     from_folder = policy_record(trained["out"] / "policy", None)
     assert meta["policy_digest"] == from_folder
@@ -301,8 +300,6 @@ def test_bf16_autocast_keeps_float32_state_and_close_logprobs(tiny_model_dir, ba
     assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())
     trainer.save(str(tmp_path))  # the checkpoint's record holds the digest rounded to bfloat16 too, as the folder's
     meta = json.loads((tmp_path / "trainer" / "trainer.json").read_text())
-    from engines.weights_digest import policy_record
-
     assert meta["policy_digest"] == policy_record(tmp_path / "policy", "bfloat16")
     assert set(meta["policy_digest"]["rounded"]) == {"bfloat16"}
     bf16_ref = ReferenceModel(str(tiny_model_dir), micro_batch_size=8, autocast_dtype="bfloat16")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -298,7 +299,7 @@ def _cached_bytes(path: Path) -> int:
     return int(out.stdout.split()[0])
 
 
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not Path("/usr/bin/fincore").exists(), reason="Linux fincore")
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or shutil.which("fincore") is None, reason="util-linux fincore")
 def test_read_into_page_cache_leaves_a_direct_written_file_cached(tmp_path):
     if not probe_direct(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
