@@ -34,6 +34,7 @@ ZeRO 0 in bf16/fp16 are refused naming both counts.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -201,15 +202,19 @@ def save_trainer(
     """
     out = Path(out_dir)
     rank, world = trainer.actor.global_rank, trainer.actor.world_size
-    hashed = save_weights(trainer, out)
     state_dir = out / "trainer"
-    hashes = {}
-    if optimizer_state:
-        hashes.update(save_optimizer(trainer.actor, state_dir, _rank_stem("actor_optimizer", rank, world)))
+    if optimizer_state and world == 1:
+        # the optimizer state on a second thread while this one writes the weights: each file is hashed as it is
+        # written, one core per file, and hashing is what a save spends its time on (hashlib lets go of the GIL)
+        with ThreadPoolExecutor(1, thread_name_prefix="optimizer-state") as pool:
+            optimizers = pool.submit(_save_optimizers, trainer, state_dir, rank, world)
+            hashed = save_weights(trainer, out)
+            hashes = optimizers.result()
+    else:  # several ranks: the weights' gather is a collective, so each rank keeps to one order of calls
+        hashed = save_weights(trainer, out)
+        hashes = _save_optimizers(trainer, state_dir, rank, world) if optimizer_state else {}
     engines = {"actor": engine_counters(trainer.actor)}
     if trainer.critic is not None:
-        if optimizer_state:
-            hashes.update(save_optimizer(trainer.critic, state_dir, _rank_stem("critic_optimizer", rank, world)))
         engines["critic"] = engine_counters(trainer.critic)
     hashes.update(save_nested(rng_state(), state_dir, _rank_stem("rng", rank, world)))
     if world > 1:  # every rank's partition is on disk before rank 0 reports the checkpoint written
@@ -236,6 +241,14 @@ def save_trainer(
     (state_dir / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json"), indent=1))
     hashed.update(_under("trainer", hashes))
     return hashed
+
+
+def _save_optimizers(trainer, state_dir: Path, rank: int, world: int) -> dict[str, str]:
+    """The actor's (and the critic's) optimizer state under state_dir: {file name: sha256}."""
+    hashes = save_optimizer(trainer.actor, state_dir, _rank_stem("actor_optimizer", rank, world))
+    if trainer.critic is not None:
+        hashes.update(save_optimizer(trainer.critic, state_dir, _rank_stem("critic_optimizer", rank, world)))
+    return hashes
 
 
 def _saved_policy_record(trainer, policy_dir: Path) -> dict:

@@ -98,6 +98,25 @@ def test_save_returns_the_hashes_of_the_state_files_it_wrote(trained):
         assert digest == file_sha256(str(trained["out"] / rel)), rel
 
 
+def test_an_optimizer_state_write_that_fails_fails_the_save(trained, tmp_path, monkeypatch):
+    """The optimizer state is written on a second thread beside the weights: its error reaches the caller, after the
+    weights' own write has ended (nothing is left writing into a folder the caller will clean up)."""
+    import engines.trainer.checkpoint as checkpoint
+
+    written = checkpoint.save_optimizer
+
+    def fail_for_the_critic(engine, folder, stem):
+        if stem.startswith("critic"):
+            raise OSError(28, "No space left on device", str(folder))
+        return written(engine, folder, stem)
+
+    monkeypatch.setattr(checkpoint, "save_optimizer", fail_for_the_critic)
+    with pytest.raises(OSError, match="No space left on device"):
+        trained["trainer"].save(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "policy" / "model.safetensors").is_file()  # the weights' write ran to its end
+    assert not (tmp_path / "ckpt" / "trainer" / "trainer.json").exists()  # the save stopped before its record
+
+
 def test_the_recorded_policy_digest_is_the_saved_folders(trained, tiny_model_dir):
     """trainer.json's policy_digest, taken from the actor's weights in memory, equals the record read back from the
     policy folder the save wrote (safetensors' own reader), and differs from the initial model's (one update ran)."""
