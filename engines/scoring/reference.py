@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from engines.models import autocast, load_reference, precast_linear_weights, weight_files
+from engines.scoring.file_weights import map_to_files
 from engines.trainer.experience import left_pad, right_pad
 from engines.trainer.forward import policy_forward
 from ppoflow.fingerprint import folder_fingerprint
@@ -66,6 +67,9 @@ class ReferenceModel:
         self.path = str(path)
         self.model = load_reference(path, dtype, attn_implementation).to(device)
         precast_linear_weights(self.model, autocast_dtype)  # frozen: cast once, not per forward
+        # the weights as pages of their files, dropped from this process between scores (file_weights.py)
+        self._mapped = map_to_files(self.model, path) if device == "cpu" else None
+        self._users = 0  # nested in_use() blocks
         self.device = torch.device(device)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
@@ -101,6 +105,7 @@ class ReferenceModel:
         ref.autocast_dtype = autocast_dtype
         ref.fingerprint = _reference_fingerprint(path, dtype, autocast_dtype)
         ref._adapter_off = lambda: _base_only(peft_model)
+        ref._mapped, ref._users = None, 0  # the trainer's own weights: nothing to drop
         return ref
 
     @torch.no_grad()
@@ -111,15 +116,28 @@ class ReferenceModel:
         """
         if len(prompt_ids) != len(response_ids):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        for index, p in enumerate(prompt_ids):
+            if not p:
+                raise ValueError(f"sample {index}: empty prompt")
         result: list[list[float]] = []
-        for start in range(0, len(prompt_ids), self.micro_batch_size):
-            prompts = prompt_ids[start : start + self.micro_batch_size]
-            responses = response_ids[start : start + self.micro_batch_size]
-            for offset, p in enumerate(prompts):
-                if not p:
-                    raise ValueError(f"sample {start + offset}: empty prompt")
-            result.extend(self._micro_batch(prompts, responses))
+        with self.in_use():
+            for start in range(0, len(prompt_ids), self.micro_batch_size):
+                prompts = prompt_ids[start : start + self.micro_batch_size]
+                responses = response_ids[start : start + self.micro_batch_size]
+                result.extend(self._micro_batch(prompts, responses))
         return result
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """Keep the weights' pages in this process across the `logprobs` calls inside (a scorer's micro-batches);
+        the outermost exit drops them (file_weights.py), so the next score faults them in again once."""
+        self._users += 1
+        try:
+            yield self
+        finally:
+            self._users -= 1
+            if not self._users and self._mapped is not None:
+                self._mapped.release()
 
     def _micro_batch(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
         width_r = max(1, max(len(r) for r in responses))

@@ -9,6 +9,7 @@ micro-batch). The prompt-hash cache wraps it (engines/scoring/cached.py), keyed 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -192,8 +193,9 @@ class Scorer:
         out: list = [None] * len(prompt_ids)
         lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         cap = getattr(self.reference, "micro_batch_size", None)
-        for group in token_budget_batches(lengths, self.token_budget, max_batch_rows=cap):
-            scored = self.reference.logprobs([prompt_ids[i] for i in group], [response_ids[i] for i in group])
-            for i, logprobs in zip(group, scored):
-                out[i] = logprobs
+        with getattr(self.reference, "in_use", contextlib.nullcontext)():  # its weights' pages, once for all groups
+            for group in token_budget_batches(lengths, self.token_budget, max_batch_rows=cap):
+                scored = self.reference.logprobs([prompt_ids[i] for i in group], [response_ids[i] for i in group])
+                for i, logprobs in zip(group, scored):
+                    out[i] = logprobs
         return out
