@@ -326,6 +326,8 @@ def peer_real_table() -> str:
     ]
     for what, goal, ours, theirs, ratio_key in PEER_REAL_ROWS:
         ours_v, theirs_v, ratio_v = dig(ours), dig(theirs), dig(ratio_key)
+        if ours_v is None:  # that ppoflow side (or figure) was not in the run: no row, not TRL's figure beside nothing
+            continue
         if ratio_v is None and isinstance(ours_v, (int, float)) and isinstance(theirs_v, (int, float)) and theirs_v:
             ratio_v = round(ours_v / theirs_v, 3)
         cells = [_value(v) if v is not None else "" for v in (ours_v, theirs_v, ratio_v)]
