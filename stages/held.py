@@ -70,10 +70,18 @@ def _fingerprint_or_none(path: str):
 def scorer_for(cfg) -> Scorer:
     """The warm scorer; rebuilt when the scoring settings change, and when the files of the reference or of a
     reward-model folder change in place (new weights under the same path). A rebuilt scorer has a new
-    identity, so a new score-cache key space: the new weights never read the old weights' scores."""
+    identity, so a new score-cache key space: the new weights never read the old weights' scores.
+    The reference's micro-batch and log-prob chunk (train.micro_batch_size, train.logprob_chunk: build_reference)
+    are in the key too: they move its log-probs by rounding, and a scorer built for another run's settings would make
+    this run's scores depend on what the process ran before."""
     folders = [cfg.model.policy_path] + [s.target for s in cfg.reward.sources if s.kind == "model"]
+    reference_batching = [cfg.train.micro_batch_size, cfg.train.logprob_chunk]
     identity = json.dumps(
-        [cfg.section_hash("model", "reward", "score", "rollout"), [folder_fingerprint(f) for f in folders]]
+        [
+            cfg.section_hash("model", "reward", "score", "rollout"),
+            reference_batching,
+            [folder_fingerprint(f) for f in folders],
+        ]
     )
     return warm.get_or_build(warm.WarmKey(warm.Role.SCORER, identity), lambda: Scorer(cfg))
 

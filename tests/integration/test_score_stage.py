@@ -145,6 +145,24 @@ def test_the_rows_have_the_duplicates_counted_by_hand():
     assert (table.num_rows, len(pairs)) == (ROWS, DISTINCT_PAIRS)
 
 
+def test_the_warm_scorer_is_rebuilt_for_another_reference_batching(
+    storage_root, tiny_model_dir, reward_file, reward_model_dir
+):
+    """The reference's micro-batch moves its log-probs by rounding: a run must not score with a scorer another run of
+    the process built for its own micro-batch (the scores would depend on what ran before). Settings the score does
+    not read keep the warm one."""
+    root, storage = storage_root
+    cfg = stage_config(root, storage, tiny_model_dir, reward_file[0], reward_model_dir)
+    first = scorer_for(cfg)
+    other_lr = cfg.model_copy(deep=True)
+    other_lr.train.actor_lr = cfg.train.actor_lr * 2
+    assert scorer_for(other_lr) is first
+    wider = cfg.model_copy(deep=True)
+    wider.train.micro_batch_size = 2 * cfg.train.micro_batch_size
+    rebuilt = scorer_for(wider)
+    assert rebuilt is not first and rebuilt.reference.micro_batch_size == 16 == 2 * first.reference.micro_batch_size
+
+
 def test_a_retried_score_stage_computes_nothing_again(storage_root, tiny_model_dir, reward_file, reward_model_dir):
     root, storage = storage_root
     cfg = stage_config(root, storage, tiny_model_dir, reward_file[0], reward_model_dir)
