@@ -33,8 +33,10 @@ import torch
 from torch import nn
 
 from engines.models import weight_files
+from engines.trainer.state import SAFETENSORS_DTYPES
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+# the format's dtype names, as the checkpoint writer spells them; only floating ones are weights worth mapping
+_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items() if dtype.is_floating_point}
 
 
 class MappedWeights:

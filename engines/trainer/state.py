@@ -78,7 +78,7 @@ def is_open_format(value: Any) -> bool:
 
 # Below this, a file's page-cache copy costs little and O_DIRECT's staging copy gains nothing.
 DIRECT_MIN_BYTES = 16 << 20
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -109,12 +109,12 @@ def write_safetensors(
     """
     views, header, offset = [], {}, 0
     for name, tensor in tensors.items():
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + raw.numel()],
         }
