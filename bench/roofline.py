@@ -23,6 +23,14 @@ first: from the command's start, start-up included); `outside_s` = that minus th
 start-up, waits between stages). Seconds are the steady state (the median of iterations 2..N of
 timing/*), beside the first iteration's; FLOPs are the last iteration's. Goal (issue 55): the steady iteration at
 <= 1.25x its bound. Ends with one JSON line, appended to bench/results/roofline.jsonl (or --results-dir).
+
+Where a stage's time goes (score and update, the stages that compute in this process): the same pass once more under
+torch.profiler (bench/kernel_shares.py's CPU classes), the update with a trainer built again at the iteration's
+starting checkpoint. `matmul_s` is the seconds its matmul operators took, `matmul_gflops` the stage's FLOPs over
+them (the rate its matrix multiplies ran at on their own shapes; attention's few FLOPs counted in) and
+`matmul_floor_ratio` = matmul_s / bound_s: the ratio the stage would have if nothing but its matmuls took any time.
+`profiled_s` is that pass's wall seconds (the profiler's own cost included), so the rest of it,
+profiled_s - matmul_s, is everything else: element-wise work, the optimizer, Python.
 """
 
 from __future__ import annotations
@@ -77,6 +85,40 @@ def stage_flops(cfg, iteration: int) -> tuple[dict[str, int], Dims, int]:
     return flops, dims, round(sum(lengths) / len(lengths))
 
 
+def matmul_split(run) -> dict[str, float]:
+    """{"matmul_s": seconds of run()'s matmul operators, "profiled_s": run()'s wall seconds}, from one call under
+    torch.profiler on CPU (bench/kernel_shares.py: aten::mm, addmm, bmm, matmul, linear are matmuls)."""
+    from bench.kernel_shares import profile_shares
+
+    shares = profile_shares(run, "cpu")
+    wall = shares["profiled_s"] / shares["busy_share"]
+    return {"matmul_s": shares["profiled_s"] * shares["matmul_share"], "profiled_s": wall}
+
+
+def stage_matmuls(cfg, iteration: int) -> dict[str, dict[str, float]]:
+    """{"score" | "update": matmul_split of that stage's pass over `iteration`'s own shards}: a warm scorer's second
+    pass, and train_on with a trainer built at the iteration's starting checkpoint (as stage_flops runs them)."""
+    from engines.scoring.scorer import Scorer
+    from engines.trainer.ppo_trainer import PPOTrainer
+    from stages.score import score_rows
+    from stages.update import train_on
+    from storage.fs import join
+    from storage.layout import layout_for
+    from storage.shards import read_shards
+
+    layout = layout_for(cfg)
+    rollout = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
+    scored = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
+    scorer = Scorer(cfg)
+    score_rows(scorer, rollout, None)  # the pipeline's scorer is warm after iteration 1: fault its pages in first
+    out = {"score": matmul_split(lambda: score_rows(scorer, rollout, None))}
+    scorer = None  # its model's memory back before the trainer is built
+    start = cfg.model.policy_path if iteration == 1 else join(layout.checkpoint_dir(iteration - 1), "policy")
+    trainer = PPOTrainer(cfg, start)
+    out["update"] = matmul_split(lambda: train_on(trainer, scored))
+    return out
+
+
 def peak_gflops(dims: Dims, micro_batch_tokens: int) -> dict[str, float]:
     """Best float32 GFLOP/s of torch.mm on the model's shapes, one micro-batch of tokens as the rows. Best of 10
     windows: measured right after the pipeline ends, a window can still share the cores with its processes' exit (a
@@ -98,9 +140,16 @@ def iteration_walls(rows: list[dict], started: float) -> tuple[float, float]:
     return ends[0][1] - started, statistics.median(gaps)
 
 
-def roofline(flops: dict[str, int], seconds: dict[str, float], wall: float, peak: float) -> dict:
+def roofline(
+    flops: dict[str, int],
+    seconds: dict[str, float],
+    wall: float,
+    peak: float,
+    matmuls: Optional[dict[str, dict[str, float]]] = None,
+) -> dict:
     """Per stage and for the iteration: FLOPs, bound seconds at `peak` GFLOP/s, measured seconds and their ratio.
-    `wall`: the iteration's wall seconds (iteration_walls), against which the whole iteration is measured."""
+    `wall`: the iteration's wall seconds (iteration_walls), against which the whole iteration is measured.
+    `matmuls`: {stage: matmul_split} for the stages profiled (stage_matmuls); adds their matmul figures."""
     out: dict = {}
     for stage in STAGES:
         bound = flops[stage] / (peak * 1e9)
@@ -111,6 +160,12 @@ def roofline(flops: dict[str, int], seconds: dict[str, float], wall: float, peak
             "measured_s": round(measured, 3) if measured is not None else None,
             "ratio": round(measured / bound, 2) if measured is not None and bound > 0 else None,
         }
+        split = (matmuls or {}).get(stage)
+        if split is not None and split["matmul_s"] > 0 and bound > 0:
+            out[stage]["profiled_s"] = round(split["profiled_s"], 3)
+            out[stage]["matmul_s"] = round(split["matmul_s"], 3)
+            out[stage]["matmul_gflops"] = round(flops[stage] / 1e9 / split["matmul_s"], 1)
+            out[stage]["matmul_floor_ratio"] = round(split["matmul_s"] / bound, 2)
     parts = {part: seconds.get(f"timing/update_{part}") for part in ("train", "save")}  # inside the update stage
     if parts["train"] is not None:
         out["update"]["train_s"] = round(parts["train"], 3)
@@ -153,6 +208,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         rows, started, _ = run_train(root, sets, dict(os.environ), a.timeout_s)
         cfg = load_config(root / load_config(RECIPE, sets).run.name / "config.yaml")
         flops, dims, row_tokens = stage_flops(cfg, a.iterations)
+        matmuls = stage_matmuls(cfg, a.iterations)
         first, steady = stage_seconds(rows)
         first_wall, steady_wall = iteration_walls(rows, started)
         peaks = peak_gflops(dims, cfg.train.micro_batch_size * row_tokens)
@@ -165,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "iterations": a.iterations,
         "baseline": "the matmul peak: each stage's FLOPs at the best float32 torch.mm GFLOP/s on the model's shapes",
         "peak_gflops": peaks,
-        "steady": roofline(flops, steady, steady_wall, peak),
+        "steady": roofline(flops, steady, steady_wall, peak, matmuls),
         "first": roofline(flops, first, first_wall, peak),
         "goal_iteration_ratio": GOAL,
     }

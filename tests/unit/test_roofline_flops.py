@@ -120,3 +120,36 @@ class TestRooflineFigures:
         # the update's 3 GFLOP are the PPO update's alone: 4.5 s against 3 s is 1.5x; the save has no bound
         assert (out["ratio"], out["train_s"], out["train_ratio"], out["save_s"]) == (2.0, 4.5, 1.5, 1.2)
         assert "train_s" not in roofline(flops, {"timing/update": 6.0}, wall=6.0, peak=1.0)["update"]  # older rows
+
+    def test_the_matmul_figures_by_hand(self):
+        from bench.roofline import roofline
+
+        flops = {"rollout": 2e9, "score": 0, "update": 3e9, "checkpoint": 0}
+        seconds = {"timing/rollout": 4.0, "timing/update": 6.0}
+        matmuls = {"update": {"matmul_s": 4.0, "profiled_s": 7.0}, "score": {"matmul_s": 1.0, "profiled_s": 2.0}}
+        out = roofline(flops, seconds, wall=10.0, peak=1.0, matmuls=matmuls)
+        # 3 GFLOP in 4 s of matmuls: 0.75 GFLOP/s, and 4 s against a 3 s bound is a floor of 1.33x
+        assert {k: out["update"][k] for k in ("profiled_s", "matmul_s", "matmul_gflops", "matmul_floor_ratio")} == {
+            "profiled_s": 7.0,
+            "matmul_s": 4.0,
+            "matmul_gflops": 0.8,
+            "matmul_floor_ratio": 1.33,
+        }
+        assert "matmul_s" not in out["rollout"]  # not profiled (vLLM computes in its own process)
+        assert "matmul_s" not in out["score"]  # no FLOPs: no bound to be a multiple of
+
+
+class TestMatmulSplit:
+    def test_a_pass_of_matrix_multiplies_is_mostly_matmul_time(self):
+        from bench.roofline import matmul_split
+
+        a = torch.randn(256, 256)
+        split = matmul_split(lambda: [a @ a for _ in range(20)])
+        assert 0.5 * split["profiled_s"] < split["matmul_s"] <= split["profiled_s"]
+
+    def test_a_pass_without_one_has_no_matmul_time(self):
+        from bench.roofline import matmul_split
+
+        a = torch.randn(256, 256)
+        split = matmul_split(lambda: [a.exp() + a for _ in range(20)])
+        assert split["matmul_s"] == 0 and split["profiled_s"] > 0
