@@ -51,6 +51,12 @@ from tasks.stage_tasks import STAGE_TASKS, part_stage_name
 # Every task run_stage_in_process can run: the PPO stages (which pools and warm workers serve too) and the
 # reward-model stages (in-process only, see placement).
 _TASKS = {**STAGE_TASKS, **RM_STAGE_TASKS}
+# How long a wait for a warm worker waits on the task run's end (Prefect's event wakes it at once) before it looks
+# again at what ends it early (_WorkerWatch: the worker's lease, the run's earlier iterations, the workers present).
+# A dead worker or a failed earlier iteration ends the wait within this, which was 5 s (a killed worker's run ended
+# up to ~10 s late: the death seen, then the next in-flight iteration's stop). Each look reads the task run from the
+# Prefect server (twice) and the lease from the run's storage: a few small reads a second per waiting stage.
+WATCH_S = 1.0
 
 
 class StageFailed(RuntimeError):
@@ -99,7 +105,7 @@ def wait_for_worker(cfg: PPOFlowConfig, future: PrefectFuture, stage: str, itera
     while not (state := future.state).is_final():
         watch.check(state)
         try:
-            future.wait(timeout=5)
+            future.wait(timeout=WATCH_S)
         except RuntimeError:  # Prefect: the task run "has no state": no worker has taken the submission yet
             time.sleep(0.5)  # (several iterations in flight, or more parts than free workers, queue for a worker)
     manifest = state.result(raise_on_failure=True)
