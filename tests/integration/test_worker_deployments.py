@@ -113,9 +113,12 @@ def test_a_work_pool_starts_warm_workers_that_train_and_crash_visibly(
             for stage in ("score", "update"):  # the others serve on
                 assert _flow_run(client, runs[stage]).state.is_running()
 
-            # ... and a training run's rollout, which no worker takes now, fails naming the stage.
+            # ... and a training run's rollout, which no worker takes now, fails naming the stage. Its pickup_s counts
+            # from the moment the server lists no rollout worker (the first run's 20 s gave the pool's workers time to
+            # connect; none is to come here), so 5 s shows the same failure 15 s sooner (test_worker_kills's too).
+            unserved = {**pipeline, "deadlines": {"pickup_s": 5}}
             later = small_config(str(tmp_path / "runs"), "no-rollout-worker", tiny_model_dir, digits_dataset_dir, 1,
-                                 pipeline=pipeline)  # fmt: skip
+                                 pipeline=unserved)  # fmt: skip
             state = ppo_training(config=later.model_dump(mode="json"), return_state=True)
             assert state.is_failed(), state
             assert "rollout" in state.message and "no worker serving it" in state.message, state.message
