@@ -21,8 +21,8 @@ Work that cannot change those outputs is not done (each cut is exact: same numbe
   that are thrown away. Only for dense decoder families whose layers' `mlp` is position-wise
   (`_TRIMMED_MLP_FAMILIES`), and not under gradient checkpointing (its recomputation in the backward
   pass would run the MLP untrimmed).
-- rows that share a prompt (a GRPO group) run its columns once (`shared_prompt.py`: the prompt's keys and
-  values are computed per distinct prompt and repeated to its rows).
+- rows that share a prompt (a GRPO group) run its columns once (`shared_prompt.py`: one packed sequence of
+  the distinct prompts and every row's response, with attention per segment).
 Measured on the peer bench's 10M Llama (P=6, R=8, bf16 autocast, one core): forward + backward 0.85x
 the untrimmed pass.
 """
@@ -174,7 +174,7 @@ def policy_forward(
     inputs = build_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     width_r = inputs.response_width
     base = _unwrap(model)
-    shared = sharing(model, base, prompt_ids, prompt_mask) if _takes_logits_to_keep(model) else None
+    shared = sharing(model, base, prompt_ids, prompt_mask, width_r) if _takes_logits_to_keep(model) else None
     if shared is not None:  # rows with the same prompt: its columns run once (shared_prompt.py)
         logits = shared_prompt_logits(model, base.config, shared, *inputs)
     else:

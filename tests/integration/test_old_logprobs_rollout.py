@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from engines.trainer.ppo_trainer import PPOTrainer
-from tests.fixtures.forward_calls import fills_a_prompt_cache
 from tests.integration.test_trainer import _batch, _cfg, _params
 
 pytestmark = pytest.mark.slow
@@ -45,12 +44,11 @@ def _trainer(model_dir, mode: str, **settings) -> PPOTrainer:
 
 
 def _count_no_grad_forwards(trainer: PPOTrainer) -> list[int]:
-    """A forward pre-hook on the actor's module (from outside): how many of its forwards ran without grad (a call
-    that only caches the distinct prompts is part of the pass that follows it)."""
+    """A forward pre-hook on the actor's module (from outside): how many of its forwards ran without grad."""
     calls = [0]
 
-    def hook(_module, _args, kwargs):
-        if not torch.is_grad_enabled() and not fills_a_prompt_cache(kwargs):
+    def hook(_module, _args, _kwargs):
+        if not torch.is_grad_enabled():
             calls[0] += 1
 
     trainer.actor.module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -21,7 +21,7 @@ from engines.scoring.scorer import Scorer, ScoringInput
 from engines.toy.model import build_tokenizer
 from ppoflow.config import build_config
 from storage.score_cache import ScoreCache
-from tests.fixtures.forward_calls import fills_a_prompt_cache
+from tests.fixtures.forward_calls import rows_scored
 
 # A reward file with a call log. length_reward: OpenRLHF contract, batched, reward = words in the response.
 # failing_score / hanging_score: veRL contract (one call per sample), so their errors name one sample.
@@ -73,13 +73,12 @@ def samples_scored(log: Path) -> int:
 def count_reference_rows(scorer: Scorer) -> tuple[list[int], object]:
     """([rows scored], hook handle): a forward pre-hook on the reference model, removed by the caller.
 
-    A call that fills an empty key/value cache with distinct prompts (engines/trainer/shared_prompt.py) scores
-    no row: the rows it serves are counted by the call that follows it, which scores them."""
+    A call whose rows share prompts runs them packed into one sequence (engines/trainer/shared_prompt.py): its rows
+    are its layout's, not its input's one row."""
     rows: list[int] = []
 
     def count(module, args, kwargs):
-        if not fills_a_prompt_cache(kwargs):
-            rows.append(int(kwargs["input_ids"].shape[0]))
+        rows.append(rows_scored(kwargs))
 
     handle = scorer.reference.model.register_forward_pre_hook(count, with_kwargs=True)
     return rows, handle

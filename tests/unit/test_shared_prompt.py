@@ -4,7 +4,9 @@ The naive side is test_forward_trim's: the whole `cat(prompt, response)` through
 The batch below holds groups (rows with equal prompts), one group split over non-adjacent rows, a prompt of
 one token among longer left-padded ones, and two prompts equal in their real tokens but padded with different
 ids (padding is not part of a prompt). Hooks count the rows and columns the first decoder layer saw, so a
-test also fails if the sharing silently stops (the numbers alone cannot tell).
+test also fails if the sharing silently stops (the numbers alone cannot tell). Besides the toy model: grouped
+query heads (SmolLM2's 9 query heads share 3 key/value heads), prompts of one token each (no prefix at all),
+and a sliding window shorter than a row (the packed attention does not apply one: the plain forward runs).
 """
 
 import torch
@@ -74,8 +76,9 @@ def test_shared_forward_equals_the_naive_one_in_values_and_gradients(tiny_model_
         hook.remove()
     masked_weighted_sum(out.logprobs, mask).backward()
 
-    # the prefix: 4 distinct prompts x (P - 1) columns; then all 9 rows x R columns (last prompt token + R - 1)
-    assert seen == [(4, P - 1), (9, R)]
+    # one packed sequence: the real prefix tokens of the 4 distinct prompts (A: 3, B: 4, C: 0, D: 1; every
+    # prompt token but the last), then all 9 rows x R columns (last prompt token + R - 1 response tokens)
+    assert seen == [(1, 3 + 4 + 0 + 1 + 9 * R)]
     torch.testing.assert_close(out.logprobs * mask, expected * mask, atol=1e-5, rtol=0)
     assert grads(model).keys() == expected_grads.keys()
     assert_grads_close(model, expected_grads)
@@ -93,5 +96,62 @@ def test_the_plain_forward_runs_where_sharing_does_not_apply(tiny_model_dir):
     model.gradient_checkpointing_enable()
     assert sharing(model, model, prompt_ids, prompt_mask) is None
     model.gradient_checkpointing_disable()
-    model.config.model_type = "gpt2"  # a family not known to take a DynamicCache with position ids
+    model.config.model_type = "gpt2"  # a family whose attention the packed call is not known to reach
     assert sharing(model, model, prompt_ids, prompt_mask) is None
+
+
+def _equal_to_the_naive_forward(model, batch):
+    mask = batch[3].float()
+    expected, expected_grads = naive_with_grads(model, naive_logprobs, batch, mask)
+    out = policy_forward(model, *batch, TEMPERATURE, chunk_size=3)
+    masked_weighted_sum(out.logprobs, mask).backward()
+    torch.testing.assert_close(out.logprobs * mask, expected * mask, atol=1e-5, rtol=0)
+    assert_grads_close(model, expected_grads)
+
+
+def _gqa_llama(**extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+        **extra,
+    )
+    return LlamaForCausalLM(config)
+
+
+def test_grouped_query_heads_give_the_naive_values_and_gradients():
+    model = _gqa_llama()
+    batch = shared_batch()
+    assert sharing(model, model, batch[0], batch[1], R) is not None
+    _equal_to_the_naive_forward(model, batch)
+
+
+def test_prompts_of_one_token_have_no_prefix_and_still_give_the_naive_values(tiny_model_dir):
+    rows = [([16], [20, 21]), ([16], [22, 23, 24]), ([19], [25]), ([19], [26, 27])]
+    batch = [torch.zeros(len(rows), width, dtype=torch.long) for width in (P, P, R, R)]
+    for b, (prompt, response) in enumerate(rows):
+        batch[0][b, -1], batch[1][b, -1] = prompt[0], 1
+        batch[2][b, : len(response)] = torch.tensor(response)
+        batch[3][b, : len(response)] = 1
+    model = load_policy(tiny_model_dir)
+    assert sharing(model, model, batch[0], batch[1], R) is not None
+    _equal_to_the_naive_forward(model, batch)
+
+
+def test_a_sliding_window_shorter_than_a_row_keeps_the_plain_forward():
+    prompt_ids, prompt_mask, _, _ = shared_batch()
+    model = _gqa_llama()
+    model.config.model_type = "mistral"  # a family whose attention may slide
+    model.config.sliding_window = P + R - 1  # a row is P + R - 1 tokens: the window never binds
+    assert sharing(model, model, prompt_ids, prompt_mask, R) is not None
+    model.config.sliding_window = P + R - 2
+    assert sharing(model, model, prompt_ids, prompt_mask, R) is None
+    model.config.use_sliding_window = False  # Qwen2/3 carry a window they do not use
+    assert sharing(model, model, prompt_ids, prompt_mask, R) is not None
