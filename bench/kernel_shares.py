@@ -79,4 +79,5 @@ def profile_shares(run: Callable[[], object], device: str, top: int = 12) -> dic
     shares = shares_of(times, top)
     # Kernel time over the call's wall time: below 1 where the device waited for the host (launches, syncs).
     shares["busy_share"] = round(shares["profiled_s"] / wall, 4)
+    shares["wall_s"] = round(wall, 6)
     return shares

@@ -62,12 +62,8 @@ def rollout_groups(rollout) -> list[tuple[int, list[int]]]:
     return [groups[g] for g in sorted(groups)]
 
 
-def stage_flops(cfg, iteration: int) -> tuple[dict[str, int], Dims, int]:
-    """({stage: FLOPs} of `iteration`, the policy's Dims, the mean tokens per row) from the run's own shards."""
-    from engines.scoring.scorer import Scorer
-    from engines.trainer.ppo_trainer import PPOTrainer
-    from stages.score import score_rows
-    from stages.update import train_on
+def iteration_inputs(cfg, iteration: int):
+    """(rollout table, scored table, the policy folder the update started from) of `iteration` of the run."""
     from storage.fs import join
     from storage.layout import layout_for
     from storage.shards import read_shards
@@ -75,8 +71,19 @@ def stage_flops(cfg, iteration: int) -> tuple[dict[str, int], Dims, int]:
     layout = layout_for(cfg)
     rollout = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
     scored = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
-    dims = Dims.from_model_dir(cfg.model.policy_path)
     start = cfg.model.policy_path if iteration == 1 else join(layout.checkpoint_dir(iteration - 1), "policy")
+    return rollout, scored, start
+
+
+def stage_flops(cfg, iteration: int) -> tuple[dict[str, int], Dims, int]:
+    """({stage: FLOPs} of `iteration`, the policy's Dims, the mean tokens per row) from the run's own shards."""
+    from engines.scoring.scorer import Scorer
+    from engines.trainer.ppo_trainer import PPOTrainer
+    from stages.score import score_rows
+    from stages.update import train_on
+
+    rollout, scored, start = iteration_inputs(cfg, iteration)
+    dims = Dims.from_model_dir(cfg.model.policy_path)
     flops = {"rollout": rollout_flops(dims, rollout_groups(rollout)), "checkpoint": 0}
     _, flops["score"] = counted_flops(lambda: score_rows(Scorer(cfg), rollout, None))
     trainer = PPOTrainer(cfg, start)
@@ -91,8 +98,7 @@ def matmul_split(run) -> dict[str, float]:
     from bench.kernel_shares import profile_shares
 
     shares = profile_shares(run, "cpu")
-    wall = shares["profiled_s"] / shares["busy_share"]
-    return {"matmul_s": shares["profiled_s"] * shares["matmul_share"], "profiled_s": wall}
+    return {"matmul_s": shares["profiled_s"] * shares["matmul_share"], "profiled_s": shares["wall_s"]}
 
 
 def stage_matmuls(cfg, iteration: int) -> dict[str, dict[str, float]]:
@@ -102,18 +108,12 @@ def stage_matmuls(cfg, iteration: int) -> dict[str, dict[str, float]]:
     from engines.trainer.ppo_trainer import PPOTrainer
     from stages.score import score_rows
     from stages.update import train_on
-    from storage.fs import join
-    from storage.layout import layout_for
-    from storage.shards import read_shards
 
-    layout = layout_for(cfg)
-    rollout = read_shards(layout.fs, layout.stage_dir(iteration, "rollout"))
-    scored = read_shards(layout.fs, layout.stage_dir(iteration, "scored"))
+    rollout, scored, start = iteration_inputs(cfg, iteration)
     scorer = Scorer(cfg)
     score_rows(scorer, rollout, None)  # the pipeline's scorer is warm after iteration 1: fault its pages in first
     out = {"score": matmul_split(lambda: score_rows(scorer, rollout, None))}
     scorer = None  # its model's memory back before the trainer is built
-    start = cfg.model.policy_path if iteration == 1 else join(layout.checkpoint_dir(iteration - 1), "policy")
     trainer = PPOTrainer(cfg, start)
     out["update"] = matmul_split(lambda: train_on(trainer, scored))
     return out
