@@ -41,7 +41,7 @@ _EXPORTS = {
         "kl_controller_from_state",
         "make_kl_controller",
     ),
-    "engines.ppo.logprobs": ("entropy_from_logits", "selective_log_softmax"),
+    "engines.ppo.logprobs": ("entropy_from_logits", "selective_log_softmax", "selective_log_softmax_and_entropy"),
     "engines.ppo.losses": (
         "PolicyLossOutput",
         "ValueLossOutput",

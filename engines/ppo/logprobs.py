@@ -106,12 +106,21 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits: Tensor, token_ids: Tensor, temperature: float, chunk_size: int, inplace_backward: bool
-    ) -> Tensor:
+        ctx,
+        logits: Tensor,
+        token_ids: Tensor,
+        temperature: float,
+        chunk_size: int,
+        inplace_backward: bool,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
         dtype = _compute_dtype(logits)
         flat_ids = token_ids.reshape(-1, 1)
         logprobs = torch.empty(flat_ids.shape[0], dtype=dtype, device=logits.device)
         logsumexp = torch.empty_like(logprobs)
+        # the entropy metric from the same log-softmax block (_ChunkedEntropy's sum, without its second pass over
+        # the vocabulary); empty when not asked for. It carries no gradient.
+        entropy = torch.empty(flat_ids.shape[0] if with_entropy else 0, dtype=dtype, device=logits.device)
         # One reused block buffer: torch's fused log_softmax kernel is ~2x faster than logsumexp +
         # gather on CPU, and reusing the buffer spares a fresh allocation (and page faults) per block.
         blocks = _row_blocks(logits, chunk_size)
@@ -125,16 +134,20 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             logprobs[start:end] = chosen
             # log p(y) = z[y] - logsumexp(z), so the backward's logsumexp comes free from the gather
             logsumexp[start:end] = z.gather(-1, chosen_ids).squeeze(-1) - chosen
+            if with_entropy:
+                entropy[start:end] = -torch.exp(block_logprobs).mul_(block_logprobs).sum(-1)
         ctx.save_for_backward(logits, flat_ids, logsumexp)
         ctx.temperature, ctx.chunk_size, ctx.inplace_backward = temperature, chunk_size, inplace_backward
-        return logprobs.view(token_ids.shape)
+        entropy = entropy.view(token_ids.shape) if with_entropy else entropy
+        ctx.mark_non_differentiable(entropy)  # the returned tensor itself: a view of a marked one is not marked
+        return logprobs.view(token_ids.shape), entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logprobs: Tensor):
+    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
         logits, flat_ids, logsumexp = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         # In place: the writes bump the logits' version counter, so any other autograd node that saved
         # these logits fails loudly ("modified by an inplace operation") instead of reading gradients.
         grad_logits, destination = _grad_destination(logits, ctx.inplace_backward)
@@ -148,7 +161,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                 upstream[start:end],
                 ctx.temperature,
             )
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 class _ChunkedEntropy(torch.autograd.Function):
@@ -228,6 +241,31 @@ def selective_log_softmax(
         ValueError / TypeError naming the argument for wrong ranks, shapes, dtypes, ids outside
         [0, V), temperature <= 0 or chunk_size < 1.
     """
+    _check_token_ids(logits, token_ids, temperature, chunk_size)
+    out = _SelectiveLogSoftmax.apply(
+        logits, token_ids.long(), float(temperature), chunk_size, bool(inplace_backward), False
+    )
+    return out[0]
+
+
+def selective_log_softmax_and_entropy(
+    logits: Tensor, token_ids: Tensor, temperature: float = 1.0, chunk_size: int = 128, inplace_backward: bool = False
+) -> tuple[Tensor, Tensor]:
+    """selective_log_softmax's log-probs and, from the same pass over the vocabulary, the entropy metric.
+
+    The log-probs are exactly selective_log_softmax's (differentiable w.r.t. `logits`); the entropy (B, T) equals
+    entropy_from_logits(logits.detach(), ...) and carries no gradient: what the update logs when the entropy is not in
+    its loss. One log-softmax per block instead of two, and since no other autograd node then saves these logits, the
+    caller may pass inplace_backward=True. Arguments, shapes and errors as selective_log_softmax's.
+    """
+    _check_token_ids(logits, token_ids, temperature, chunk_size)
+    return _SelectiveLogSoftmax.apply(
+        logits, token_ids.long(), float(temperature), chunk_size, bool(inplace_backward), True
+    )
+
+
+def _check_token_ids(logits: Tensor, token_ids: Tensor, temperature: float, chunk_size: int) -> None:
+    """selective_log_softmax's argument checks (its docstring's Raises)."""
     _check_common(logits, temperature, chunk_size)
     check_rank("token_ids", token_ids, 2, "(B, T)")
     if token_ids.shape != logits.shape[:2]:
@@ -245,7 +283,6 @@ def selective_log_softmax(
             raise ValueError(
                 f"token_ids[{b}, {t}] = {int(token_ids[b, t])} is outside the vocabulary [0, {vocab}) of logits"
             )
-    return _SelectiveLogSoftmax.apply(logits, token_ids.long(), float(temperature), chunk_size, bool(inplace_backward))
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int = 128) -> Tensor:

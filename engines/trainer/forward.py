@@ -37,7 +37,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
-from engines.ppo.logprobs import entropy_from_logits, selective_log_softmax
+from engines.ppo.logprobs import entropy_from_logits, selective_log_softmax, selective_log_softmax_and_entropy
 from engines.trainer.shared_prompt import shared_prompt_logits, sharing
 
 # Model families whose decoder layers have a position-wise `mlp` (dense SwiGLU), so the last layer's MLP can
@@ -187,11 +187,18 @@ def policy_forward(
                 use_cache=False,
                 **extra,
             )
-        logits = out.logits[:, -width_r:]
+        logits = out.logits
+        if logits.shape[1] != width_r:  # a model without logits_to_keep: every column's logits came back
+            logits = logits[:, -width_r:]  # (a slice's backward allocates a zero gradient for every column)
+    if with_entropy and not entropy_grad:
+        # the entropy metric from the log-probs' own pass; then nothing else saves the logits, so the log-probs'
+        # backward writes its (B, R, V) gradient over them instead of into a new tensor
+        logprobs, entropy = selective_log_softmax_and_entropy(
+            logits, response_ids, temperature, chunk_size, inplace_backward=True
+        )
+        return PolicyOutput(logprobs, entropy)
     logprobs = selective_log_softmax(logits, response_ids, temperature, chunk_size)
-    entropy = None
-    if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature, chunk_size)
+    entropy = entropy_from_logits(logits, temperature, chunk_size) if with_entropy else None  # an entropy bonus
     return PolicyOutput(logprobs, entropy)
 
 

@@ -216,4 +216,6 @@ def shared_prompt_logits(
             logits_to_keep=len(input_ids) * response_width,  # the suffixes: the last B x R tokens
             packed_prompts=layout,
         )
-    return out.logits[0].view(len(input_ids), response_width, -1)
+    # a view of the (1, B x R, V) output, not out.logits[0]: indexing would make backward allocate a zero (1, B x R, V)
+    # gradient and copy into it (select's backward), 50 MB a micro-batch on the recipe, for nothing
+    return out.logits.view(len(input_ids), response_width, -1)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from engines.ppo.logprobs import entropy_from_logits, selective_log_softmax
+from engines.ppo.logprobs import entropy_from_logits, selective_log_softmax, selective_log_softmax_and_entropy
 
 
 def naive_logprobs(logits, token_ids, temperature=1.0):
@@ -187,3 +187,51 @@ class TestEntropyFromLogits:
         peaked = torch.zeros(1, 1, 8)
         peaked[..., 3] = 50.0
         assert entropy_from_logits(peaked).item() == pytest.approx(0.0, abs=1e-15)
+
+
+class TestLogSoftmaxAndEntropy:
+    """selective_log_softmax_and_entropy: the log-probs of selective_log_softmax and the entropy metric, one pass."""
+
+    @pytest.mark.parametrize("temperature", [1.0, 0.7])
+    @pytest.mark.parametrize("chunk_size", [1, 5, 256])
+    def test_both_equal_naive(self, batch, temperature, chunk_size):
+        logits, token_ids = batch
+        logprobs, entropy = selective_log_softmax_and_entropy(logits, token_ids, temperature, chunk_size)
+        assert logprobs.shape == entropy.shape == (3, 7)
+        torch.testing.assert_close(logprobs, naive_logprobs(logits, token_ids, temperature), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            entropy, naive_entropy(logits, temperature, torch.float64).float(), rtol=0, atol=1e-5
+        )
+
+    def test_entropy_is_the_separate_functions_exactly(self, batch):
+        # the same block arithmetic as entropy_from_logits: a run's entropy metric does not move by a bit
+        logits, token_ids = batch
+        logprobs, entropy = selective_log_softmax_and_entropy(logits, token_ids, 0.7, 5)
+        assert torch.equal(entropy, entropy_from_logits(logits, 0.7, 5))
+        assert torch.equal(logprobs, selective_log_softmax(logits, token_ids, 0.7, 5))
+
+    def test_hand_example(self):
+        # logits [0, ln 3] -> p = [1/4, 3/4]: H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623...
+        logits = torch.tensor([[[0.0, math.log(3.0)]]])
+        logprobs, entropy = selective_log_softmax_and_entropy(logits, torch.tensor([[1]]))
+        expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+        torch.testing.assert_close(entropy, torch.tensor([[expected]]))
+        torch.testing.assert_close(logprobs, torch.tensor([[math.log(0.75)]]))
+
+    @pytest.mark.parametrize("inplace", [False, True])
+    def test_gradient_is_the_log_probs_only(self, batch, inplace):
+        # the entropy carries no gradient: the logits' gradient is the log-probs' alone, in place or not
+        logits, token_ids = batch
+        upstream = torch.randn(3, 7, generator=torch.Generator().manual_seed(2))
+        model_output = logits.clone().requires_grad_()
+        logprobs, entropy = selective_log_softmax_and_entropy(model_output * 1.0, token_ids, 0.9, 4, inplace)
+        assert not entropy.requires_grad
+        (logprobs * upstream + entropy).sum().backward()
+        reference = logits.clone().requires_grad_()
+        (naive_logprobs(reference, token_ids, 0.9) * upstream).sum().backward()
+        torch.testing.assert_close(model_output.grad, reference.grad, rtol=1e-5, atol=1e-6)
+
+    def test_bad_input_is_named(self, batch):
+        logits, token_ids = batch
+        with pytest.raises(ValueError, match="token_ids must be logits.shape"):
+            selective_log_softmax_and_entropy(logits, token_ids[:, :3])

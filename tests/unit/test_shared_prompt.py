@@ -19,6 +19,7 @@ from tests.unit.test_forward_trim import (
     assert_grads_close,
     grads,
     masked_weighted_sum,
+    naive_full_inputs,
     naive_logprobs,
     naive_with_grads,
 )
@@ -155,3 +156,33 @@ def test_a_sliding_window_shorter_than_a_row_keeps_the_plain_forward():
     assert sharing(model, model, prompt_ids, prompt_mask, R) is None
     model.config.use_sliding_window = False  # Qwen2/3 carry a window they do not use
     assert sharing(model, model, prompt_ids, prompt_mask, R) is not None
+
+
+def naive_entropy(model, prompt_ids, prompt_mask, response_ids, response_mask):
+    """The sampling distribution's entropy (B, R) at each response position, from the naive whole-row logits."""
+    ids, mask, positions = naive_full_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    width_p, width_r = prompt_ids.shape[1], response_ids.shape[1]
+    scored = logits[:, width_p - 1 : width_p + width_r - 1].float() / TEMPERATURE
+    return -(scored.softmax(-1) * scored.log_softmax(-1)).sum(-1)
+
+
+def test_entropy_metric_and_entropy_bonus_equal_the_naive_ones(tiny_model_dir):
+    # the metric (no gradient: computed in the log-probs' pass, their backward in place over the logits) and the
+    # bonus (a gradient through the entropy too: a separate pass, not in place) on the shared batch
+    batch = shared_batch()
+    mask = batch[3].float()
+    model = load_policy(tiny_model_dir)
+    naive_both = lambda m, *b: naive_logprobs(m, *b) + naive_entropy(m, *b)  # noqa: E731
+    _, expected_grads = naive_with_grads(model, naive_both, batch, mask)
+    expected_entropy = naive_entropy(model, *batch).detach()
+
+    metric = policy_forward(model, *batch, TEMPERATURE, chunk_size=3, with_entropy=True)
+    assert not metric.entropy.requires_grad
+    torch.testing.assert_close(metric.entropy * mask, expected_entropy * mask, atol=1e-5, rtol=0)
+    model.zero_grad(set_to_none=True)
+
+    bonus = policy_forward(model, *batch, TEMPERATURE, chunk_size=3, with_entropy=True, entropy_grad=True)
+    masked_weighted_sum(bonus.logprobs + bonus.entropy, mask).backward()
+    torch.testing.assert_close(bonus.entropy * mask, expected_entropy * mask, atol=1e-5, rtol=0)
+    assert_grads_close(model, expected_grads)
