@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from engines.trainer.tied_embedding import sparse_tied_input_gradient
+
 ADAPTER_DIR = "adapter"
 _ADAPTER = "default"  # peft's name for the one adapter
 
@@ -104,7 +106,8 @@ def wrap_policy(policy: nn.Module, lora_cfg, adapter_dir: Optional[str | Path] =
 
 
 def load_actor(cfg, policy_dir: str | Path) -> nn.Module:
-    """The trainer's policy, with gradient checkpointing and (model.lora) LoRA adapters as configured.
+    """The trainer's policy, with gradient checkpointing and (model.lora) LoRA adapters as configured; without
+    LoRA, a tied head's input-embedding gradient comes as the batch's rows (tied_embedding.py).
 
     LoRA: a checkpoint's policy folder holds merged weights plus policy/adapter; the trainer rebuilds from the
     frozen base (model.policy_path) and the saved adapter, so base and reference stay the initial policy.
@@ -122,7 +125,10 @@ def load_actor(cfg, policy_dir: str | Path) -> nn.Module:
         # transformers 5.19: non-reentrant checkpointing, and it makes the (frozen) embeddings' output require
         # grad itself, so adapters inside checkpointed layers get their gradients (tested)
         policy.gradient_checkpointing_enable()
-    return wrap_policy(policy, lora_cfg, adapter) if lora_cfg is not None else policy
+    if lora_cfg is not None:
+        return wrap_policy(policy, lora_cfg, adapter)
+    sparse_tied_input_gradient(policy)  # not a zeroed (V, H) tensor per micro-batch
+    return policy
 
 
 def adapter_dir_of(policy_dir: str | Path) -> Optional[Path]:

@@ -69,7 +69,6 @@ from engines.trainer.loss_steps import KL_CLAMP, FirstForward, LossSteps, Metric
 from engines.trainer.mismatch import first_step_mismatch, start_mismatch
 from engines.trainer.rank_rows import agree_shape, gather_rows, pad_to, rank_rows
 from engines.trainer.state import seed_rng
-from engines.trainer.tied_embedding import sparse_tied_input_gradient
 from engines.trainer.update_metrics import UpdateResult, batch_metrics, ragged, sampler_gap_metric
 from ppoflow.algorithms import get_algorithm
 
@@ -94,7 +93,6 @@ class PPOTrainer(LossSteps):
         steps_per_update = cfg.train.ppo_epochs * (cfg.rollout_batch_size // self.train_batch_size)
         factor = lr_multiplier(cfg.train.warmup_steps, cfg.run.iterations * steps_per_update, cfg.train.lr_schedule)
         policy = lora.load_actor(cfg, policy_dir)  # with gradient checkpointing / LoRA as configured
-        sparse_tied_input_gradient(policy)  # a tied head's embedding gradient as rows, not a (V, H) tensor
         self.actor = make_engine(
             policy,
             deepspeed_config(

@@ -389,7 +389,7 @@ def test_a_tied_head_trains_as_with_a_dense_embedding_gradient(tmp_path, monkeyp
     results = {}
     for sparse in (True, False):
         if not sparse:
-            monkeypatch.setattr("engines.trainer.ppo_trainer.sparse_tied_input_gradient", lambda model: False)
+            monkeypatch.setattr("engines.trainer.lora.sparse_tied_input_gradient", lambda model: False)
         trainer = PPOTrainer(cfg, str(tied_dir))
         assert trainer.actor.module.get_input_embeddings().sparse is sparse
         before = _params(trainer.actor)
