@@ -64,6 +64,12 @@ def _scaled(chunk: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
     return scaled if temperature == 1.0 else scaled / temperature
 
 
+def _block_entropy(log_probs: Tensor) -> Tensor:
+    """-sum_v p(v) log p(v) of an (n, V) block of log-probabilities: (n,). The one formula both entropy paths use,
+    so the metric from the log-probs' pass equals entropy_from_logits bit for bit."""
+    return -torch.exp(log_probs).mul_(log_probs).sum(-1)
+
+
 def _grad_destination(logits: Tensor, inplace: bool):
     """Where the backward writes: the logits' own blocks (in place) or a new contiguous (B*T, V) tensor.
 
@@ -135,7 +141,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             # log p(y) = z[y] - logsumexp(z), so the backward's logsumexp comes free from the gather
             logsumexp[start:end] = z.gather(-1, chosen_ids).squeeze(-1) - chosen
             if with_entropy:
-                entropy[start:end] = -torch.exp(block_logprobs).mul_(block_logprobs).sum(-1)
+                entropy[start:end] = _block_entropy(block_logprobs)
         ctx.save_for_backward(logits, flat_ids, logsumexp)
         ctx.temperature, ctx.chunk_size, ctx.inplace_backward = temperature, chunk_size, inplace_backward
         entropy = entropy.view(token_ids.shape) if with_entropy else entropy
@@ -180,7 +186,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         for start, end, block in _row_blocks(logits, chunk_size):
             z = _scaled(block, temperature, dtype)
             log_probs = torch.log_softmax(z, dim=-1)  # fused kernel; logsumexp = z - log p anywhere
-            entropy[start:end] = -torch.exp(log_probs).mul_(log_probs).sum(-1)
+            entropy[start:end] = _block_entropy(log_probs)
             logsumexp[start:end] = z[:, 0] - log_probs[:, 0]
         ctx.save_for_backward(logits, logsumexp, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
