@@ -11,9 +11,12 @@ iteration's own shards, each stage's FLOPs (bench/roofline_flops.py states the m
   update   counted: stages.update.train_on with a trainer built at the iteration's starting checkpoint, over the
            scored shard (the same micro-batches, padding, shared prompts and passes the stage ran);
   checkpoint: no FLOPs (writes and hashes).
-The update stage's seconds are also split (its own timing/update_train and timing/update_save): `train_s` is the PPO
-update, whose ratio to the update's bound (`train_ratio`) is its compute efficiency; `save_s` writes and hashes the
-staged checkpoint (weights and optimizer state); the rest of the stage reads the shards and writes the experience.
+Two stages' seconds are also split, by their own timing/<stage>_<part> (SPLITS):
+  rollout  `sample_s` is the engine's sampling (vLLM's prefill and decode steps), whose ratio to the rollout's bound
+           (`sample_ratio`) is its compute efficiency; `serve_s` makes the engine serve the iteration's policy (the
+           weights loaded into it, attested); the rest of the stage writes the shards;
+  update   `train_s` is the PPO update (`train_ratio` likewise); `save_s` writes and hashes the staged checkpoint
+           (weights and optimizer state); the rest of the stage reads the shards and writes the experience.
 
 Bound: FLOPs / peak, where peak = the best float32 torch.mm GFLOP/s on the model's own shapes (one micro-batch's
 tokens x the MLP, attention-projection and LM-head widths) at this process's thread count, measured in the same run
@@ -48,6 +51,8 @@ from bench.real_model import RECIPE, matmul_gflops, run_train, stage_seconds
 from bench.roofline_flops import Dims, counted_flops, rollout_flops
 
 STAGES = ("rollout", "score", "update", "checkpoint")
+# {stage: (the part that computes, the rest)}: the stage's own timing/<stage>_<part> seconds
+SPLITS = {"rollout": ("sample", "serve"), "update": ("train", "save")}
 GOAL = 1.25
 
 
@@ -166,12 +171,13 @@ def roofline(
             out[stage]["matmul_s"] = round(split["matmul_s"], 3)
             out[stage]["matmul_gflops"] = round(flops[stage] / 1e9 / split["matmul_s"], 1)
             out[stage]["matmul_floor_ratio"] = round(split["matmul_s"] / bound, 2)
-    parts = {part: seconds.get(f"timing/update_{part}") for part in ("train", "save")}  # inside the update stage
-    if parts["train"] is not None:
-        out["update"]["train_s"] = round(parts["train"], 3)
-        out["update"]["train_ratio"] = round(parts["train"] / (flops["update"] / (peak * 1e9)), 2)
-    if parts["save"] is not None:
-        out["update"]["save_s"] = round(parts["save"], 3)
+    for stage, (compute, rest) in SPLITS.items():  # inside a stage: the part that computes, and the rest
+        part_s = {part: seconds.get(f"timing/{stage}_{part}") for part in (compute, rest)}
+        if part_s[compute] is not None and flops[stage] > 0:
+            out[stage][f"{compute}_s"] = round(part_s[compute], 3)
+            out[stage][f"{compute}_ratio"] = round(part_s[compute] / (flops[stage] / (peak * 1e9)), 2)
+        if part_s[rest] is not None:
+            out[stage][f"{rest}_s"] = round(part_s[rest], 3)
     total = sum(flops.values())
     staged = sum(seconds.get(f"timing/{s}", 0.0) for s in STAGES)
     out["iteration"] = {

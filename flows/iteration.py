@@ -48,7 +48,7 @@ def iteration_metrics(
         "rollout/engine": manifests["rollout"].engine,
     }
     row.update({k: v for k, v in update.items() if k not in row})
-    row.update(manifests["rollout"].metrics)  # dynamic sampling's rollout/* ({} when off)
+    row.update(manifests["rollout"].metrics)  # timing/rollout_serve and _sample; dynamic sampling's rollout/*
     if "eval" in manifests:
         row.update(manifests["eval"].metrics)  # eval/reward_mean, eval/pass@k
     if timings is not None:

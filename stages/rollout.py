@@ -126,8 +126,11 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
     level = iteration_level(cfg, policy)  # data.reasoning_gym.curriculum: the level `policy`'s checkpoint committed
     source = prompt_source_for(cfg, level)
     with warm.stage_lock("rollout"):  # pipelined iterations: one engine, one rollout at a time
+        serving = time.perf_counter()
+        sampling: list[float] = []  # when each call of `sample` began (more than one after an engine's death)
 
         def sample(engine):
+            sampling.append(time.perf_counter())
             if not cfg.rollout.dynamic_sampling.enabled:
                 return sample_rollout(engine, source, cfg, iteration), {}
             draw = lambda records: sample_records(engine, source, cfg, iteration, records)  # noqa: E731
@@ -137,6 +140,11 @@ def run_rollout(cfg, iteration: int, policy: PolicyRef) -> RolloutManifest:
         (table, metrics), engine, attested, replaced = with_live_engine(
             rollout_engine_for, cfg, policy, "rollout", iteration, sample
         )
+        sampled = time.perf_counter()
+    # where the stage's seconds go (bench.roofline): the engine made to serve the policy (its weights loaded and
+    # attested; with replacements, every engine before the last sampling), then that sampling itself
+    split = {"timing/rollout_serve": sampling[-1] - serving, "timing/rollout_sample": sampled - sampling[-1]}
+    metrics = {**metrics, **split}
     written = write_stage_table(cfg, layout_for(cfg), iteration, "rollout", tag_level(table, level))
     return sampled_manifest(
         RolloutManifest,

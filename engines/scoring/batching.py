@@ -8,21 +8,30 @@ in arrival order, where one long row inflates every row of its batch to its leng
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 
 def token_budget_batches(
-    lengths: Sequence[int], token_budget: int, max_batch_rows: Optional[int] = None
+    lengths: Sequence[int],
+    token_budget: int,
+    max_batch_rows: Optional[int] = None,
+    keys: Optional[Sequence[Hashable]] = None,
 ) -> list[list[int]]:
     """Partition row indices into micro-batches whose padded size fits `token_budget`.
 
     lengths:        (N,) token count of each row (prompt + response for scoring), >= 0.
     token_budget:   the largest padded size `len(batch) * max(lengths[batch])` allowed, >= 1.
     max_batch_rows: optional cap on rows per batch (e.g. a reward source's batch_size).
+    keys:           optional (N,) key of each row; rows with equal keys are taken one after another (a GRPO
+                    group's samples, keyed by their prompt), so they share micro-batches: a forward that runs a
+                    shared prompt once (engines/trainer/shared_prompt.py) then runs it once per micro-batch,
+                    not once per row that sorting by length put elsewhere.
 
     Returns batches of indices into `lengths`. Indices are taken in descending length (ties in index
     order), and each batch is a run of that order, so the first index of a batch is its longest row.
-    Every index appears exactly once.
+    With `keys`, the order is by group: groups in descending order of their longest row (ties: the group
+    whose first row comes first), each group's rows in descending length (ties in index order). Every
+    index appears exactly once.
 
     A row longer than `token_budget` cannot fit any batch; it gets a batch of its own rather than an
     error, because dropping it would lose a sample and the model may still score it (the budget bounds
@@ -39,21 +48,34 @@ def token_budget_batches(
     for i, n in enumerate(lengths):
         if n < 0:
             raise ValueError(f"row {i} has a negative length {n}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if keys is not None and len(keys) != len(lengths):
+        raise ValueError(f"keys has {len(keys)} entries for {len(lengths)} rows: give one key per row")
+    order = _row_order(lengths, keys)
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = 0  # the first row of a batch is its longest, since rows come in descending length
+    longest = 0  # the longest row of `current` (with keys, a batch that starts mid-group may meet a longer row)
     for i in order:
         full = max_batch_rows is not None and len(current) >= max_batch_rows
-        if current and (full or (len(current) + 1) * longest > token_budget):
+        if current and (full or (len(current) + 1) * max(longest, lengths[i]) > token_budget):
             batches.append(current)
             current = []
-        if not current:
-            longest = lengths[i]
+        longest = max(longest, lengths[i]) if current else lengths[i]
         current.append(i)
     if current:
         batches.append(current)
     return batches
+
+
+def _row_order(lengths: Sequence[int], keys: Optional[Sequence[Hashable]]) -> list[int]:
+    """Indices in descending length (ties in index order); with keys, group by group (token_budget_batches)."""
+    by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if keys is None:
+        return by_length
+    groups: dict[Hashable, list[int]] = {}
+    for i in by_length:  # each group's rows in descending length; the first is its longest
+        groups.setdefault(keys[i], []).append(i)
+    ranked = sorted(groups.values(), key=lambda rows: (-lengths[rows[0]], min(rows)))
+    return [i for rows in ranked for i in rows]
 
 
 def padded_tokens(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> int:

@@ -189,12 +189,14 @@ class Scorer:
 
     def reference_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """Reference log-probs in micro-batches grouped by length under `score.token_budget` padded tokens
-        (sorted by length, so little compute goes to padding); returned in the input order."""
+        (sorted by length, so little compute goes to padding), the rows of one prompt kept together (its
+        tokens then run once per micro-batch: engines/trainer/shared_prompt.py); returned in the input order."""
         out: list = [None] * len(prompt_ids)
         lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         cap = getattr(self.reference, "micro_batch_size", None)
+        prompts = [tuple(p) for p in prompt_ids]
         with getattr(self.reference, "in_use", contextlib.nullcontext)():  # its weights' pages, once for all groups
-            for group in token_budget_batches(lengths, self.token_budget, max_batch_rows=cap):
+            for group in token_budget_batches(lengths, self.token_budget, max_batch_rows=cap, keys=prompts):
                 scored = self.reference.logprobs([prompt_ids[i] for i in group], [response_ids[i] for i in group])
                 for i, logprobs in zip(group, scored):
                     out[i] = logprobs

@@ -50,6 +50,10 @@ def test_a_killed_engine_core_is_replaced_and_the_rows_are_unchanged(
     assert len(killed) == 1 and manifest.engine_replacements == 1
     assert manifest.attested is not None and manifest.attested.version == 0  # the new engine was attested too
     assert _rows(cfg) == _rows(uninterrupted)
+    # the stage's seconds split (bench.roofline): both engines served, then the one sampling that counted; the stage
+    # also wrote its shards, outside both
+    serve, sample = manifest.metrics["timing/rollout_serve"], manifest.metrics["timing/rollout_sample"]
+    assert serve > 0 and sample > 0 and serve + sample < manifest.seconds
 
 
 def test_an_engine_core_killed_in_the_middle_of_a_generate_is_replaced_and_the_rows_are_unchanged(

@@ -36,6 +36,17 @@ class TestTokenBudgetBatchesByHand:
         # batch [0, 1] with lengths 5, 2 pads 2 * 5 - 7 = 3; batch [2] pads nothing.
         assert padded_tokens([5, 2, 4], [[0, 1], [2]]) == 3
 
+    def test_keys_keep_a_group_together(self):
+        # keys a, b, a, b: group a (rows 0, 2) has the longest row (9), so it comes first, then group b (8, 7).
+        # By length alone the order is 0 (9), 1 (8), 3 (7), 2 (3): both batches of 2 would mix the groups.
+        assert token_budget_batches([9, 8, 3, 7], 100, max_batch_rows=2, keys="abab") == [[0, 2], [1, 3]]
+        assert token_budget_batches([9, 8, 3, 7], 100, max_batch_rows=2) == [[0, 1], [3, 2]]
+
+    def test_keys_a_batch_starting_mid_group_is_padded_to_its_longest_row(self):
+        # Order 0 (20), 1 (5) | 2 (18), 3 (17). Budget 36: [0] alone (2 * 20 = 40 > 36); [1, 2] pads to
+        # 2 * 18 = 36, not 2 * 5, so row 3 (3 * 18 = 54 > 36) starts the last batch.
+        assert token_budget_batches([20, 5, 18, 17], 36, keys="AABB") == [[0], [1, 2], [3]]
+
     @pytest.mark.parametrize(
         "lengths,budget,rows,match",
         [
@@ -47,6 +58,10 @@ class TestTokenBudgetBatchesByHand:
     def test_bad_input_names_what(self, lengths, budget, rows, match):
         with pytest.raises(ValueError, match=match):
             token_budget_batches(lengths, budget, max_batch_rows=rows)
+
+    def test_keys_of_another_length_are_named(self):
+        with pytest.raises(ValueError, match="keys has 1 entries for 2 rows"):
+            token_budget_batches([1, 2], 8, keys=["a"])
 
 
 lengths_st = st.lists(st.integers(min_value=0, max_value=300), max_size=200)
@@ -74,6 +89,30 @@ class TestTokenBudgetBatchesProperties:
         # Lengths never increase along the concatenated batches (longest first).
         seq = [lengths[i] for i in flat]
         assert seq == sorted(seq, reverse=True)
+
+    @given(
+        rows_keys=st.lists(st.tuples(st.integers(min_value=0, max_value=300), st.integers(0, 9)), max_size=200),
+        budget=st.integers(min_value=1, max_value=4096),
+        rows=st.one_of(st.none(), st.integers(min_value=1, max_value=64)),
+    )
+    @settings(max_examples=300, deadline=None)
+    def test_keys_partition_budget_and_groups_in_one_run(self, rows_keys, budget, rows):
+        lengths, keys = [n for n, _ in rows_keys], [k for _, k in rows_keys]
+        batches = token_budget_batches(lengths, budget, max_batch_rows=rows, keys=keys)
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(len(lengths)))
+        for b in batches:
+            size = len(b) * max(lengths[i] for i in b)
+            assert size <= budget or (len(b) == 1 and lengths[b[0]] > budget)
+            assert rows is None or len(b) <= rows
+        # each key's rows form one run of the order, longest first; the runs by their longest row, descending
+        runs = [keys[i] for i, prev in zip(flat, [None, *flat]) if prev is None or keys[prev] != keys[i]]
+        assert len(runs) == len(set(keys))
+        heads = [lengths[i] for i, prev in zip(flat, [None, *flat]) if prev is None or keys[prev] != keys[i]]
+        assert heads == sorted(heads, reverse=True)
+        for key in set(keys):
+            seq = [lengths[i] for i in flat if keys[i] == key]
+            assert seq == sorted(seq, reverse=True)
 
     @given(lengths=lengths_st, budget=st.integers(min_value=1, max_value=4096))
     @settings(max_examples=200, deadline=None)

@@ -121,6 +121,22 @@ class TestRooflineFigures:
         assert (out["ratio"], out["train_s"], out["train_ratio"], out["save_s"]) == (2.0, 4.5, 1.5, 1.2)
         assert "train_s" not in roofline(flops, {"timing/update": 6.0}, wall=6.0, peak=1.0)["update"]  # older rows
 
+    def test_the_rollout_split_into_serving_the_policy_and_sampling(self):
+        from bench.roofline import roofline
+
+        flops = {"rollout": 2e9, "score": 0, "update": 0, "checkpoint": 0}
+        seconds = {"timing/rollout": 4.0, "timing/rollout_serve": 0.8, "timing/rollout_sample": 3.0}
+        out = roofline(flops, seconds, wall=4.0, peak=0.5)["rollout"]
+        # 2 GFLOP at 0.5 GFLOP/s: a 4 s bound; sampling took 3 s of it (0.75x), serving the policy 0.8 s (no bound)
+        assert (out["bound_s"], out["ratio"], out["sample_s"], out["sample_ratio"], out["serve_s"]) == (
+            4.0,
+            1.0,
+            3.0,
+            0.75,
+            0.8,
+        )
+        assert "sample_s" not in roofline(flops, {"timing/rollout": 4.0}, wall=4.0, peak=0.5)["rollout"]  # older rows
+
     def test_the_matmul_figures_by_hand(self):
         from bench.roofline import roofline
 
