@@ -24,6 +24,7 @@ Double backward is not supported (PPO never needs it).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -58,16 +59,21 @@ def _compute_dtype(logits: Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _scaled(chunk: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
-    """z = chunk / tau in the compute dtype. No copy for fp32 logits at tau = 1."""
+def _scaled(chunk: Tensor, temperature: float, dtype: torch.dtype, out: Optional[Tensor] = None) -> Tensor:
+    """z = chunk / tau in the compute dtype. No copy for fp32 logits at tau = 1. `out`: an (n, V) buffer of the
+    compute dtype to write z into instead of a new tensor (the same numbers)."""
     scaled = chunk.to(dtype)
-    return scaled if temperature == 1.0 else scaled / temperature
+    if temperature == 1.0:
+        return scaled
+    return scaled / temperature if out is None else torch.div(scaled, temperature, out=out)
 
 
-def _block_entropy(log_probs: Tensor) -> Tensor:
+def _block_entropy(log_probs: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """-sum_v p(v) log p(v) of an (n, V) block of log-probabilities: (n,). The one formula both entropy paths use,
-    so the metric from the log-probs' pass equals entropy_from_logits bit for bit."""
-    return -torch.exp(log_probs).mul_(log_probs).sum(-1)
+    so the metric from the log-probs' pass equals entropy_from_logits bit for bit. `out`: an (n, V) buffer for p
+    instead of a new tensor (its contents are overwritten)."""
+    probs = torch.exp(log_probs) if out is None else torch.exp(log_probs, out=out)
+    return -probs.mul_(log_probs).sum(-1)
 
 
 def _grad_destination(logits: Tensor, inplace: bool):
@@ -127,21 +133,25 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         # the entropy metric from the same log-softmax block (_ChunkedEntropy's sum, without its second pass over
         # the vocabulary); empty when not asked for. It carries no gradient.
         entropy = torch.empty(flat_ids.shape[0] if with_entropy else 0, dtype=dtype, device=logits.device)
-        # One reused block buffer: torch's fused log_softmax kernel is ~2x faster than logsumexp +
-        # gather on CPU, and reusing the buffer spares a fresh allocation (and page faults) per block.
+        # Two reused block buffers, one for log p and one for z = logits / tau (then p, for the entropy): torch's
+        # fused log_softmax kernel is ~2x faster than logsumexp + gather on CPU, and a buffer spares a fresh
+        # (n, V) allocation per block and its page faults (SmolLM2: 25 MB a block; the division and the exp() that
+        # wrote new tensors took 2-3x the log_softmax's own time, in torch.profiler on train_on)
         blocks = _row_blocks(logits, chunk_size)
         buffer_rows = max((end - start for start, end, _ in blocks), default=0)
         buffer = logits.new_empty((buffer_rows, logits.shape[-1]), dtype=dtype)
+        work = logits.new_empty((buffer_rows, logits.shape[-1]), dtype=dtype)
         for start, end, block in blocks:
-            z = _scaled(block, temperature, dtype)
-            block_logprobs = torch.log_softmax(z, dim=-1, out=buffer[: end - start])
+            n = end - start
+            z = _scaled(block, temperature, dtype, out=work[:n])
+            block_logprobs = torch.log_softmax(z, dim=-1, out=buffer[:n])
             chosen_ids = flat_ids[start:end]
             chosen = block_logprobs.gather(-1, chosen_ids).squeeze(-1)
             logprobs[start:end] = chosen
             # log p(y) = z[y] - logsumexp(z), so the backward's logsumexp comes free from the gather
             logsumexp[start:end] = z.gather(-1, chosen_ids).squeeze(-1) - chosen
-            if with_entropy:
-                entropy[start:end] = _block_entropy(block_logprobs)
+            if with_entropy:  # z is spent: its buffer takes p
+                entropy[start:end] = _block_entropy(block_logprobs, out=work[:n])
         ctx.save_for_backward(logits, flat_ids, logsumexp)
         ctx.temperature, ctx.chunk_size, ctx.inplace_backward = temperature, chunk_size, inplace_backward
         entropy = entropy.view(token_ids.shape) if with_entropy else entropy
