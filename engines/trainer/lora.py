@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engines.trainer.tied_embedding import sparse_tied_input_gradient
+from engines.trainer.tied_embedding import tied_input_gradient_as_rows
 
 ADAPTER_DIR = "adapter"
 _ADAPTER = "default"  # peft's name for the one adapter
@@ -127,7 +127,8 @@ def load_actor(cfg, policy_dir: str | Path) -> nn.Module:
         policy.gradient_checkpointing_enable()
     if lora_cfg is not None:
         return wrap_policy(policy, lora_cfg, adapter)
-    sparse_tied_input_gradient(policy)  # not a zeroed (V, H) tensor per micro-batch
+    # not a zeroed (V, H) tensor per micro-batch; added into the gradient in place where ZeRO leaves it there
+    tied_input_gradient_as_rows(policy, in_place=cfg.train.zero_stage == 0)  # PPOFlowConfig resolved the stage
     return policy
 
 

@@ -367,9 +367,11 @@ def test_adaptive_kl_controller_sees_the_kl_per_sequence(tiny_model_dir, batches
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_a_tied_head_trains_as_with_a_dense_embedding_gradient(tmp_path, monkeypatch, zero_stage):
-    """SmolLM2's head shares the embedding's weight: its embedding gradient comes as sparse rows
-    (engines/trainer/tied_embedding.py). Through DeepSpeed the step equals the dense-gradient step (the switch
-    turned off from outside), up to Adam's sign rounding near g = 0 (the bound of the gradient-accumulation test)."""
+    """SmolLM2's head shares the embedding's weight: its embedding gradient comes as the batch's rows
+    (engines/trainer/tied_embedding.py), added into the gradient in place at ZeRO stage 0, as sparse rows at stage 2.
+    Through DeepSpeed (2 micro-batches a step: the rows of both accumulate) the step equals the dense-gradient step
+    (the switch turned off from outside), up to Adam's sign rounding near g = 0 (the bound of the
+    gradient-accumulation test)."""
     from transformers import LlamaForCausalLM
 
     from engines.toy.model import ToyShape, build_toy_model
@@ -387,14 +389,16 @@ def test_a_tied_head_trains_as_with_a_dense_embedding_gradient(tmp_path, monkeyp
         },
     )
     results = {}
-    for sparse in (True, False):
-        if not sparse:
-            monkeypatch.setattr("engines.trainer.lora.sparse_tied_input_gradient", lambda model: False)
+    for rows in (True, False):
+        if not rows:
+            monkeypatch.setattr("engines.trainer.lora.tied_input_gradient_as_rows", lambda model, in_place: "")
         trainer = PPOTrainer(cfg, str(tied_dir))
-        assert trainer.actor.module.get_input_embeddings().sparse is sparse
+        embedding = trainer.actor.module.get_input_embeddings()
+        # which way: stage 0 replaces the embedding's forward (in place), stage 2 sets sparse; off: neither
+        assert ("forward" in vars(embedding), embedding.sparse) == (rows and zero_stage == 0, rows and zero_stage == 2)
         before = _params(trainer.actor)
         trainer.update(batch)
-        results[sparse] = (before, _params(trainer.actor))
+        results[rows] = (before, _params(trainer.actor))
     (before, with_rows), (_, dense) = results[True], results[False]
     for k in before:
         delta = (with_rows[k] - dense[k]).abs()
