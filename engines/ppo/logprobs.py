@@ -76,6 +76,15 @@ def _block_entropy(log_probs: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return -probs.mul_(log_probs).sum(-1)
 
 
+def _block_buffers(logits: Tensor, blocks: list, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Two (rows of the largest block, V) buffers of the compute dtype, reused by every block of a forward: one for
+    log p, one for z = logits / tau and then p. A new (n, V) tensor per block cost its page faults (SmolLM2: 25 MB a
+    block; in torch.profiler on train_on the division and exp() that wrote new tensors took 2-3x the log_softmax's
+    own time), and torch's fused log_softmax is ~2x faster than logsumexp + gather on CPU."""
+    rows = max((end - start for start, end, _ in blocks), default=0)
+    return tuple(logits.new_empty((rows, logits.shape[-1]), dtype=dtype) for _ in range(2))
+
+
 def _grad_destination(logits: Tensor, inplace: bool):
     """Where the backward writes: the logits' own blocks (in place) or a new contiguous (B*T, V) tensor.
 
@@ -133,14 +142,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         # the entropy metric from the same log-softmax block (_ChunkedEntropy's sum, without its second pass over
         # the vocabulary); empty when not asked for. It carries no gradient.
         entropy = torch.empty(flat_ids.shape[0] if with_entropy else 0, dtype=dtype, device=logits.device)
-        # Two reused block buffers, one for log p and one for z = logits / tau (then p, for the entropy): torch's
-        # fused log_softmax kernel is ~2x faster than logsumexp + gather on CPU, and a buffer spares a fresh
-        # (n, V) allocation per block and its page faults (SmolLM2: 25 MB a block; the division and the exp() that
-        # wrote new tensors took 2-3x the log_softmax's own time, in torch.profiler on train_on)
         blocks = _row_blocks(logits, chunk_size)
-        buffer_rows = max((end - start for start, end, _ in blocks), default=0)
-        buffer = logits.new_empty((buffer_rows, logits.shape[-1]), dtype=dtype)
-        work = logits.new_empty((buffer_rows, logits.shape[-1]), dtype=dtype)
+        buffer, work = _block_buffers(logits, blocks, dtype)  # log p; z, then p
         for start, end, block in blocks:
             n = end - start
             z = _scaled(block, temperature, dtype, out=work[:n])
@@ -193,11 +196,14 @@ class _ChunkedEntropy(torch.autograd.Function):
         dtype = _compute_dtype(logits)
         entropy = torch.empty(logits.shape[0] * logits.shape[1], dtype=dtype, device=logits.device)
         logsumexp = torch.empty_like(entropy)
-        for start, end, block in _row_blocks(logits, chunk_size):
-            z = _scaled(block, temperature, dtype)
-            log_probs = torch.log_softmax(z, dim=-1)  # fused kernel; logsumexp = z - log p anywhere
-            entropy[start:end] = _block_entropy(log_probs)
-            logsumexp[start:end] = z[:, 0] - log_probs[:, 0]
+        blocks = _row_blocks(logits, chunk_size)
+        buffer, work = _block_buffers(logits, blocks, dtype)  # log p; z, then p
+        for start, end, block in blocks:
+            n = end - start
+            z = _scaled(block, temperature, dtype, out=work[:n])
+            log_probs = torch.log_softmax(z, dim=-1, out=buffer[:n])  # fused kernel; logsumexp = z - log p anywhere
+            logsumexp[start:end] = z[:, 0] - log_probs[:, 0]  # before p overwrites z
+            entropy[start:end] = _block_entropy(log_probs, out=work[:n])
         ctx.save_for_backward(logits, logsumexp, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return entropy.view(logits.shape[:2])
